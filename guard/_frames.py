@@ -1,0 +1,56 @@
+"""Finding the user's source line: the first frame outside torch and guard."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import torch
+
+_SKIP = tuple(
+    os.path.dirname(os.path.abspath(p)) + os.sep
+    for p in (torch.__file__, os.path.dirname(__file__) + os.sep + "__init__.py")
+) + (os.path.dirname(os.path.abspath(__import__("contextlib").__file__)) + os.sep + "contextlib.py",)
+_cache: dict = {}
+
+
+def _skipped(filename: str) -> bool:
+    hit = _cache.get(filename)
+    if hit is None:
+        hit = filename.startswith("<") or os.path.abspath(filename).startswith(_SKIP)
+        if len(_cache) < 10000:
+            _cache[filename] = hit
+    return hit
+
+
+def user_source(depth: int = 1) -> Optional[str]:
+    """``file:line`` of the innermost frame that belongs to neither torch nor guard."""
+    try:
+        f = sys._getframe(depth)
+    except ValueError:
+        return None
+    while f is not None:
+        code = f.f_code
+        if not _skipped(code.co_filename):
+            return f"{_short(code.co_filename)}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+def user_frame(depth: int = 1):
+    """The innermost user frame itself (for checks that read its locals)."""
+    try:
+        f = sys._getframe(depth)
+    except ValueError:
+        return None
+    while f is not None and _skipped(f.f_code.co_filename):
+        f = f.f_back
+    return f
+
+
+def _short(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith(".." + os.sep + "..") else rel

@@ -1,0 +1,266 @@
+"""The one installer: every hook and patch guard puts into torch goes through here.
+
+Two layers:
+
+* `Installer` is per guard. It owns an `ExitStack` of removable handles
+  (module hooks, optimizer hooks, global module hooks, grad hooks, patch
+  subscriptions) and removes all of them in `close()`, in reverse order.
+* Patches of shared functions (``torch.autograd.backward``,
+  ``DataLoader.__iter__``, ...) are installed once per process and
+  reference-counted: every guard subscribes a middleware to the one wrapper,
+  and the original is put back when the last guard leaves. This keeps nested
+  and concurrent guards correct even when they close out of order.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import signal
+import threading
+import weakref
+from contextlib import ExitStack
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+from torch.optim import optimizer as _optim_mod
+
+Middleware = Callable[[Callable[..., Any], tuple, dict], Any]
+
+_lock = threading.RLock()
+
+
+class _Handle:
+    """A removable handle for anything: calls `fn` once on `remove()`."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], None]):
+        self._fn: Optional[Callable[[], None]] = fn
+
+    def remove(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+# --------------------------------------------------------------------------- patches
+
+def _resolve_target(target: str) -> Tuple[Any, str]:
+    """``"torch.utils.data.DataLoader.__iter__"`` -> (DataLoader class, "__iter__")."""
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for p in parts[i:-1]:
+            obj = getattr(obj, p)
+        return obj, parts[-1]
+    raise ValueError(f"guard: cannot resolve patch target {target!r}")
+
+
+class _Patch:
+    """One shared wrapper around ``owner.attr`` that runs the subscribed middlewares."""
+
+    def __init__(self, owner: Any, attr: str):
+        self.owner, self.attr = owner, attr
+        self.had_own = attr in getattr(owner, "__dict__", {})
+        self.raw = owner.__dict__[attr] if self.had_own else None
+        self.original = getattr(owner, attr)
+        self.subscribers: List[Tuple[int, Middleware]] = []
+        raw = self.raw
+        kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+        func = raw.__func__ if kind is not None else self.original
+        patch = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            subs = patch.subscribers
+            if not subs:
+                return func(*args, **kwargs)
+            return patch._chain(func, subs, 0, args, kwargs)
+
+        wrapper.__wrapped__ = func  # type: ignore[attr-defined]
+        wrapper.__name__ = getattr(func, "__name__", attr)
+        wrapper.__qualname__ = getattr(func, "__qualname__", attr)
+        wrapper.__doc__ = getattr(func, "__doc__", None)
+        wrapper._guard_patch = True  # type: ignore[attr-defined]
+        self.wrapper = wrapper
+        self.installed = kind(wrapper) if kind is not None else wrapper
+
+    def _chain(self, func: Callable, subs: list, i: int, args: tuple, kwargs: dict) -> Any:
+        if i >= len(subs):
+            return func(*args, **kwargs)
+        nxt = lambda *a, **k: self._chain(func, subs, i + 1, a, k)  # noqa: E731
+        return subs[i][1](nxt, args, kwargs)
+
+    def install(self) -> None:
+        setattr(self.owner, self.attr, self.installed)
+
+    def uninstall(self) -> bool:
+        """Put the original back; False when someone patched over us (we then stay as a pass-through)."""
+        current = self.owner.__dict__.get(self.attr) if hasattr(self.owner, "__dict__") else None
+        if current is not self.installed and getattr(self.owner, self.attr, None) is not self.installed:
+            return False
+        if self.had_own:
+            setattr(self.owner, self.attr, self.raw)
+        else:
+            try:
+                delattr(self.owner, self.attr)
+            except AttributeError:
+                setattr(self.owner, self.attr, self.original)
+        return True
+
+
+_patches: Dict[Tuple[int, str], _Patch] = {}
+_orphans: List[_Patch] = []  # patched over by someone else: kept alive as pass-throughs
+
+
+def _subscribe(target: str, middleware: Middleware) -> _Handle:
+    owner, attr = _resolve_target(target)
+    key = (id(owner), attr)
+    token = id(middleware)
+    with _lock:
+        patch = _patches.get(key)
+        if patch is None:
+            patch = _Patch(owner, attr)
+            patch.install()
+            _patches[key] = patch
+        patch.subscribers = patch.subscribers + [(token, middleware)]
+
+    def remove() -> None:
+        with _lock:
+            patch.subscribers = [s for s in patch.subscribers if s[0] != token]
+            if not patch.subscribers and _patches.get(key) is patch:
+                del _patches[key]
+                if not patch.uninstall():
+                    _orphans.append(patch)
+
+    return _Handle(remove)
+
+
+def active_patches() -> List[str]:
+    """Targets currently patched by guard (for tests and debugging)."""
+    with _lock:
+        return [f"{getattr(p.owner, '__name__', p.owner)}.{p.attr}" for p in _patches.values()]
+
+
+# --------------------------------------------------------------------------- process exit
+
+_exit_callbacks: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_exit_installed = False
+_prev_sigterm: Any = None
+_sigterm_installed = False
+
+
+def _run_exit_callbacks(reason: str) -> None:
+    for obj in list(_exit_callbacks.values()):
+        try:
+            obj._on_process_exit(reason)
+        except Exception:  # never let guard break interpreter shutdown
+            pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    _run_exit_callbacks("SIGTERM")
+    prev = _prev_sigterm
+    if callable(prev):
+        prev(signum, frame)
+        return
+    # Re-deliver with the previous disposition so the exit status stays "killed by SIGTERM".
+    signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _watch_process_exit(obj: Any) -> _Handle:
+    """Call ``obj._on_process_exit(reason)`` at interpreter exit and on SIGTERM while registered."""
+    global _exit_installed, _prev_sigterm, _sigterm_installed
+    with _lock:
+        _exit_callbacks[id(obj)] = obj
+        if not _exit_installed:
+            atexit.register(_run_exit_callbacks, "exit")
+            _exit_installed = True
+        if not _sigterm_installed and threading.current_thread() is threading.main_thread():
+            try:
+                _prev_sigterm = signal.getsignal(signal.SIGTERM)
+                signal.signal(signal.SIGTERM, _on_sigterm)
+                _sigterm_installed = True
+            except (ValueError, OSError):  # not the main interpreter / unsupported
+                pass
+    key = id(obj)
+
+    def remove() -> None:
+        global _sigterm_installed
+        with _lock:
+            _exit_callbacks.pop(key, None)
+            if not len(_exit_callbacks) and _sigterm_installed:
+                try:
+                    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+                        signal.signal(signal.SIGTERM, _prev_sigterm)
+                        _sigterm_installed = False
+                except (ValueError, OSError):
+                    pass
+
+    return _Handle(remove)
+
+
+# --------------------------------------------------------------------------- installer
+
+class Installer:
+    """Installs hooks and patches for one guard and removes every one of them in `close()`."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+
+    def _keep(self, handle: Any) -> Any:
+        self._stack.callback(handle.remove)
+        return handle
+
+    # module hooks -----------------------------------------------------------
+    def module_hooks(self, module: nn.Module, pre: Optional[Callable], post: Optional[Callable]) -> None:
+        """Forward pre-hook ``pre(module, args, kwargs)`` and always-called ``post(module, args, kwargs, out)``."""
+        if pre is not None:
+            self._keep(module.register_forward_pre_hook(pre, with_kwargs=True))
+        if post is not None:
+            self._keep(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+    def global_module_hooks(self, pre: Optional[Callable], post: Optional[Callable]) -> None:
+        """Hooks on every ``nn.Module`` call in the process: ``pre(module, args)``, ``post(module, args, kwargs, out)``."""
+        if pre is not None:
+            self._keep(_module_mod.register_module_forward_pre_hook(pre))
+        if post is not None:
+            self._keep(_module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True))
+
+    # optimizer hooks --------------------------------------------------------
+    def optimizer_hooks(self, optimizer: Optional[torch.optim.Optimizer], pre: Callable, post: Callable) -> None:
+        """Step hooks ``pre(opt, args, kwargs)``/``post(opt, args, kwargs)`` on one optimizer, or all when None."""
+        if optimizer is None:
+            self._keep(_optim_mod.register_optimizer_step_pre_hook(pre))
+            self._keep(_optim_mod.register_optimizer_step_post_hook(post))
+        else:
+            self._keep(optimizer.register_step_pre_hook(pre))
+            self._keep(optimizer.register_step_post_hook(post))
+
+    def grad_hook(self, param: torch.Tensor, fn: Callable) -> None:
+        self._keep(param.register_post_accumulate_grad_hook(fn))
+
+    # patches ----------------------------------------------------------------
+    def patch(self, target: str, middleware: Middleware) -> None:
+        """Subscribe ``middleware(call, args, kwargs)`` to the shared wrapper of `target` (a dotted path)."""
+        self._keep(_subscribe(target, middleware))
+
+    def context(self, cm: Any) -> Any:
+        """Enter a context manager now (e.g. ``saved_tensors_hooks``); it is exited on close."""
+        return self._stack.enter_context(cm)
+
+    def process_exit(self, obj: Any) -> None:
+        self._keep(_watch_process_exit(obj))
+
+    def callback(self, fn: Callable[[], None]) -> None:
+        self._stack.callback(fn)
+
+    def close(self) -> None:
+        stack, self._stack = self._stack, ExitStack()
+        stack.close()

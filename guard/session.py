@@ -1,0 +1,713 @@
+"""`Guard`: configuration, lifecycle, event routing, the step counter and the findings store.
+
+The session is the data model; renderers in ``guard/report/`` read it and never
+the other way round. Hooks and patches are installed only through
+`guard.hooks.Installer`.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import traceback
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import hooks as _hooks
+from ._frames import user_source
+from .checks import registry
+from .checks.base import Check
+from .config import Config, ConfigError, make_config
+from .findings import ERROR, KINDS, Finding, GuardError, severity_of
+
+MAX_FINDINGS = 1000
+MAX_TIMELINE = 4096
+MAX_MODULES = 5000
+MAX_STAGED = 8192
+
+_DP_TYPES: Tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+
+
+class GuardInternalWarning(RuntimeWarning):
+    """guard's own failure: a check raised and was switched off; training is unaffected."""
+
+
+def _as_list(obj: Any, what: str, typ: type, allowed: str) -> List[Any]:
+    if obj is None:
+        return []
+    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    for it in items:
+        if not isinstance(it, typ):
+            raise ConfigError(f"guard: {what}={type(it).__name__} object is not {allowed}; allowed: {allowed}, a list of them, or None")
+    return items
+
+
+class GradNorms:
+    """Per-parameter gradient norms of one step, kept on the device until the step is resolved."""
+
+    __slots__ = ("params", "names", "norms", "totals")
+
+    def __init__(self, params: List[torch.Tensor], names: List[str]):
+        self.params, self.names = params, names
+        self.norms: List[torch.Tensor] = []
+        self.totals: Dict[torch.device, torch.Tensor] = {}
+        if not params:
+            return
+        by_dev: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+        for i, p in enumerate(params):
+            by_dev.setdefault((p.grad.device, p.grad.dtype), []).append(i)
+        norms: List[Optional[torch.Tensor]] = [None] * len(params)
+        for idx in by_dev.values():
+            res = torch._foreach_norm([params[i].grad.detach() for i in idx])
+            for i, n in zip(idx, res):
+                norms[i] = n
+        self.norms = norms  # type: ignore[assignment]
+        per_dev: Dict[torch.device, List[torch.Tensor]] = {}
+        for n in self.norms:
+            per_dev.setdefault(n.device, []).append(n.float())
+        for dev, ns in per_dev.items():
+            self.totals[dev] = torch.linalg.vector_norm(torch.stack(ns))
+
+    def per_param(self) -> List[float]:
+        """Host values of every norm (one sync; call only after something fired)."""
+        if not self.norms:
+            return []
+        return [float(v) for v in torch.stack([n.float().cpu() for n in self.norms]).tolist()]
+
+
+class Guard:
+    """A runtime guard over a model/optimizer; see ``guard()`` for the arguments."""
+
+    def __init__(self, model: Any = None, optimizer: Any = None, *, checks: Any = "default", mode: Any = "warn",
+                 report: Any = None, live: Any = None, every: Any = 1, snoop: Any = False,
+                 origin: Optional[Dict[str, str]] = None, **extras: Any):
+        models = _as_list(model, "model", nn.Module, "an nn.Module")
+        opts = _as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
+        self._registry = registry()
+        self.config: Config = make_config(self._registry, checks=checks, mode=mode, report=report, live=live,
+                                          every=every, snoop=snoop, origin=origin, **extras)
+        self._models = [weakref.ref(m) for m in models]
+        self._optimizers = [weakref.ref(o) for o in opts]
+        self._active = False
+        self._closed_once = False
+        self._lock = threading.RLock()
+        self._reset()
+
+    # ------------------------------------------------------------------ state
+    def _reset(self) -> None:
+        self.step = 0
+        self.sampling = True
+        self._findings: Dict[Tuple[str, str], Finding] = {}
+        self.internal_errors: List[Dict[str, Any]] = []
+        self.timeline: List[Dict[str, Any]] = []
+        self._timeline_stride = 1
+        self.modules: Dict[str, Dict[str, Any]] = {}
+        self._modules_seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._staged: List[Tuple[torch.Tensor, Callable[[float], None], bool]] = []
+        self._step_loss: Optional[torch.Tensor] = None
+        self._grad_norms: Dict[int, GradNorms] = {}
+        self._tls = threading.local()
+        self._paths_by_id: Dict[int, str] = {}
+        self._paths_weak: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        self._roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._opt_watch: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self._seen_optimizers: List[weakref.ref] = list(self._optimizers)
+        self._primary: Optional[weakref.ref] = self._optimizers[0] if self._optimizers else None
+        self._backward_pending = False
+        self._param_names: Dict[int, str] = {}
+        self.checks: List[Check] = []
+        self._handlers: Dict[str, List[Tuple[Check, Callable]]] = {}
+        self.report_path: Optional[str] = None
+        self.report_error: Optional[str] = None
+        self._installer = _hooks.Installer()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def findings(self) -> List[Finding]:
+        """Findings in the order they were first seen (repeats bump ``count``)."""
+        return list(self._findings.values())
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def models(self) -> List[nn.Module]:
+        """The watched models (unwrapped from DataParallel/DDP), alive ones only."""
+        out = []
+        for r in self._models:
+            m = r()
+            if m is not None:
+                out.append(m.module if isinstance(m, _DP_TYPES) else m)
+        return out
+
+    @property
+    def optimizers(self) -> List[torch.optim.Optimizer]:
+        """Optimizers given to the guard or seen stepping while it was active."""
+        return [o for o in (r() for r in self._seen_optimizers) if o is not None]
+
+    def start(self) -> "Guard":
+        """Install hooks and patches; returns self. Starting a started guard does nothing."""
+        with self._lock:
+            if self._active:
+                return self
+            if self._closed_once:
+                self._reset()
+            self._active = True
+            try:
+                self._build_checks()
+                self._install()
+            except BaseException:
+                self._installer.close()
+                self._active = False
+                raise
+            self._dispatch("start")
+        return self
+
+    def close(self) -> None:
+        """Resolve what is pending, remove every hook and patch, write the report. Idempotent."""
+        with self._lock:
+            if not self._active:
+                return
+            try:
+                try:
+                    self._resolve()
+                    if self._backward_pending:
+                        self._advance_backward_step()
+                finally:
+                    self._dispatch("exit")
+            finally:
+                self._active = False
+                self._closed_once = True
+                self._installer.close()
+                self._staged = []
+                self._grad_norms = {}
+                self._step_loss = None
+                self._finish()
+
+    def __enter__(self) -> "Guard":
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc is not None:
+            self._dispatch("exception", exc)
+            try:
+                self.close()
+            except GuardError:
+                pass  # the user's exception is the one to see
+        else:
+            self.close()
+        return False
+
+    def __call__(self, fn: Callable) -> Callable:
+        """Use the guard as a decorator: the function runs under it, each call anew."""
+        if not callable(fn):
+            raise ConfigError(f"guard: cannot decorate {type(fn).__name__}; allowed: a function")
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        run.guard = self  # type: ignore[attr-defined]
+        return run
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "inactive"
+        return f"<Guard {state} step={self.step} findings={len(self._findings)} mode={self.config.mode}>"
+
+    # ------------------------------------------------------------------ checks & routing
+    def _build_checks(self) -> None:
+        kinds = self.config.kinds
+        self.checks = [cls(self) for cls in self._registry.values() if set(cls.kinds) & kinds]
+        self._rebuild_handlers()
+
+    def _rebuild_handlers(self) -> None:
+        handlers: Dict[str, List[Tuple[Check, Callable]]] = {}
+        for check in self.checks:
+            for ev in check.events():
+                handlers.setdefault(ev, []).append((check, getattr(check, "on_" + ev)))
+        self._handlers = handlers
+        self._h_forward_pre = handlers.get("forward_pre", [])
+        self._h_forward = handlers.get("forward", [])
+
+    def handles(self, event: str) -> bool:
+        return bool(self._handlers.get(event))
+
+    def _dispatch(self, event: str, *args: Any) -> None:
+        for check, fn in self._handlers.get(event, ()):
+            try:
+                fn(*args)
+            except GuardError:
+                raise
+            except Exception as exc:
+                self._contain(check, exc)
+
+    def _contain(self, check: Optional[Check], exc: BaseException) -> None:
+        """A check (or guard itself) failed: switch it off, say so once, keep training going."""
+        name = check.name if check is not None else "guard"
+        if check is not None and check in self.checks:
+            self.checks = [c for c in self.checks if c is not check]
+            self._rebuild_handlers()
+        if any(e["check"] == name for e in self.internal_errors):
+            return
+        tb = traceback.extract_tb(exc.__traceback__)
+        at = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "?"
+        entry = {"check": name, "error": f"{type(exc).__name__}: {exc}", "at": at, "step": self.step}
+        self.internal_errors.append(entry)
+        msg = (f"guard: internal error in check {name!r} ({entry['error']} at {at}); "
+               f"the check is switched off, training continues")
+        warnings.warn(msg, GuardInternalWarning, stacklevel=2)
+        self._console().internal(msg)
+
+    # ------------------------------------------------------------------ findings
+    def emit(self, kind: str, where: str, message: str, hint: str, *, check: Optional[Check] = None,
+             step: Optional[int] = None, source: Optional[str] = None, details: Optional[Dict[str, Any]] = None,
+             severity: Optional[str] = None) -> Optional[Finding]:
+        """Record a finding; the first of each (kind, where) is reported, later ones are counted."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown finding kind {kind!r}")
+        if kind not in self.config.kinds:
+            return None
+        step = self.step if step is None else step
+        key = (kind, where)
+        with self._lock:
+            old = self._findings.get(key)
+            if old is not None:
+                import dataclasses
+
+                self._findings[key] = dataclasses.replace(old, count=old.count + 1, last_step=step)
+                return None
+            if len(self._findings) >= MAX_FINDINGS:
+                return None
+            finding = Finding(kind=kind, severity=severity or severity_of(kind), message=message, hint=hint,
+                              where=where, step=step, count=1, source=source, details=dict(details or {}),
+                              last_step=step)
+            self._findings[key] = finding
+        self._console().finding(finding)
+        if self.config.mode == "raise" and finding.severity == ERROR:
+            raise GuardError(finding)
+        return finding
+
+    # ------------------------------------------------------------------ staging (one sync per step)
+    def stage(self, value: torch.Tensor, callback: Callable[[float], None]) -> None:
+        """Keep a 0-dim device tensor until the step is resolved; then ``callback(host_value)``."""
+        self._staged.append((value, callback, False))
+        if len(self._staged) > MAX_STAGED:
+            self._resolve()
+
+    def stage_flag(self, ok: torch.Tensor, on_fail: Callable[[], None]) -> None:
+        """Keep a 0-dim bool tensor (True = fine); ``on_fail()`` runs at resolution if it is False."""
+        self._staged.append((ok, on_fail, True))
+        if len(self._staged) > MAX_STAGED:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        """Read every staged value with one transfer per device, run callbacks, then ``resolved``."""
+        staged, self._staged = self._staged, []
+        loss, self._step_loss = self._step_loss, None
+        norms, self._grad_norms = self._grad_norms, {}
+        entry: Dict[str, Any] = {}
+        if loss is not None:
+            staged.append((loss, lambda v: entry.__setitem__("loss", v), False))
+        totals: List[float] = []
+        for gn in norms.values():
+            for t in gn.totals.values():
+                staged.append((t, totals.append, False))
+        if staged:
+            values = self._read(staged)
+            for (t, cb, is_flag), v in zip(staged, values):
+                try:
+                    if is_flag:
+                        if not v:
+                            cb()
+                    else:
+                        cb(v)
+                except GuardError:
+                    raise
+                except Exception as exc:
+                    owner = getattr(cb, "__self__", None)
+                    self._contain(owner if isinstance(owner, Check) else None, exc)
+        if totals:
+            entry["grad_norm"] = float(sum(t * t for t in totals) ** 0.5)
+        if entry:
+            entry["step"] = self.step
+            self._add_timeline(entry)
+        self._dispatch("resolved")
+
+    @staticmethod
+    def _read(staged: Sequence[Tuple[torch.Tensor, Any, bool]]) -> List[float]:
+        by_dev: Dict[torch.device, List[int]] = {}
+        for i, (t, _, _) in enumerate(staged):
+            by_dev.setdefault(t.device, []).append(i)
+        out: List[float] = [0.0] * len(staged)
+        for idx in by_dev.values():
+            vals = torch.stack([staged[i][0].detach().reshape(()).to(torch.float32) for i in idx]).tolist()
+            for i, v in zip(idx, vals):
+                out[i] = v
+        return out
+
+    def _add_timeline(self, entry: Dict[str, Any]) -> None:
+        if entry["step"] % self._timeline_stride:
+            return
+        if self.timeline and self.timeline[-1]["step"] == entry["step"]:
+            self.timeline[-1].update(entry)
+            return
+        self.timeline.append(entry)
+        if len(self.timeline) > MAX_TIMELINE:  # downsample, never drop the whole history
+            self._timeline_stride *= 2
+            self.timeline = [e for e in self.timeline if e["step"] % self._timeline_stride == 0]
+
+    def timeline_note(self, **values: Any) -> None:
+        """Add values (e.g. ``skipped=True``, ``lr=...``) to the current step's timeline entry."""
+        if self.timeline and self.timeline[-1]["step"] == self.step:
+            self.timeline[-1].update(values)
+        else:
+            self._add_timeline({"step": self.step, **values})
+
+    # ------------------------------------------------------------------ services for checks
+    def path_of(self, module: nn.Module) -> str:
+        """The module's path in its model (``layer4.1.conv2``); the root is its class name."""
+        p = self._paths_by_id.get(id(module))
+        if p is None:
+            p = self._paths_weak.get(module)
+            if p is None:
+                p = type(module).__name__
+        return p
+
+    def param_name(self, param: torch.Tensor) -> str:
+        """A parameter's qualified name in the watched model(s), or a positional fallback."""
+        name = self._param_names.get(id(param))
+        if name is None:
+            self._index_params()
+            name = self._param_names.get(id(param))
+        if name is None:
+            for o in self.optimizers:
+                for gi, group in enumerate(o.param_groups):
+                    for pi, p in enumerate(group["params"]):
+                        if p is param:
+                            return f"param_groups[{gi}].params[{pi}]"
+            return f"param{tuple(param.shape)}"
+        return name
+
+    def _index_params(self) -> None:
+        roots = self.models or list(self._roots)
+        for m in roots:
+            for n, p in m.named_parameters(remove_duplicate=False):
+                self._param_names.setdefault(id(p), n)
+
+    def named_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """Parameters of the watched models (or of the root modules seen, in global mode)."""
+        out, seen = [], set()
+        for m in (self.models or list(self._roots)):
+            for n, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((n, p))
+        return out
+
+    def grad_norms(self, optimizer: Optional[torch.optim.Optimizer] = None) -> GradNorms:
+        """This step's gradient norms (fused ``_foreach_norm``), computed once per optimizer and step."""
+        key = id(optimizer)
+        gn = self._grad_norms.get(key)
+        if gn is None:
+            if optimizer is not None:
+                params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            else:
+                params = [p for _, p in self.named_parameters() if p.grad is not None]
+            params = [p for p in params if p.grad.layout == torch.strided and p.grad.device.type != "meta"]
+            gn = GradNorms(params, [self.param_name(p) for p in params])
+            self._grad_norms[key] = gn
+        return gn
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self._primary is not None
+
+    def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self._primary is not None and self._primary() is optimizer
+
+    def source(self) -> Optional[str]:
+        """``file:line`` of the user's code that is running now."""
+        return user_source(2)
+
+    @property
+    def root_source(self) -> Optional[str]:
+        """Source line of the current (outermost) model call in this thread."""
+        return getattr(self._tls, "root_source", None)
+
+    # ------------------------------------------------------------------ installation
+    def _install(self) -> None:
+        inst = self._installer
+        need_pre = bool(self._h_forward_pre or self._h_forward)
+        if self._models:
+            for mref in self._models:
+                model = mref()
+                if model is None:
+                    continue
+                inner = model.module if isinstance(model, _DP_TYPES) else model
+                for path, mod in inner.named_modules():
+                    self._paths_by_id[id(mod)] = path or type(mod).__name__
+                self._roots.add(inner)
+                if need_pre:
+                    for mod in dict.fromkeys(m for _, m in inner.named_modules()):
+                        inst.module_hooks(mod, self._hook_pre, self._hook_post)
+        elif need_pre:
+            inst.global_module_hooks(self._hook_pre_global, self._hook_post)
+        if self._optimizers:
+            for oref in self._optimizers:
+                opt = oref()
+                if opt is not None:
+                    self._opt_watch[opt] = True
+                    inst.optimizer_hooks(opt, self._hook_step_pre, self._hook_step_post)
+        # Without a given optimizer, any optimizer stepping may be ours (global hooks, filtered).
+        if not self._optimizers:
+            inst.optimizer_hooks(None, self._hook_step_pre, self._hook_step_post)
+        inst.patch("torch.autograd.backward", self._mw_backward)
+        for ev, target in self._patch_targets().items():
+            inst.patch(target, self._make_patch_middleware(ev))
+        inst.process_exit(self)
+
+    def _patch_targets(self) -> Dict[str, str]:
+        targets: Dict[str, str] = {}
+        for check in self.checks:
+            targets.update(check.patches)
+        return targets
+
+    def _make_patch_middleware(self, event: str) -> Callable:
+        def middleware(call: Callable, args: tuple, kwargs: dict) -> Any:
+            if not self._active or getattr(self._tls, "in_patch", False):
+                return call(*args, **kwargs)
+            self._tls.in_patch = True
+            try:
+                self._dispatch(event, args, kwargs)
+            finally:
+                self._tls.in_patch = False
+            try:
+                result = call(*args, **kwargs)
+            except BaseException as exc:
+                self._dispatch(event + "_error", args, kwargs, exc)
+                raise
+            self._dispatch(event + "_done", args, kwargs, result)
+            return result
+
+        return middleware
+
+    # ------------------------------------------------------------------ hooks (hot paths)
+    def _hook_pre_global(self, module: nn.Module, args: tuple) -> None:
+        tls = self._tls
+        depth = getattr(tls, "depth", 0)
+        if depth == 0 and module not in self._paths_weak:
+            self._adopt_root(module)
+        self._hook_pre(module, args, None, depth)
+
+    def _adopt_root(self, module: nn.Module) -> None:
+        if isinstance(module, _DP_TYPES) or type(module).__name__ == "OptimizedModule":
+            return
+        try:
+            for path, mod in module.named_modules():
+                if path == "" or mod not in self._paths_weak or self._paths_weak[mod] == type(mod).__name__:
+                    self._paths_weak[mod] = path or type(mod).__name__
+            self._roots.add(module)
+        except Exception as exc:
+            self._contain(None, exc)
+
+    def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict], depth: Optional[int] = None) -> None:
+        tls = self._tls
+        if depth is None:
+            depth = getattr(tls, "depth", 0)
+        tls.depth = depth + 1
+        if depth == 0:
+            tls.root_source = user_source(2)
+            tls.saw_forward = True
+            if self._backward_pending:
+                self._advance_backward_step()
+        if not self._h_forward_pre or not self._active:
+            return
+        path = self.path_of(module)
+        is_root = depth == 0
+        for check, fn in self._h_forward_pre:
+            try:
+                fn(module, path, args, kwargs or {}, is_root)
+            except GuardError:
+                raise
+            except Exception as exc:
+                self._contain(check, exc)
+
+    def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        tls = self._tls
+        depth = getattr(tls, "depth", 1) - 1
+        tls.depth = depth if depth > 0 else 0
+        if not self._active:
+            return
+        if module not in self._modules_seen:
+            self._record_module(module, output)
+        if not self._h_forward:
+            return
+        path = self.path_of(module)
+        is_root = depth <= 0
+        for check, fn in self._h_forward:
+            try:
+                fn(module, path, args, kwargs, output, is_root)
+            except GuardError:
+                raise
+            except Exception as exc:
+                self._contain(check, exc)
+
+    def _record_module(self, module: nn.Module, output: Any) -> None:
+        try:
+            self._modules_seen.add(module)
+            if len(self.modules) >= MAX_MODULES:
+                return
+            path = self.path_of(module)
+            if path in self.modules:
+                return
+            from .tensors import first_tensor
+
+            t = first_tensor(output)
+            self.modules[path] = {
+                "path": path,
+                "type": type(module).__name__,
+                "output_shape": list(t.shape) if t is not None else None,
+                "dtype": str(t.dtype) if t is not None else None,
+                "device": str(t.device) if t is not None else None,
+                "params": sum(p.numel() for p in module.parameters(recurse=True)),
+            }
+        except Exception as exc:
+            self._contain(None, exc)
+
+    def _watches_optimizer(self, opt: torch.optim.Optimizer) -> bool:
+        known = self._opt_watch.get(opt)
+        if known is None:
+            models = self.models
+            if not models:
+                known = True
+            else:
+                ids = {id(p) for m in models for p in m.parameters()}
+                known = any(id(p) in ids for g in opt.param_groups for p in g["params"])
+            self._opt_watch[opt] = known
+            if known:
+                if all(r() is not opt for r in self._seen_optimizers):
+                    self._seen_optimizers.append(weakref.ref(opt))
+                if self._primary is None or self._primary() is None:
+                    self._primary = weakref.ref(opt)
+                    self._backward_pending = False
+        return known
+
+    def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._active or not self._watches_optimizer(opt):
+            return
+        try:
+            self._dispatch("step_pre", opt)
+            if self.is_primary(opt):
+                self._resolve()
+        except GuardError:
+            raise
+        except Exception as exc:
+            self._contain(None, exc)
+
+    def _hook_step_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._active or not self._watches_optimizer(opt):
+            return
+        try:
+            self._dispatch("step_post", opt)
+            if self.is_primary(opt):
+                self._end_step()
+        except GuardError:
+            raise
+        except Exception as exc:
+            self._contain(None, exc)
+
+    def _end_step(self) -> None:
+        self._dispatch("step_end", self.step)
+        self.step += 1
+        self.sampling = self.step % self.config.every == 0
+
+    def _advance_backward_step(self) -> None:
+        """Without an optimizer a backward() ends the step; advance lazily at the next forward/backward."""
+        self._backward_pending = False
+        if self._primary is None:
+            self._end_step()
+
+    def _mw_backward(self, call: Callable, args: tuple, kwargs: dict) -> Any:
+        tls = self._tls
+        if not self._active or getattr(tls, "in_backward", False) or (self._models and not getattr(tls, "saw_forward", False)):
+            return call(*args, **kwargs)
+        tensors = args[0] if args else kwargs.get("tensors")
+        tls.in_backward = True
+        try:
+            try:
+                if self._backward_pending:
+                    self._advance_backward_step()
+                tls.root_source = user_source(2)
+                if self.sampling:
+                    self._stage_loss(tensors)
+                self._dispatch("backward", tensors, kwargs)
+            except GuardError:
+                raise
+            except Exception as exc:
+                self._contain(None, exc)
+            result = call(*args, **kwargs)
+            try:
+                self._dispatch("backward_done", tensors, kwargs)
+                if self._primary is None:
+                    if self.sampling:
+                        self._resolve()
+                    self._backward_pending = True
+            except GuardError:
+                raise
+            except Exception as exc:
+                self._contain(None, exc)
+            return result
+        finally:
+            tls.in_backward = False
+
+    def _stage_loss(self, tensors: Any) -> None:
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
+        for t in ts:
+            if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and t.device.type != "meta":
+                v = t.detach().reshape(()).float()
+                self._step_loss = v if self._step_loss is None or self._step_loss.device != v.device else self._step_loss + v
+
+    # ------------------------------------------------------------------ exit & report
+    def _on_process_exit(self, reason: str) -> None:
+        try:
+            self.close()
+        except BaseException:
+            pass
+
+    def _console(self):
+        con = getattr(self, "_console_obj", None)
+        if con is None:
+            from .report.console import LiveConsole
+
+            con = self._console_obj = LiveConsole(self.config.live)
+        return con
+
+    def report(self) -> Dict[str, Any]:
+        """The report dump as a dict (schema ``guard-report/1``)."""
+        from .report.model import build_report
+
+        return build_report(self)
+
+    def _finish(self) -> None:
+        path = self.config.report
+        if path:
+            from .report import write_report
+
+            try:
+                self.report_path = write_report(self.report(), path)
+            except Exception as exc:
+                self.report_error = f"{type(exc).__name__}: {exc}"
+                self._console().internal(f"guard: could not write the report to {path!r}: {self.report_error}")
+        try:
+            self._console().summary(self)
+        except Exception:
+            pass
+
+
+def make_guard(model: Any = None, optimizer: Any = None, **options: Any) -> Guard:
+    return Guard(model, optimizer, **options)

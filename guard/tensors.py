@@ -1,0 +1,105 @@
+"""Walking the tensors inside arbitrary Python structures, cheaply."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Optional, Tuple
+
+import torch
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+MAX_DEPTH = 6
+MAX_ITEMS = 256
+
+
+def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors in tensors/tuples/lists/dicts/namedtuples/dataclasses (bounded depth and count)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if _depth >= MAX_DEPTH or obj is None or isinstance(obj, (int, float, str, bytes, bool)):
+        return
+    if isinstance(obj, (tuple, list)):
+        items = obj[:MAX_ITEMS]
+    elif isinstance(obj, dict):
+        items = list(obj.values())[:MAX_ITEMS]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)][:MAX_ITEMS]
+    else:
+        return
+    for it in items:
+        if isinstance(it, torch.Tensor):
+            yield it
+        else:
+            yield from iter_tensors(it, _depth + 1)
+
+
+def iter_named_tensors(obj: Any, prefix: str = "", _depth: int = 0) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Like `iter_tensors`, with a readable location (``[0]``, ``['x']``, ``.field``)."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+        return
+    if _depth >= MAX_DEPTH or obj is None or isinstance(obj, (int, float, str, bytes, bool)):
+        return
+    if isinstance(obj, (tuple, list)):
+        pairs = [(f"{prefix}[{i}]", v) for i, v in enumerate(obj[:MAX_ITEMS])]
+    elif isinstance(obj, dict):
+        pairs = [(f"{prefix}[{k!r}]", v) for k, v in list(obj.items())[:MAX_ITEMS]]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        pairs = [(f"{prefix}.{f.name}", getattr(obj, f.name, None)) for f in dataclasses.fields(obj)][:MAX_ITEMS]
+    else:
+        return
+    for name, v in pairs:
+        yield from iter_named_tensors(v, name, _depth + 1)
+
+
+def first_tensor(obj: Any) -> Optional[torch.Tensor]:
+    for t in iter_tensors(obj):
+        return t
+    return None
+
+
+def screenable(t: torch.Tensor) -> bool:
+    """A plain, dense, floating tensor whose values can be reduced on its device."""
+    return (
+        type(t) in _PLAIN
+        and t.layout is torch.strided
+        and (t.is_floating_point() or t.is_complex())
+        and t.device.type != "meta"
+        and t.numel() > 0
+    )
+
+
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on t's device: False if t holds any NaN/Inf (sum screen, no host sync)."""
+    d = t.detach()
+    if d.dtype in (torch.float16, torch.bfloat16):
+        s = d.sum(dtype=torch.float32)
+    else:
+        s = d.sum()
+    return torch.isfinite(s)
+
+
+def nonfinite_counts(t: torch.Tensor) -> dict:
+    """Exact counts of NaN, +Inf, -Inf (syncs; only for a tensor already flagged)."""
+    d = t.detach()
+    if d.is_complex():
+        d = torch.view_as_real(d)
+    return {
+        "nan": int(torch.isnan(d).sum()),
+        "posinf": int(torch.isposinf(d).sum()),
+        "neginf": int(torch.isneginf(d).sum()),
+        "numel": int(d.numel()),
+    }
+
+
+def finite_stats(t: torch.Tensor) -> dict:
+    """min/max/mean/std of the finite values (syncs; for a finding's details)."""
+    d = t.detach()
+    if d.is_complex():
+        d = d.abs()
+    d = d.float()
+    f = d[torch.isfinite(d)]
+    if f.numel() == 0:
+        return {"finite": 0}
+    return {"min": float(f.min()), "max": float(f.max()), "mean": float(f.mean()),
+            "std": float(f.std()) if f.numel() > 1 else 0.0, "finite": int(f.numel())}

@@ -1,0 +1,118 @@
+"""`wrap`: a module that runs the model under a started guard, transparently."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .config import ConfigError
+from .session import Guard
+
+_OWN = frozenset({"_guard_model", "guard", "forward", "__class__", "__dict__"})
+
+
+class GuardedModule(nn.Module):
+    """Calls the wrapped model under ``self.guard``; everything else passes straight through.
+
+    Unlike ``DataParallel`` there is no ``module.`` prefix: ``state_dict()`` keys,
+    ``load_state_dict()``, ``parameters()`` and attribute access are the model's own.
+    """
+
+    def __init__(self, model: nn.Module, g: Guard):
+        super().__init__()
+        object.__setattr__(self, "_guard_model", model)
+        object.__setattr__(self, "guard", g)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._guard_model
+        try:
+            return model(*args, **kwargs)
+        except BaseException as exc:
+            self.guard._dispatch("exception", exc)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_guard_model"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._guard_model, name, value)
+
+    def __repr__(self) -> str:
+        return f"GuardedModule({self._guard_model!r})"
+
+    # nn.Module API that would otherwise look at the (empty) wrapper itself
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._guard_model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._guard_model.load_state_dict(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self._guard_model.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self._guard_model.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self._guard_model.buffers(recurse)
+
+    def named_buffers(self, *args: Any, **kwargs: Any):
+        return self._guard_model.named_buffers(*args, **kwargs)
+
+    def children(self):
+        return self._guard_model.children()
+
+    def named_children(self):
+        return self._guard_model.named_children()
+
+    def modules(self):
+        return self._guard_model.modules()
+
+    def named_modules(self, *args: Any, **kwargs: Any):
+        return self._guard_model.named_modules(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "GuardedModule":
+        self._guard_model.train(mode)
+        return self
+
+    def eval(self) -> "GuardedModule":
+        return self.train(False)
+
+    def to(self, *args: Any, **kwargs: Any) -> "GuardedModule":
+        self._guard_model.to(*args, **kwargs)
+        return self
+
+    def cuda(self, device: Optional[Any] = None) -> "GuardedModule":
+        self._guard_model.cuda(device)
+        return self
+
+    def cpu(self) -> "GuardedModule":
+        self._guard_model.cpu()
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._guard_model.zero_grad(set_to_none)
+
+    def apply(self, fn: Any) -> "GuardedModule":
+        self._guard_model.apply(fn)
+        return self
+
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        return self._guard_model.training
+
+    @training.setter
+    def training(self, value: bool) -> None:
+        pass  # nn.Module.__init__ sets it; the model's own flag is the truth
+
+
+def wrap(model: nn.Module, optimizer: Any = None, **options: Any) -> GuardedModule:
+    """Return a module that runs `model` under a started guard (``.guard`` holds it; ``.guard.close()`` ends it)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"guard.wrap: model={type(model).__name__} object is not an nn.Module; allowed: an nn.Module")
+    g = Guard(model, optimizer, **options).start()
+    return GuardedModule(model, g)
