@@ -44,6 +44,16 @@ class GuardedModule(nn.Module):
     def __repr__(self) -> str:
         return f"GuardedModule({self._guard_model!r})"
 
+    # containers (Sequential, ModuleList, ModuleDict) index through the wrapper too
+    def __getitem__(self, key: Any) -> Any:
+        return self._guard_model[key]
+
+    def __len__(self) -> int:
+        return len(self._guard_model)
+
+    def __iter__(self):
+        return iter(self._guard_model)
+
     # nn.Module API that would otherwise look at the (empty) wrapper itself
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._guard_model.state_dict(*args, **kwargs)

@@ -51,7 +51,7 @@ class NonFinite(Check):
         self._stack: List[_Call] = []
         self._losses: List[Tuple[int, Optional[str], int]] = []
         self._grads: List[Tuple[int, Any, int, Optional[str]]] = []
-        self._params: List[Tuple[int, List[torch.Tensor], List[str], int]] = []
+        self._params: List[Tuple[int, List[torch.Tensor], List[str], int, Optional[str]]] = []
 
     # staging ---------------------------------------------------------------
     def _flag(self, t: torch.Tensor) -> int:
@@ -132,7 +132,7 @@ class NonFinite(Check):
             norms = torch._foreach_norm([p.detach() for p in group])
             total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
             names = [self.g.param_name(p) for p in group]
-            self._params.append((self._flag(total), group, names, self.g.step))
+            self._params.append((self._flag(total), group, names, self.g.step, self.g.source()))
 
     # resolution -------------------------------------------------------------
     def on_resolved(self):
@@ -143,9 +143,9 @@ class NonFinite(Check):
             return
         calls, losses, grads, params, refs = window
         self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
-        for flag, group, names, step in params:
-            if flag in bad:
-                self._report_params(group, names, step, caused=step in self._bad_grad_steps)
+        for flag, group, names, step, source in params:
+            if flag in bad and self._report_params(group, names, step, source,
+                                                   caused=step in self._bad_grad_steps):
                 return
         for call in calls:
             if call.is_root and any(i in bad for _, i in call.inputs):
@@ -165,7 +165,7 @@ class NonFinite(Check):
                               step=step, source=source)
                 return
         for flag, gn, step, source in grads:
-            if flag in bad:
+            if flag in bad and not self._bad_param_names:  # NaN weights make NaN grads: not news
                 self._report_grads(gn, step, source)
                 return
 
@@ -226,18 +226,20 @@ class NonFinite(Check):
                   "which skips such steps.",
                   step=step, source=source, details={"parameters": names[:20], "count": len(names)})
 
-    def _report_params(self, group: List[torch.Tensor], names: List[str], step: int, caused: bool) -> None:
+    def _report_params(self, group: List[torch.Tensor], names: List[str], step: int, source: Optional[str],
+                       caused: bool) -> bool:
         bad = [n for p, n in zip(group, names) if not bool(torch.isfinite(p.detach()).all())]
         new = [n for n in bad if n not in self._bad_param_names]
         self._bad_param_names.update(bad)
         if not new or caused:
-            return  # already known, or the step's gradients were NaN/Inf (reported upstream)
+            return False  # already known, or the step's gradients were NaN/Inf (reported upstream)
         self.emit("nonfinite-param", bad[0],
                   f"after optimizer.step() {len(bad)} parameter(s) are NaN/Inf: {', '.join(bad[:5])}"
                   + (" ..." if len(bad) > 5 else ""),
                   "The update itself overflowed although the gradients were finite: lower the learning rate, "
                   "check optimizer settings such as eps=0 or a huge momentum, and clip gradients.",
-                  step=step, details={"parameters": bad[:20], "count": len(bad)})
+                  step=step, source=source, details={"parameters": bad[:20], "count": len(bad)})
+        return True
 
 
 def _output_hint(mtype: str, params: bool) -> str:

@@ -1,0 +1,252 @@
+"""The Guard API: lifecycle, modes, selection, de-duplication, source lines, bad configuration."""
+import io
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import guard as guard_pkg
+from guard import Finding, Guard, GuardError, guard
+from guard.checks import registry
+from guard.config import ConfigError
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def nan_step(model, opt, step, bad_step):
+    x = torch.randn(8, 4)
+    if step == bad_step:
+        x[0, 0] = float("nan")
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_context_manager_reports_and_counts_steps():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        assert g.active
+        for s in range(5):
+            nan_step(model, opt, s, bad_step=2)
+    assert not g.active
+    assert g.step == 5
+    kinds = [f.kind for f in g.findings]
+    assert kinds[0] == "nonfinite-input"
+    f = g.findings[0]
+    assert f.where == "input" and f.step == 2 and f.severity == "error"
+    assert f.source and f.source.startswith("tests" + os.sep + "test_core.py:")
+
+
+def test_start_close_idempotent_and_restart():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = guard(model, opt, live=False)
+    assert g.start() is g
+    assert g.start() is g  # second start does nothing
+    nan_step(model, opt, 0, bad_step=0)
+    g.close()
+    g.close()
+    assert [f.kind for f in g.findings][:1] == ["nonfinite-input"]
+    nan_step(model, opt, 0, bad_step=-1)  # closed: nothing recorded
+    assert g.step == 1
+    g.start()  # a restart begins a new run
+    assert g.findings == [] and g.step == 0
+    g.close()
+
+
+def test_decorator_runs_function_under_guard():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = guard(model, opt, live=False)
+
+    @g
+    def train(n):
+        for s in range(n):
+            nan_step(model, opt, s, bad_step=1)
+        return "done"
+
+    assert train(3) == "done"
+    assert not g.active
+    assert g.findings[0].kind == "nonfinite-input" and g.findings[0].step == 1
+
+
+def test_bare_decorator_uses_a_global_guard():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @guard
+    def train():
+        for s in range(3):
+            nan_step(model, opt, s, bad_step=1)
+
+    train()
+    assert train.guard.findings[0].kind == "nonfinite-input"
+
+
+def test_mode_raise_raises_at_user_call_site_with_finding():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(GuardError) as info:
+        with guard(model, opt, mode="raise", live=False):
+            for s in range(4):
+                nan_step(model, opt, s, bad_step=2)
+    f = info.value.finding
+    assert isinstance(f, Finding) and f.kind == "nonfinite-input" and f.step == 2
+    assert "nonfinite-input" in str(info.value) and f.hint in str(info.value)
+    # raised before the bad update: the weights are still finite
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_record_mode_is_silent_but_collects(capsys):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, mode="record", live=False) as g:
+        for s in range(3):
+            nan_step(model, opt, s, bad_step=0)
+    assert g.findings
+    assert capsys.readouterr().err == ""
+
+
+def test_repeats_are_counted_not_reprinted():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay finite; the data is dirty every step
+    stream = io.StringIO()
+    g = guard(model, opt, live=True)
+    g._console().live = True
+    g._console()._stream = stream
+    with g:
+        for s in range(4):
+            nan_step(model, opt, s, bad_step=s)
+    f = [f for f in g.findings if f.kind == "nonfinite-input"][0]
+    assert f.count == 4 and f.step == 0 and f.last_step == 3
+    assert stream.getvalue().count("nonfinite-input at input") == 1
+    assert "\x1b[" not in stream.getvalue()  # no ANSI codes off a TTY
+
+
+def test_checks_selection_removes_kinds_and_checks():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, checks=["default", "-nonfinite-input"], live=False) as g:
+        for s in range(3):
+            nan_step(model, opt, s, bad_step=1)
+    assert "nonfinite-input" not in [f.kind for f in g.findings]
+    with guard(model, opt, checks=["-nonfinite"], live=False) as g2:
+        nan_step(model, opt, 0, bad_step=0)
+    assert g2.findings == [] and not any(c.name == "nonfinite" for c in g2.checks)
+    assert guard(checks="all").config.kinds >= guard().config.kinds
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"checks": ["no-such-check"]}, "unknown check 'no-such-check'"),
+    ({"checks": 5}, "not a checks selection"),
+    ({"mode": "loud"}, "mode='loud' is not a mode; allowed: warn, raise, record"),
+    ({"every": 0}, "every=0"),
+    ({"every": "x"}, "every='x'"),
+    ({"live": "maybe"}, "live='maybe'"),
+    ({"report": ""}, "report=''"),
+])
+def test_bad_arguments_give_one_clear_line(kwargs, needle):
+    with pytest.raises(ConfigError) as info:
+        guard(**kwargs)
+    msg = str(info.value)
+    assert needle in msg and "\n" not in msg and "allowed" in msg
+
+
+def test_non_module_and_non_optimizer_are_refused():
+    with pytest.raises(ConfigError, match="model=str object is not an nn.Module"):
+        guard("resnet")
+    with pytest.raises(ConfigError, match="optimizer=Linear object is not a torch.optim.Optimizer"):
+        guard(mlp(), nn.Linear(1, 1))
+    with pytest.raises(ConfigError, match="not an nn.Module"):
+        guard_pkg.wrap(42)
+
+
+def test_lists_of_models_and_optimizers():
+    a, b = mlp(), mlp()
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.01), torch.optim.SGD(b.parameters(), lr=0.01)
+    with guard([a, b], [oa, ob], live=False) as g:
+        for s in range(3):
+            nan_step(a, oa, s, bad_step=-1)
+            nan_step(b, ob, s, bad_step=1)
+    assert g.step == 3  # the first optimizer's steps are the unit
+    assert [f.kind for f in g.findings][:1] == ["nonfinite-input"]
+
+
+def test_contained_check_failure_is_reported_once_and_training_continues():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = guard(model, opt, live=False)
+    with g:
+        check = next(c for c in g.checks if c.name == "nonfinite")
+
+        def boom(*a, **k):
+            raise RuntimeError("check bug")
+
+        check.on_forward = boom
+        g._rebuild_handlers()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for s in range(3):
+                nan_step(model, opt, s, bad_step=-1)
+    assert g.step == 3
+    assert len(g.internal_errors) == 1 and g.internal_errors[0]["check"] == "nonfinite"
+    assert "check bug" in g.internal_errors[0]["error"]
+    msgs = [str(w.message) for w in caught if issubclass(w.category, guard_pkg.GuardInternalWarning)]
+    assert len(msgs) == 1 and "switched off" in msgs[0]
+    assert g.findings == []
+
+
+def test_wrap_passes_attributes_and_state_dict_through():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = guard.wrap(model, opt, live=False)
+    try:
+        assert wrapped[0] is model[0]  # attribute/indexing passes through
+        assert list(wrapped.state_dict()) == list(model.state_dict())  # no "module." prefix
+        assert not any(k.startswith("module.") for k in wrapped.state_dict())
+        wrapped.load_state_dict(mlp().state_dict())
+        assert len(list(wrapped.parameters())) == 4
+        x = torch.randn(8, 4)
+        x[1, 1] = float("inf")
+        loss = wrapped(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        wrapped.eval()
+        assert not model.training
+        assert wrapped.guard.active
+    finally:
+        wrapped.guard.close()
+    assert wrapped.guard.findings[0].kind == "nonfinite-input"
+
+
+def test_every_samples_device_checks():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, every=3, live=False) as g:
+        for s in range(7):
+            if s in (1, 4):  # dirty batches only on steps that are not sampled
+                with torch.no_grad():
+                    model(torch.full((2, 4), float("nan")))
+            nan_step(model, opt, s, bad_step=-1)
+    assert g.findings == []
+    with guard(model, opt, every=3, live=False) as g:
+        for s in range(7):
+            nan_step(model, opt, s, bad_step=3)
+    assert g.findings[0].step == 3
+    assert [e["step"] for e in g.timeline] == [0, 3, 6]
+
+
+def test_registry_kinds_are_in_the_vocabulary():
+    from guard.findings import KINDS
+
+    for name, cls in registry().items():
+        assert cls.kinds, name
+        for kind in cls.kinds:
+            assert kind in KINDS, (name, kind)
