@@ -292,6 +292,18 @@ class Guard:
             raise GuardError(finding)
         return finding
 
+    def update_details(self, kind: str, where: str, **details: Any) -> Optional[Finding]:
+        """Merge `details` into the recorded (kind, where) finding (e.g. a trace captured later)."""
+        import dataclasses
+
+        with self._lock:
+            old = self._findings.get((kind, where))
+            if old is None:
+                return None
+            new = dataclasses.replace(old, details={**old.details, **details})
+            self._findings[(kind, where)] = new
+            return new
+
     # ------------------------------------------------------------------ staging (one sync per step)
     def stage(self, value: torch.Tensor, callback: Callable[[float], None]) -> None:
         """Keep a 0-dim device tensor until the step is resolved; then ``callback(host_value)``."""

@@ -41,6 +41,7 @@ class NonFinite(Check):
         self._new_window()
         self._bad_param_names: set = set()
         self._bad_grad_steps: set = set()
+        self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
 
     def _new_window(self) -> None:
         self._n = 0  # flags staged in this window
@@ -92,6 +93,8 @@ class NonFinite(Check):
         if not self._stack or self._stack[-1].module() is not module:
             return  # sampling switched on mid-call, or a call we did not see start
         call = self._stack.pop()
+        if self._armed and id(module) in self._armed:
+            self._capture(module, args, kwargs, output)
         for name, t in iter_named_tensors(output, "output"):
             if screenable(t):
                 call.outputs.append((name, self._screen(t, reuse=False)))
@@ -133,6 +136,14 @@ class NonFinite(Check):
             total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
             names = [self.g.param_name(p) for p in group]
             self._params.append((self._flag(total), group, names, self.g.step, self.g.source()))
+
+    def _capture(self, module, args, kwargs, output) -> None:
+        """The origin's tensors were gone at resolution: record exact counts from this next call."""
+        path = self._armed.pop(id(module))
+        counts = {n: nonfinite_counts(t) for n, t in iter_named_tensors(output, "output") if screenable(t)}
+        stats_in = {n: finite_stats(t) for n, t in iter_named_tensors((args, kwargs), "inputs") if screenable(t)}
+        self.g.update_details("nonfinite-output", path, counts=counts, input_stats=stats_in,
+                              counts_from_step=self.g.step)
 
     # resolution -------------------------------------------------------------
     def on_resolved(self):
@@ -203,6 +214,8 @@ class NonFinite(Check):
             t = refs.get(i, lambda: None)()
             if t is not None:
                 in_stats[name] = finite_stats(t)
+        if not out_counts and module is not None:
+            self._armed[id(module)] = call.path
         why = (f"its parameters {', '.join(bad_params[:5])} are non-finite" if bad_params
                else "its inputs were finite")
         self.emit("nonfinite-output", call.path,

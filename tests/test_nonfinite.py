@@ -1,0 +1,183 @@
+"""NaN/Inf detection: each kind with the right where and step, and no alarm on healthy models."""
+import pytest
+import torch
+from torch import nn
+
+from demos import nan_grad, nan_input, nan_loss, nan_module, nan_param
+from guard import guard
+
+
+def only(g, kind):
+    found = [f for f in g.findings if f.kind == kind]
+    assert found, f"no {kind} in {g.findings}"
+    return found[0]
+
+
+def test_dirty_input_names_the_batch_step_and_counts():
+    g = nan_input.train(live=False)
+    f = only(g, "nonfinite-input")
+    assert f.where == "input"
+    assert f.step == 150 // 16  # the batch holding sample 150
+    assert f.details["counts"]["args[0]"]["nan"] == 1
+    assert "nan_input.py" in f.source
+    assert [x.kind for x in g.findings] == ["nonfinite-input"]  # downstream NaN is not reported again
+
+
+def test_module_of_origin_not_the_modules_that_propagate():
+    g = nan_module.train(live=False)
+    f = only(g, "nonfinite-output")
+    assert f.where == "scale" and f.step == 0
+    assert f.details["module"] == "LogScale"
+    assert f.details["counts"]["output"]["nan"] > 0
+    assert "head" not in [x.where for x in g.findings]
+    assert not [x for x in g.findings if x.kind in ("nonfinite-loss", "nonfinite-grad")]
+
+
+def test_nan_from_a_functional_op_is_blamed_on_the_parent_forward():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(torch.sqrt(self.a(x) - 10))  # the NaN is made between two children
+
+    model = nn.Sequential(nn.Linear(4, 4), Block())
+    with guard(model, live=False) as g:
+        model(torch.randn(3, 4)).sum().backward()
+    f = only(g, "nonfinite-output")
+    assert f.where == "1" and f.details["module"] == "Block"
+
+
+def test_nonfinite_loss_from_the_loss_code():
+    g = nan_loss.train(live=False)
+    f = only(g, "nonfinite-loss")
+    assert f.where == "loss" and f.step >= 0
+    assert "log" in f.hint
+    assert not [x for x in g.findings if x.kind == "nonfinite-output"]
+
+
+def test_nonfinite_grad_names_the_parameter_and_step():
+    g = nan_grad.train(live=False)
+    f = only(g, "nonfinite-grad")
+    assert f.where == "emb.weight" and f.step == 3
+    assert f.details["parameters"] == ["emb.weight"]
+    assert "clip_grad_norm_" in f.hint
+
+
+def test_nonfinite_param_after_step_with_finite_grads():
+    g = nan_param.train(live=False)
+    f = only(g, "nonfinite-param")
+    assert f.where == "0.weight" and f.step == 0
+    assert "nonfinite-grad" not in [x.kind for x in g.findings]
+
+
+@pytest.mark.parametrize("demo", [nan_input, nan_module, nan_loss, nan_grad, nan_param])
+def test_clean_twins_have_no_findings(demo):
+    g = demo.train(fixed=True, live=False, checks="all")
+    assert g.findings == [], g.findings
+    assert g.internal_errors == []
+
+
+# ---------------------------------------------------------------- healthy models, no false alarm
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.emb(tokens)))
+
+
+class LSTMLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 16)
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.head = nn.Linear(32, 40)
+
+    def forward(self, tokens):
+        out, _ = self.lstm(self.emb(tokens))
+        return self.head(out)
+
+
+def _cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+CASES = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 3)),
+            lambda: (torch.randn(16, 10), torch.randint(0, 3, (16,)))),
+    "cnn-bn": (_cnn, lambda: (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))),
+    "transformer": (TinyTransformer, lambda: (torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12)))),
+    "lstm": (LSTMLM, lambda: (torch.randint(0, 40, (4, 10)), torch.randint(0, 40, (4, 10)))),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_healthy_models_have_no_findings(name, scope):
+    make, batch = CASES[name]
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    args = (model, opt) if scope == "model" else ()
+    with guard(*args, live=False, checks="all") as g:
+        for _ in range(4):
+            x, y = batch()
+            out = model(x)
+            loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            model(batch()[0])
+    assert g.findings == [], g.findings
+    assert g.internal_errors == []
+    assert g.step == 4
+    assert len(g.timeline) == 4 and all("loss" in e and "grad_norm" in e for e in g.timeline)
+    assert g.modules  # the module table was filled
+
+
+def test_global_guard_without_model_finds_origin_and_counts_backwards():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with guard(live=False) as g:
+        for s in range(3):
+            x = torch.ones(2, 3)
+            if s == 2:
+                x[0, 0] = float("inf")
+            model(x).mean().backward()
+    f = only(g, "nonfinite-input")
+    assert f.step == 2
+    assert g.step == 3  # without an optimizer, backward() calls are the steps
+
+
+def test_dataparallel_paths_have_no_module_prefix():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.log(self.body(x) - 50)
+
+    dp = nn.DataParallel(Net())
+    with guard(dp, live=False) as g:
+        dp(torch.randn(2, 4)).sum().backward()
+    f = only(g, "nonfinite-output")
+    assert f.where == "Net" and not f.where.startswith("module")
+
+
+def test_half_precision_sums_do_not_false_alarm():
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    with guard(model, live=False) as g:
+        with torch.no_grad():
+            model(torch.full((512, 64), 30.0, dtype=torch.bfloat16))  # outputs sum beyond bf16's exact range
+    assert g.findings == []
