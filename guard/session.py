@@ -676,6 +676,8 @@ class Guard:
             return result
         finally:
             tls.in_backward = False
+            # A model guard owns the next backward only if its model ran forward since this one.
+            tls.saw_forward = False
 
     def _stage_loss(self, tensors: Any) -> None:
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
