@@ -22,6 +22,7 @@ from .checks import registry
 from .checks.base import Check
 from .config import Config, ConfigError, make_config
 from .findings import ERROR, KINDS, Finding, GuardError, severity_of
+from .tensors import fused_norms
 
 MAX_FINDINGS = 1000
 MAX_TIMELINE = 4096
@@ -29,6 +30,7 @@ MAX_MODULES = 5000
 MAX_STAGED = 8192
 
 _DP_TYPES: Tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+_VALUE, _FLAG, _FINITE, _BATCH = 0, 1, 2, 3
 
 
 class GuardInternalWarning(RuntimeWarning):
@@ -48,28 +50,19 @@ def _as_list(obj: Any, what: str, typ: type, allowed: str) -> List[Any]:
 class GradNorms:
     """Per-parameter gradient norms of one step, kept on the device until the step is resolved."""
 
-    __slots__ = ("params", "names", "norms", "totals")
+    __slots__ = ("params", "norms", "totals", "_namer", "_names")
 
-    def __init__(self, params: List[torch.Tensor], names: List[str]):
-        self.params, self.names = params, names
-        self.norms: List[torch.Tensor] = []
-        self.totals: Dict[torch.device, torch.Tensor] = {}
-        if not params:
-            return
-        by_dev: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
-        for i, p in enumerate(params):
-            by_dev.setdefault((p.grad.device, p.grad.dtype), []).append(i)
-        norms: List[Optional[torch.Tensor]] = [None] * len(params)
-        for idx in by_dev.values():
-            res = torch._foreach_norm([params[i].grad.detach() for i in idx])
-            for i, n in zip(idx, res):
-                norms[i] = n
-        self.norms = norms  # type: ignore[assignment]
-        per_dev: Dict[torch.device, List[torch.Tensor]] = {}
-        for n in self.norms:
-            per_dev.setdefault(n.device, []).append(n.float())
-        for dev, ns in per_dev.items():
-            self.totals[dev] = torch.linalg.vector_norm(torch.stack(ns))
+    def __init__(self, params: List[torch.Tensor], namer: Callable[[torch.Tensor], str]):
+        self.params, self._namer, self._names = params, namer, None
+        with torch.no_grad():
+            self.norms, self.totals = fused_norms([p.grad for p in params])
+
+    @property
+    def names(self) -> List[str]:
+        """Parameter names, computed on first use (only needed once something fired)."""
+        if self._names is None:
+            self._names = [self._namer(p) for p in self.params]
+        return self._names
 
     def per_param(self) -> List[float]:
         """Host values of every norm (one sync; call only after something fired)."""
@@ -105,12 +98,14 @@ class Guard:
         self.timeline: List[Dict[str, Any]] = []
         self._timeline_stride = 1
         self.modules: Dict[str, Dict[str, Any]] = {}
-        self._modules_seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-        self._staged: List[Tuple[torch.Tensor, Callable[[float], None], bool]] = []
+        self._modules_seen: set = set()  # ids; only gates the one-time module table entry
+        self._staged: List[Tuple[torch.Tensor, Callable, int]] = []  # (tensor, callback, _VALUE/_FLAG/_FINITE)
+        self._collectors: List[Callable[[], List[Tuple[torch.Tensor, Callable[[List[float]], None]]]]] = []
         self._step_loss: Optional[torch.Tensor] = None
         self._grad_norms: Dict[int, GradNorms] = {}
         self._tls = threading.local()
         self._paths_by_id: Dict[int, str] = {}
+        self._root_ids: set = set()
         self._paths_weak: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
         self._roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._opt_watch: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
@@ -307,37 +302,66 @@ class Guard:
     # ------------------------------------------------------------------ staging (one sync per step)
     def stage(self, value: torch.Tensor, callback: Callable[[float], None]) -> None:
         """Keep a 0-dim device tensor until the step is resolved; then ``callback(host_value)``."""
-        self._staged.append((value, callback, False))
+        self._staged.append((value, callback, _VALUE))
         if len(self._staged) > MAX_STAGED:
             self._resolve()
 
     def stage_flag(self, ok: torch.Tensor, on_fail: Callable[[], None]) -> None:
         """Keep a 0-dim bool tensor (True = fine); ``on_fail()`` runs at resolution if it is False."""
-        self._staged.append((ok, on_fail, True))
+        self._staged.append((ok, on_fail, _FLAG))
         if len(self._staged) > MAX_STAGED:
             self._resolve()
+
+    def stage_finite(self, value: torch.Tensor, on_fail: Callable[[], None]) -> None:
+        """Keep a 0-dim tensor (e.g. a sum); ``on_fail()`` runs at resolution if it is NaN/Inf.
+
+        Cheaper than `stage_flag` with ``torch.isfinite``: the test runs once, batched, at resolution.
+        """
+        self._staged.append((value, on_fail, _FINITE))
+        if len(self._staged) > MAX_STAGED:
+            self._resolve()
+
+    def stage_batch(self, collect: Callable[[], List[Tuple[torch.Tensor, Callable[[List[float]], None]]]]) -> None:
+        """Register `collect` for this step: at resolution it returns ``[(tensor, callback(values))]``.
+
+        For checks that gather many device values per step themselves: they stack once, at the end,
+        instead of staging each value (the cheapest path for per-module-call values).
+        """
+        self._collectors.append(collect)
+
+    def flush(self) -> None:
+        """Resolve staged device values now (bounded memory when steps are rare or absent)."""
+        self._resolve()
 
     def _resolve(self) -> None:
         """Read every staged value with one transfer per device, run callbacks, then ``resolved``."""
         staged, self._staged = self._staged, []
+        collectors, self._collectors = self._collectors, []
+        for collect in collectors:
+            try:
+                staged.extend((t, cb, _BATCH) for t, cb in collect())
+            except GuardError:
+                raise
+            except Exception as exc:
+                owner = getattr(collect, "__self__", None)
+                self._contain(owner if isinstance(owner, Check) else None, exc)
         loss, self._step_loss = self._step_loss, None
         norms, self._grad_norms = self._grad_norms, {}
         entry: Dict[str, Any] = {}
         if loss is not None:
-            staged.append((loss, lambda v: entry.__setitem__("loss", v), False))
+            staged.append((loss, lambda v: entry.__setitem__("loss", v), _VALUE))
         totals: List[float] = []
         for gn in norms.values():
             for t in gn.totals.values():
-                staged.append((t, totals.append, False))
+                staged.append((t, totals.append, _VALUE))
         if staged:
             values = self._read(staged)
-            for (t, cb, is_flag), v in zip(staged, values):
+            for (t, cb, kind), v in zip(staged, values):
                 try:
-                    if is_flag:
-                        if not v:
-                            cb()
-                    else:
+                    if kind == _VALUE or kind == _BATCH:
                         cb(v)
+                    elif not v:
+                        cb()
                 except GuardError:
                     raise
                 except Exception as exc:
@@ -351,15 +375,39 @@ class Guard:
         self._dispatch("resolved")
 
     @staticmethod
-    def _read(staged: Sequence[Tuple[torch.Tensor, Any, bool]]) -> List[float]:
-        by_dev: Dict[torch.device, List[int]] = {}
-        for i, (t, _, _) in enumerate(staged):
-            by_dev.setdefault(t.device, []).append(i)
-        out: List[float] = [0.0] * len(staged)
-        for idx in by_dev.values():
-            vals = torch.stack([staged[i][0].detach().reshape(()).to(torch.float32) for i in idx]).tolist()
-            for i, v in zip(idx, vals):
-                out[i] = v
+    def _read(staged: Sequence[Tuple[torch.Tensor, Any, int]]) -> List[Any]:
+        """Host values of all staged tensors: batched per device and kind, one transfer per device.
+
+        0-dim entries give a float each, `_BATCH` entries a list of floats.
+        """
+        groups: Dict[torch.device, Tuple[List[int], List[int], List[int], List[int]]] = {}
+        for i, (t, _, kind) in enumerate(staged):
+            groups.setdefault(t.device, ([], [], [], []))[kind].append(i)
+        out: List[Any] = [0.0] * len(staged)
+        for lists in groups.values():
+            parts: List[torch.Tensor] = []
+            spans: List[Tuple[int, int, int]] = []  # (entry, start, length); length -1: a scalar
+            pos = 0
+            for kind, idx in enumerate(lists):
+                if not idx:
+                    continue
+                if kind == _BATCH:
+                    for i in idx:
+                        v = staged[i][0].detach().reshape(-1).to(torch.float32)
+                        parts.append(v)
+                        spans.append((i, pos, v.numel()))
+                        pos += v.numel()
+                    continue
+                ts = torch.stack([staged[i][0].detach().reshape(()) for i in idx])
+                if kind == _FINITE:
+                    ts = torch.isfinite(ts)
+                parts.append(ts.to(torch.float32))
+                for i in idx:
+                    spans.append((i, pos, -1))
+                    pos += 1
+            vals = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+            for i, start, n in spans:
+                out[i] = vals[start] if n < 0 else vals[start:start + n]
         return out
 
     def _add_timeline(self, entry: Dict[str, Any]) -> None:
@@ -430,8 +478,8 @@ class Guard:
                 params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             else:
                 params = [p for _, p in self.named_parameters() if p.grad is not None]
-            params = [p for p in params if p.grad.layout == torch.strided and p.grad.device.type != "meta"]
-            gn = GradNorms(params, [self.param_name(p) for p in params])
+            params = [p for p in params if p.grad.layout is torch.strided and not p.grad.is_meta]
+            gn = GradNorms(params, self.param_name)
             self._grad_norms[key] = gn
         return gn
 
@@ -454,8 +502,10 @@ class Guard:
     # ------------------------------------------------------------------ installation
     def _install(self) -> None:
         inst = self._installer
-        need_pre = bool(self._h_forward_pre or self._h_forward)
         if self._models:
+            # Per-module pre-hooks only when a check needs them; roots always get one (the
+            # model call's source line, step bookkeeping). Post-hooks fill the module table.
+            every_pre = bool(self._h_forward_pre)
             for mref in self._models:
                 model = mref()
                 if model is None:
@@ -464,11 +514,12 @@ class Guard:
                 for path, mod in inner.named_modules():
                     self._paths_by_id[id(mod)] = path or type(mod).__name__
                 self._roots.add(inner)
-                if need_pre:
-                    for mod in dict.fromkeys(m for _, m in inner.named_modules()):
-                        inst.module_hooks(mod, self._hook_pre, self._hook_post)
-        elif need_pre:
-            inst.global_module_hooks(self._hook_pre_global, self._hook_post)
+                self._root_ids.add(id(inner))
+                for mod in dict.fromkeys(m for _, m in inner.named_modules()):
+                    pre = self._hook_pre if (every_pre or mod is inner) else None
+                    inst.module_hooks(mod, pre, self._hook_post)
+        else:
+            inst.global_module_hooks(self._hook_pre_global, self._hook_post_global)
         if self._optimizers:
             for oref in self._optimizers:
                 opt = oref()
@@ -512,9 +563,13 @@ class Guard:
     def _hook_pre_global(self, module: nn.Module, args: tuple) -> None:
         tls = self._tls
         depth = getattr(tls, "depth", 0)
-        if depth == 0 and module not in self._paths_weak:
-            self._adopt_root(module)
-        self._hook_pre(module, args, None, depth)
+        tls.depth = depth + 1
+        if depth == 0:
+            if module not in self._paths_weak:
+                self._adopt_root(module)
+            self._enter_root()
+        if self._h_forward_pre and self._active:
+            self._dispatch_forward_pre(module, args, {}, depth == 0)
 
     def _adopt_root(self, module: nn.Module) -> None:
         if isinstance(module, _DP_TYPES) or type(module).__name__ == "OptimizedModule":
@@ -527,40 +582,48 @@ class Guard:
         except Exception as exc:
             self._contain(None, exc)
 
-    def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict], depth: Optional[int] = None) -> None:
+    def _enter_root(self) -> None:
+        """An outermost model call starts: remember where it came from."""
         tls = self._tls
-        if depth is None:
-            depth = getattr(tls, "depth", 0)
-        tls.depth = depth + 1
-        if depth == 0:
-            tls.root_source = user_source(2)
-            tls.saw_forward = True
-            if self._backward_pending:
-                self._advance_backward_step()
-        if not self._h_forward_pre or not self._active:
-            return
+        tls.root_source = user_source(3)
+        tls.saw_forward = True
+        if self._backward_pending:
+            self._advance_backward_step()
+
+    def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict]) -> None:
+        is_root = id(module) in self._root_ids
+        if is_root:
+            self._enter_root()
+        if self._h_forward_pre and self._active:
+            self._dispatch_forward_pre(module, args, kwargs or {}, is_root)
+
+    def _dispatch_forward_pre(self, module: nn.Module, args: tuple, kwargs: dict, is_root: bool) -> None:
         path = self.path_of(module)
-        is_root = depth == 0
         for check, fn in self._h_forward_pre:
             try:
-                fn(module, path, args, kwargs or {}, is_root)
+                fn(module, path, args, kwargs, is_root)
             except GuardError:
                 raise
             except Exception as exc:
                 self._contain(check, exc)
 
-    def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         tls = self._tls
         depth = getattr(tls, "depth", 1) - 1
         tls.depth = depth if depth > 0 else 0
+        self._after_forward(module, args, kwargs, output, depth <= 0)
+
+    def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._after_forward(module, args, kwargs, output, id(module) in self._root_ids)
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any, is_root: bool) -> None:
         if not self._active:
             return
-        if module not in self._modules_seen:
+        if id(module) not in self._modules_seen:
             self._record_module(module, output)
         if not self._h_forward:
             return
         path = self.path_of(module)
-        is_root = depth <= 0
         for check, fn in self._h_forward:
             try:
                 fn(module, path, args, kwargs, output, is_root)
@@ -571,7 +634,7 @@ class Guard:
 
     def _record_module(self, module: nn.Module, output: Any) -> None:
         try:
-            self._modules_seen.add(module)
+            self._modules_seen.add(id(module))
             if len(self.modules) >= MAX_MODULES:
                 return
             path = self.path_of(module)

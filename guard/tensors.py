@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -58,13 +58,17 @@ def first_tensor(obj: Any) -> Optional[torch.Tensor]:
     return None
 
 
+_SCREEN_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                            torch.complex64, torch.complex128})
+
+
 def screenable(t: torch.Tensor) -> bool:
     """A plain, dense, floating tensor whose values can be reduced on its device."""
     return (
         type(t) in _PLAIN
+        and t.dtype in _SCREEN_DTYPES
         and t.layout is torch.strided
-        and (t.is_floating_point() or t.is_complex())
-        and t.device.type != "meta"
+        and not t.is_meta
         and t.numel() > 0
     )
 
@@ -103,3 +107,33 @@ def finite_stats(t: torch.Tensor) -> dict:
         return {"finite": 0}
     return {"min": float(f.min()), "max": float(f.max()), "mean": float(f.mean()),
             "std": float(f.std()) if f.numel() > 1 else 0.0, "finite": int(f.numel())}
+
+
+def _group_by_device(tensors: List[torch.Tensor]) -> List[List[int]]:
+    """Indices of `tensors` grouped by (device, dtype); one group in the common case, cheaply."""
+    first = tensors[0]
+    dev, dt = first.device, first.dtype
+    if all(t.device == dev and t.dtype == dt for t in tensors):
+        return [list(range(len(tensors)))]
+    groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
+
+
+def fused_norms(tensors: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Dict[torch.device, torch.Tensor]]:
+    """Per-tensor L2 norms (``torch._foreach_norm`` per device/dtype) and their total per device."""
+    norms: List[Optional[torch.Tensor]] = [None] * len(tensors)
+    totals: Dict[torch.device, torch.Tensor] = {}
+    if not tensors:
+        return [], totals
+    per_dev: Dict[torch.device, List[torch.Tensor]] = {}
+    for idx in _group_by_device(tensors):
+        res = torch._foreach_norm([tensors[i] for i in idx])
+        for i, n in zip(idx, res):
+            norms[i] = n
+        per_dev.setdefault(res[0].device, []).extend(res)
+    for dev, ns in per_dev.items():
+        stacked = torch.stack(ns)
+        totals[dev] = torch.linalg.vector_norm(stacked if stacked.dtype == torch.float32 else stacked.float())
+    return norms, totals  # type: ignore[return-value]

@@ -12,11 +12,13 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch import nn
 
-from ..tensors import finite_flag, finite_stats, iter_named_tensors, nonfinite_counts, screenable
+from ..tensors import finite_stats, fused_norms, iter_named_tensors, nonfinite_counts, screenable
 from .base import Check
 
-_CATEGORY_ORDER = ("param", "input", "output", "loss", "grad")
+_HALF = (torch.float16, torch.bfloat16)
+_MAX_WINDOW = 4096  # screened tensors per resolution window
 
 
 class _Call:
@@ -24,11 +26,35 @@ class _Call:
 
     __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module")
 
-    def __init__(self, path: str, mtype: str, is_root: bool, source: Optional[str], step: int, module: Any):
+    def __init__(self, path: str, mtype: str, is_root: bool, source: Optional[str], step: int, module: Any,
+                 inputs: List[Tuple[str, int]], outputs: List[Tuple[str, int]]):
         self.path, self.type, self.is_root, self.source, self.step = path, mtype, is_root, source, step
-        self.inputs: List[Tuple[str, int]] = []
-        self.outputs: List[Tuple[str, int]] = []
+        self.inputs, self.outputs = inputs, outputs
         self.module = weakref.ref(module)
+
+
+# Modules whose output cannot become NaN/Inf from finite inputs (and parameter-free containers):
+# their outputs inherit their input's flag instead of being reduced again.
+_PASSTHROUGH = tuple(getattr(nn, n) for n in (
+    "ReLU", "ReLU6", "LeakyReLU", "RReLU", "Tanh", "Sigmoid", "Hardtanh", "Hardsigmoid", "Hardswish",
+    "SiLU", "GELU", "ELU", "CELU", "SELU", "Mish", "Softsign", "Tanhshrink", "Softshrink", "Hardshrink",
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout", "Identity",
+    "Flatten", "Unflatten", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d",
+    "AdaptiveMaxPool3d", "Softmax", "Softmax2d", "ZeroPad2d", "ConstantPad1d", "ConstantPad2d",
+    "ReflectionPad2d", "ReplicationPad2d", "ChannelShuffle", "PixelShuffle", "PixelUnshuffle", "Upsample",
+    "Sequential", "ModuleList", "ModuleDict",
+) if hasattr(nn, n))
+
+
+def _tensors(obj: Any, prefix: str) -> List[Tuple[str, torch.Tensor]]:
+    """Tensors in `obj` with their names; a fast path for the one-tensor case (not yet filtered)."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if type(obj) is tuple and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
+        return [(prefix + "[0]", obj[0])]
+    if not obj:
+        return []
+    return list(iter_named_tensors(obj, prefix))
 
 
 class NonFinite(Check):
@@ -41,64 +67,124 @@ class NonFinite(Check):
         self._new_window()
         self._bad_param_names: set = set()
         self._bad_grad_steps: set = set()
+        self._passthrough: Dict[type, bool] = {}
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
 
     def _new_window(self) -> None:
-        self._n = 0  # flags staged in this window
+        self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
         self._bad: set = set()
         self._tensors: Dict[int, Tuple[weakref.ref, int]] = {}  # id(tensor) -> (ref, flag index)
         self._refs: Dict[int, weakref.ref] = {}  # flag index -> tensor ref (for details)
         self._calls: List[_Call] = []
-        self._stack: List[_Call] = []
         self._losses: List[Tuple[int, Optional[str], int]] = []
         self._grads: List[Tuple[int, Any, int, Optional[str]]] = []
-        self._params: List[Tuple[int, List[torch.Tensor], List[str], int, Optional[str]]] = []
+        self._params: List[Tuple[int, List[torch.Tensor], int, Optional[str]]] = []
 
     # staging ---------------------------------------------------------------
     def _flag(self, t: torch.Tensor) -> int:
-        i = self._n
-        self._n += 1
-        self.g.stage_flag(finite_flag(t), lambda i=i: self._bad.add(i))
+        """Keep a sum of `t` (NaN/Inf anywhere makes it non-finite); all are tested once per step."""
+        i = len(self._sums)
+        d = t.detach()
+        self._sums.append(d.sum(dtype=torch.float32) if d.dtype in _HALF else d.sum())
+        if i == 0:
+            self.g.stage_batch(self._collect)
+        elif i >= _MAX_WINDOW:
+            self.g.flush()  # e.g. a long no_grad evaluation: resolve now, keep memory bounded
         return i
 
-    def _screen(self, t: torch.Tensor, reuse: bool) -> int:
-        key = id(t)
+    def _collect(self):
+        """At resolution: one ``isfinite(stack(sums))`` per device; marks the bad flag indices."""
+        sums, bad = self._sums, self._bad
+        by_dev: Dict[Any, List[int]] = {}
+        for i, s in enumerate(sums):
+            by_dev.setdefault(s.device, []).append(i)
+        out = []
+        for idx in by_dev.values():
+            ok = torch.isfinite(torch.stack([sums[i] for i in idx]))
+
+            def mark(values, idx=idx):
+                bad.update(i for i, v in zip(idx, values) if not v)
+            out.append((ok, mark))
+        return out
+
+    def _screen(self, t: torch.Tensor, reuse: bool) -> Optional[int]:
+        """The flag index of `t`: reused when `t` itself was screened already, None if not screenable."""
         if reuse:
-            hit = self._tensors.get(key)
+            hit = self._tensors.get(id(t))
             if hit is not None and hit[0]() is t:
                 return hit[1]
+        if not screenable(t):
+            return None
         i = self._flag(t)
+        self._remember(t, i)
+        return i
+
+    def _remember(self, t: torch.Tensor, i: int) -> None:
         try:
             ref = weakref.ref(t)
         except TypeError:
-            return i
-        self._tensors[key] = (ref, i)
-        self._refs[i] = ref
-        return i
+            return
+        self._tensors[id(t)] = (ref, i)
+        self._refs.setdefault(i, ref)
 
     # events ----------------------------------------------------------------
-    def on_forward_pre(self, module, path, args, kwargs, is_root):
-        if not self.g.sampling:
-            return
-        call = _Call(path, type(module).__name__, is_root, self.g.root_source, self.g.step, module)
-        for name, t in iter_named_tensors(args, "args"):
-            if screenable(t):
-                call.inputs.append((name, self._screen(t, reuse=True)))
-        for name, t in iter_named_tensors(kwargs, "kwargs"):
-            if screenable(t):
-                call.inputs.append((name, self._screen(t, reuse=True)))
-        self._stack.append(call)
-
     def on_forward(self, module, path, args, kwargs, output, is_root):
-        if not self._stack or self._stack[-1].module() is not module:
-            return  # sampling switched on mid-call, or a call we did not see start
-        call = self._stack.pop()
         if self._armed and id(module) in self._armed:
             self._capture(module, args, kwargs, output)
-        for name, t in iter_named_tensors(output, "output"):
-            if screenable(t):
-                call.outputs.append((name, self._screen(t, reuse=False)))
-        self._calls.append(call)
+        if not self.g.sampling:
+            return
+        cls = type(module)
+        passthrough = self._passthrough.get(cls)
+        if passthrough is None:
+            passthrough = self._passthrough[cls] = issubclass(cls, _PASSTHROUGH)
+        tensors = self._tensors
+        # Fast path: one tensor in, one tensor out (most layers).
+        if (not kwargs and type(args) is tuple and len(args) == 1 and isinstance(args[0], torch.Tensor)
+                and isinstance(output, torch.Tensor)):
+            x = args[0]
+            hit = tensors.get(id(x))
+            if hit is not None and hit[0]() is x:
+                src: Optional[int] = hit[1]
+            else:
+                src = self._screen(x, False)
+            inputs = [("args[0]", src)] if src is not None else []
+            if passthrough and not is_root:
+                hit = tensors.get(id(output))
+                if hit is None or hit[0]() is not output:
+                    if src is None:
+                        self._screen(output, False)
+                    elif screenable(output):
+                        self._remember(output, src)
+                return
+            out = self._screen(output, False)
+            outputs = [("output", out)] if out is not None else []
+        else:
+            inputs, outputs = self._screen_structures(args, kwargs, output, passthrough and not is_root)
+            if outputs is None:
+                return
+        self._calls.append(_Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module,
+                                 inputs, outputs))
+
+    def _screen_structures(self, args, kwargs, output, passthrough):
+        screen = self._screen
+        inputs = [(n, i) for n, i in ((n, screen(t, True)) for n, t in _tensors(args, "args")) if i is not None]
+        if kwargs:
+            inputs += [(n, i) for n, i in ((n, screen(t, True)) for n, t in _tensors(kwargs, "kwargs"))
+                       if i is not None]
+        outs = _tensors(output, "output")
+        if passthrough:
+            # Cannot originate NaN/Inf: outputs share the input's flag (no extra reduction).
+            src = inputs[0][1] if inputs else None
+            for _, t in outs:
+                hit = self._tensors.get(id(t))
+                if hit is not None and hit[0]() is t:
+                    continue
+                if src is None:
+                    screen(t, False)
+                elif screenable(t):
+                    self._remember(t, src)
+            return inputs, None
+        return inputs, [(n, i) for n, i in ((n, screen(t, False)) for n, t in outs) if i is not None]
 
     def on_backward(self, tensors, kwargs):
         if not self.g.sampling:
@@ -124,18 +210,14 @@ class NonFinite(Check):
     def on_step_post(self, optimizer):
         if not self.g.sampling:
             return
-        params = [p for grp in optimizer.param_groups for p in grp["params"]
-                  if p.grad is not None and screenable(p)]
+        params = [p for grp in optimizer.param_groups for p in grp["params"] if p.grad is not None]
+        params = [p for p in params if screenable(p)]
         if not params:
             return
-        by_dev: Dict[Tuple[Any, Any], List[torch.Tensor]] = {}
-        for p in params:
-            by_dev.setdefault((p.device, p.dtype), []).append(p)
-        for group in by_dev.values():
-            norms = torch._foreach_norm([p.detach() for p in group])
-            total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
-            names = [self.g.param_name(p) for p in group]
-            self._params.append((self._flag(total), group, names, self.g.step, self.g.source()))
+        with torch.no_grad():
+            _, totals = fused_norms(params)
+        for total in totals.values():
+            self._params.append((self._flag(total), params, self.g.step, self.g.source()))
 
     def _capture(self, module, args, kwargs, output) -> None:
         """The origin's tensors were gone at resolution: record exact counts from this next call."""
@@ -154,8 +236,8 @@ class NonFinite(Check):
             return
         calls, losses, grads, params, refs = window
         self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
-        for flag, group, names, step, source in params:
-            if flag in bad and self._report_params(group, names, step, source,
+        for flag, group, step, source in params:
+            if flag in bad and self._report_params(group, step, source,
                                                    caused=step in self._bad_grad_steps):
                 return
         for call in calls:
@@ -239,9 +321,8 @@ class NonFinite(Check):
                   "which skips such steps.",
                   step=step, source=source, details={"parameters": names[:20], "count": len(names)})
 
-    def _report_params(self, group: List[torch.Tensor], names: List[str], step: int, source: Optional[str],
-                       caused: bool) -> bool:
-        bad = [n for p, n in zip(group, names) if not bool(torch.isfinite(p.detach()).all())]
+    def _report_params(self, group: List[torch.Tensor], step: int, source: Optional[str], caused: bool) -> bool:
+        bad = [self.g.param_name(p) for p in group if not bool(torch.isfinite(p.detach()).all())]
         new = [n for n in bad if n not in self._bad_param_names]
         self._bad_param_names.update(bad)
         if not new or caused:

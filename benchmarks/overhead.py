@@ -1,0 +1,321 @@
+"""Overhead of guard per training step, side by side with an unguarded run and detect_anomaly.
+
+All configurations run in one process, interleaved (A B C A B C ...), so that machine noise
+hits them alike; each cell is the median (and min-max) of per-repetition medians.
+
+    python benchmarks/overhead.py                 # full run, writes benchmarks/results.md and .json
+    python benchmarks/overhead.py --quick         # fewer steps, for a smoke test
+    python benchmarks/overhead.py --models cnn    # a subset
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from guard import guard  # noqa: E402
+
+
+# ------------------------------------------------------------------ models
+
+def cnn():
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    return model, lambda: (torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,)))
+
+
+class Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 128)
+        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(128, 1000)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.emb(tokens)))
+
+
+def transformer():
+    return Transformer(), lambda: (torch.randint(0, 1000, (16, 64)), torch.randint(0, 1000, (16, 64)))
+
+
+class LSTMLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 64)
+        self.lstm = nn.LSTM(64, 128, num_layers=2, batch_first=True)
+        self.head = nn.Linear(128, 1000)
+
+    def forward(self, tokens):
+        out, _ = self.lstm(self.emb(tokens))
+        return self.head(out)
+
+
+def lstm():
+    return LSTMLM(), lambda: (torch.randint(0, 1000, (16, 32)), torch.randint(0, 1000, (16, 32)))
+
+
+def deep_mlp(depth: int = 120):
+    layers = [nn.Linear(32, 32)]
+    for _ in range(depth - 1):
+        layers += [nn.ReLU(), nn.Linear(32, 32)]
+    return nn.Sequential(*layers), lambda: (torch.randn(16, 32), torch.randint(0, 32, (16,)))
+
+
+MODELS = {"cnn": cnn, "transformer": transformer, "lstm": lstm, "deep-mlp": deep_mlp}
+
+
+# ------------------------------------------------------------------ configurations
+
+def _guarded(**opts):
+    def ctx(model, opt):
+        return guard(model, opt, live=False, mode="record", **opts)
+    return ctx
+
+
+def _anomaly(model, opt):
+    return torch.autograd.detect_anomaly(check_nan=True)
+
+
+def _snooper_available():
+    try:
+        import torchsnooper  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+CONFIGS = {
+    "unguarded": lambda model, opt: contextlib.nullcontext(),
+    "guard default": _guarded(),
+    "guard all": _guarded(checks="all"),
+    "guard every=10": _guarded(every=10),
+    "detect_anomaly": _anomaly,
+}
+
+
+def step_fn(model, opt, batch):
+    def step():
+        x, y = batch()
+        out = model(x)
+        loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def count_module_calls(model, batch):
+    calls = [0]
+
+    def hook(m, a):
+        calls[0] += 1
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
+    with torch.no_grad():
+        model(batch()[0])
+    for h in handles:
+        h.remove()
+    return calls[0]
+
+
+def bench_model(name, reps, steps, warmup, configs):
+    torch.manual_seed(0)
+    model, batch = MODELS[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = step_fn(model, opt, batch)
+    times = {c: [] for c in configs}
+    for _ in range(warmup):
+        step()
+    for _ in range(reps):
+        for cname in configs:  # interleaved
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with CONFIGS[cname](model, opt):
+                    for _ in range(2):
+                        step()  # settle after entering
+                    per = []
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        step()
+                        per.append(time.perf_counter() - t0)
+            times[cname].append(statistics.median(per))
+    return times, count_module_calls(model, batch)
+
+
+def snooper_time(name, steps=3):
+    """torchsnooper on the model's forward: a few steps only (it is slow)."""
+    if not _snooper_available():
+        return None
+    import torchsnooper
+
+    torch.manual_seed(0)
+    model, batch = MODELS[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    fwd = model.forward
+    model.forward = torchsnooper.snoop(output=io.StringIO())(fwd)
+    step = step_fn(model, opt, batch)
+    step()
+    per = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        per.append(time.perf_counter() - t0)
+    model.forward = fwd
+    return statistics.median(per)
+
+
+def peak_rss_kb(model_name, config, steps):
+    """Peak RSS of a fresh process running `steps` steps of one configuration."""
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(HERE)!r}); sys.path.insert(0, {HERE!r});"
+            f"import torch, resource; torch.set_num_threads(1); import overhead as o;"
+            f"torch.manual_seed(0); m, b = o.MODELS[{model_name!r}](); opt = torch.optim.AdamW(m.parameters());"
+            f"s = o.step_fn(m, opt, b)\n"
+            f"with o.CONFIGS[{config!r}](m, opt):\n"
+            f"    [s() for _ in range({steps})]\n"
+            f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def cuda_syncs_per_step(name, steps=5):
+    """Host-device synchronisations per step under the default guard (CUDA only)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.manual_seed(0)
+    model, batch0 = MODELS[name]()
+    model = model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def batch():
+        x, y = batch0()
+        return x.cuda(), y.cuda()
+    step = step_fn(model, opt, batch)
+    with guard(model, opt, live=False, mode="record"):
+        step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    from_guard = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    return len(from_guard) / steps
+
+
+def fmt_ms(xs):
+    return f"{statistics.median(xs) * 1e3:.2f} ({min(xs) * 1e3:.2f}–{max(xs) * 1e3:.2f})"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="3 reps x 4 steps, no memory runs")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.reps, args.steps, args.warmup, args.no_memory = 3, 4, 2, True
+    torch.set_num_threads(args.threads)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown model {unknown[0]!r}; allowed: {', '.join(MODELS)}")
+    configs = list(CONFIGS)
+    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                          f"{args.threads} torch thread(s), torch {torch.__version__}, python {platform.python_version()}",
+               "reps": args.reps, "steps": args.steps, "models": {}}
+    for name in names:
+        times, calls = bench_model(name, args.reps, args.steps, args.warmup, configs)
+        base = statistics.median(times["unguarded"])
+        row = {c: {"ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3, "max_ms": max(t) * 1e3,
+                   "ratio": statistics.median(t) / base} for c, t in times.items()}
+        snoop = snooper_time(name) if name != "deep-mlp" else None
+        if snoop is not None:
+            row["torchsnooper"] = {"ms": snoop * 1e3, "min_ms": snoop * 1e3, "max_ms": snoop * 1e3,
+                                   "ratio": snoop / base}
+        entry = {"configs": row, "module_calls_per_forward": calls}
+        if name == "deep-mlp":
+            extra = statistics.median(times["guard default"]) - base
+            entry["per_module_call_us"] = extra / calls * 1e6
+        if not args.no_memory and name == "cnn":
+            un = peak_rss_kb(name, "unguarded", 20)
+            gd = peak_rss_kb(name, "guard default", 20)
+            entry["peak_rss_kb"] = {"unguarded": un, "guard default": gd, "overhead": gd / un - 1}
+        syncs = cuda_syncs_per_step(name)
+        if syncs is not None:
+            entry["cuda_syncs_per_step"] = syncs
+        results["models"][name] = entry
+        print(f"{name}: " + ", ".join(f"{c} {v['ratio']:.3f}x" for c, v in row.items()), flush=True)
+    md = render(results)
+    print(md)
+    with open(args.out + ".md", "w") as fh:
+        fh.write(md)
+    with open(args.out + ".json", "w") as fh:
+        json.dump(results, fh, indent=2)
+
+
+def render(results):
+    lines = [f"Machine: {results['machine']}; {results['reps']} interleaved repetitions x "
+             f"{results['steps']} steps; cells are median ms/step (min–max of repetition medians) and the "
+             f"ratio to unguarded.", ""]
+    names = list(results["models"])
+    configs = []
+    for n in names:
+        for c in results["models"][n]["configs"]:
+            if c not in configs:
+                configs.append(c)
+    lines.append("| configuration | " + " | ".join(names) + " |")
+    lines.append("|---|" + "---|" * len(names))
+    for c in configs:
+        cells = []
+        for n in names:
+            v = results["models"][n]["configs"].get(c)
+            cells.append("n/a" if v is None else
+                         f"{v['ms']:.2f} ms ({v['min_ms']:.2f}–{v['max_ms']:.2f}) **{v['ratio']:.3f}×**")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for n in names:
+        e = results["models"][n]
+        if "per_module_call_us" in e:
+            lines.append(f"- {n}: {e['module_calls_per_forward']} module calls per forward; default guard costs "
+                         f"{e['per_module_call_us']:.1f} µs per module call (forward and backward of the step included).")
+        if "peak_rss_kb" in e:
+            m = e["peak_rss_kb"]
+            lines.append(f"- {n}: peak RSS {m['unguarded'] / 1024:.0f} MiB unguarded, {m['guard default'] / 1024:.0f} MiB "
+                         f"with the default guard ({m['overhead'] * 100:+.1f}%).")
+        if "cuda_syncs_per_step" in e:
+            lines.append(f"- {n}: {e['cuda_syncs_per_step']:.1f} host-device syncs per step (CUDA, default checks).")
+    if not any("torchsnooper" in results["models"][n]["configs"] for n in names):
+        lines.append("- torchsnooper: not importable here, not measured.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
