@@ -1,0 +1,158 @@
+"""BatchNorm and batches of one: the crash itself, and its prediction from the DataLoader.
+
+* Reactive (``batchnorm-single-sample`` [error]): a ``_BatchNorm`` in training
+  mode is about to get one value per channel (batch 1, or batch 1 x spatial 1);
+  reported from its forward pre-hook, before PyTorch's "Expected more than 1
+  value per channel when training".
+* Predictive (``batchnorm-last-batch`` [warning]): at ``iter(loader)`` (epoch
+  start) a loader whose sampler length leaves a last batch of 1 with
+  ``drop_last=False`` is noted; the warning is given at the end of the next
+  forward pass of the model if a BatchNorm trained on inputs with one value per
+  sample per channel (``BatchNorm1d`` on ``(N, C)``, or spatial size 1) - those
+  are the ones that will crash. A ``BatchNorm2d`` on feature maps survives a
+  batch of 1 and gets no warning.
+* Small batches (``batchnorm-single-sample`` with severity ``info``, where
+  ``"input"``): the first training batch a BatchNorm sees has fewer than
+  `SMALL_BATCH` samples, so its statistics are noisy.
+
+Cost: host-only; one dict lookup per module call, shape arithmetic for BatchNorm calls.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import BatchSampler
+
+from .base import Check
+
+SMALL_BATCH = 4
+FIX = ("drop the incomplete last batch with `DataLoader(..., drop_last=True)`, use a batch size that does not leave "
+       "a single sample, or replace BatchNorm with GroupNorm/LayerNorm, which do not depend on the batch")
+
+
+def _training(m: _BatchNorm) -> bool:
+    return m.training or (m.running_mean is None and m.running_var is None)
+
+
+class BatchNormBatch(Check):
+    name = "batchnorm"
+    kinds = ("batchnorm-single-sample", "batchnorm-last-batch")
+    description = "BatchNorm fed one value per channel in training (caught first, and predicted from the DataLoader)"
+    patches = {"dataloader_iter": "torch.utils.data.DataLoader.__iter__"}
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._bn: Dict[int, Tuple[Any, bool]] = {}  # id(module) -> (weakref, is a training-capable BatchNorm)
+        self._first: set = set()  # BatchNorm paths whose first training batch was looked at
+        self._pending: List[Dict[str, Any]] = []  # loader predictions waiting for the next forward pass
+        self._crashy: Dict[str, Tuple[int, ...]] = {}  # BatchNorms that trained on one value/sample/channel, this pass
+        self._has_bn: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------ per module call
+    def _is_bn(self, module) -> bool:
+        ent = self._bn.get(id(module))
+        if ent is None or ent[0]() is not module:
+            ent = (weakref.ref(module), isinstance(module, _BatchNorm))
+            if len(self._bn) > 100_000:
+                self._bn.clear()
+            self._bn[id(module)] = ent
+        return ent[1]
+
+    def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if not self._is_bn(module) or not _training(module):
+            return
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return
+        shape = tuple(x.shape)
+        n, spatial = shape[0], math.prod(shape[2:])
+        if n * spatial == 1:
+            self.emit("batchnorm-single-sample", path,
+                      f"{path} ({type(module).__name__}) is in training mode and gets an input of shape {shape}: "
+                      f"one value per channel, so no batch statistics exist; PyTorch would fail with "
+                      f"'Expected more than 1 value per channel when training'",
+                      f"A batch of one sample reached BatchNorm during training: {FIX}; for single-sample "
+                      f"inference call `model.eval()` first.",
+                      source=self.g.root_source, details={"module": type(module).__name__, "input_shape": list(shape)})
+            return
+        if spatial == 1:
+            self._crashy[path] = shape
+        if path not in self._first:
+            self._first.add(path)
+            if n < SMALL_BATCH:
+                self.emit("batchnorm-single-sample", "input",
+                          f"{path} ({type(module).__name__}) trains on batches of {n} sample(s) (input {shape}): "
+                          f"its batch statistics and running estimates are very noisy",
+                          "Use a larger batch (16 or more per device is typical for BatchNorm), SyncBatchNorm across "
+                          "devices, or GroupNorm/LayerNorm, which do not depend on the batch size.",
+                          severity="info", source=self.g.root_source,
+                          details={"module": path, "batch_size": n, "input_shape": list(shape),
+                                   "threshold": SMALL_BATCH})
+
+    def on_forward(self, module, path, args, kwargs, output, is_root):
+        if not is_root:
+            return
+        pending, crashy = self._pending, self._crashy
+        self._crashy = {}
+        if not pending:
+            return
+        self._pending = []
+        if crashy:
+            for p in pending:
+                self._report_last_batch(p, crashy)
+
+    # ------------------------------------------------------------------ DataLoader epochs
+    def on_dataloader_iter(self, args, kwargs):
+        loader = args[0] if args else None
+        bs_sampler = getattr(loader, "batch_sampler", None)
+        if type(bs_sampler) is not BatchSampler:  # a custom batch sampler decides its own batch sizes
+            return
+        bs, drop = bs_sampler.batch_size, bs_sampler.drop_last
+        if drop or not isinstance(bs, int) or bs < 2:
+            return
+        try:
+            n = len(bs_sampler.sampler)
+        except TypeError:  # iterable-style dataset: length unknown
+            return
+        if n % bs != 1:
+            return
+        models = self.g.models
+        if models and not any(self._model_has_bn(m) for m in models):
+            return
+        try:
+            size: Optional[int] = len(loader.dataset)
+        except Exception:
+            size = None
+        if len(self._pending) < 16:
+            self._pending.append({"samples": n, "dataset_size": size, "batch_size": bs, "batches": n // bs + 1,
+                                  "sampler": type(bs_sampler.sampler).__name__, "step": self.g.step,
+                                  "source": self.g.source()})
+
+    def _model_has_bn(self, model) -> bool:
+        hit = self._has_bn.get(model)
+        if hit is None:
+            hit = any(isinstance(m, _BatchNorm) for m in model.modules())
+            self._has_bn[model] = hit
+        return hit
+
+    def _report_last_batch(self, p: Dict[str, Any], crashy: Dict[str, Tuple[int, ...]]) -> None:
+        n, bs = p["samples"], p["batch_size"]
+        names = list(crashy)
+        size = p["dataset_size"]
+        what = f"{n} samples" if size in (None, n) else f"{n} samples from its {p['sampler']} (dataset of {size})"
+        alt = next((b for d in range(1, bs) for b in (bs + d, bs - d) if b > 1 and n % b != 1), None)
+        self.emit("batchnorm-last-batch", "input",
+                  f"this DataLoader ends every epoch with a batch of 1: {what}, batch_size={bs}, drop_last=False "
+                  f"-> {n // bs} full batches and a last batch of 1 sample; BatchNorm {', '.join(names[:3])} "
+                  f"{'trains' if len(names) == 1 else 'train'} on one value per sample per channel and "
+                  f"will fail at batch {n // bs + 1} of the epoch with 'Expected more than 1 value per channel "
+                  f"when training'",
+                  f"Fix before the epoch ends: {FIX}" + (f" (e.g. batch_size={alt})." if alt else "."),
+                  step=p["step"], source=p["source"],
+                  details={"dataset_size": size, "samples_per_epoch": n, "batch_size": bs, "last_batch_size": 1,
+                           "batches_per_epoch": p["batches"], "sampler": p["sampler"], "batchnorm_modules": names,
+                           "suggested_batch_size": alt})

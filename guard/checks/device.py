@@ -1,0 +1,240 @@
+"""Device mismatch: inputs vs a module's own parameters, optimizer state vs its parameters, loss operands.
+
+Reported from a forward pre-hook, a step pre-hook and the functional losses,
+i.e. *before* PyTorch raises its generic "Expected all tensors to be on the
+same device" (or, for ``meta`` weights, silently computes garbage).
+
+Cost model: host-only, no device work at all. Per module call: two dict
+lookups on the module's *direct* parameters/buffers (modules without any, like
+``Sequential`` or ``ReLU``, return at once) and one ``device`` comparison per
+tensor argument. Per optimizer step: one state entry per parameter group
+(the whole state on the optimizer's first step).
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+from torch.nn.utils.rnn import PackedSequence
+
+from ..tensors import iter_named_tensors
+from .base import Check
+
+#: functional losses watched for operands on different devices (nn.*Loss modules call these)
+LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy", "nll_loss",
+          "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div")
+
+_HOST = ("cpu", "meta")
+
+
+def norm_device(d: torch.device) -> Tuple[str, int]:
+    """(type, index) with the current device filled in, so ``cuda`` == ``cuda:0`` on device 0."""
+    if d.index is not None or d.type in _HOST:
+        return d.type, d.index or 0
+    idx = 0
+    if d.type == "cuda":
+        try:
+            if torch.cuda.is_available():
+                idx = torch.cuda.current_device()
+        except Exception:  # a CPU build under FakeTensorMode, a broken driver: index 0 is what tensors report
+            idx = 0
+    return d.type, idx
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """True when `a` and `b` name the same device (``cuda`` vs ``cuda:0`` included)."""
+    return a == b or norm_device(a) == norm_device(b)
+
+
+def _mixable(t: torch.Tensor) -> bool:
+    """A 0-dim CPU tensor: PyTorch lets it combine with tensors on any device."""
+    return t.dim() == 0 and t.device.type == "cpu"
+
+
+def _accel(d: torch.device) -> bool:
+    return d.type not in _HOST
+
+
+def _named_inputs(args: tuple, kwargs: dict) -> Iterator[Tuple[str, torch.Tensor]]:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            yield f"args[{i}]", a
+        elif isinstance(a, PackedSequence):  # batch_sizes is always on the CPU, by design
+            yield f"args[{i}].data", a.data
+        elif a is not None and not isinstance(a, (int, float, bool, str)):
+            yield from iter_named_tensors(a, f"args[{i}]")
+    if kwargs:
+        for k, v in kwargs.items():
+            if isinstance(v, PackedSequence):
+                yield f"{k}.data", v.data
+            else:
+                yield from iter_named_tensors(v, k)
+
+
+def _arg_label(module: Any, name: str) -> str:
+    """``args[0]`` -> ``input (args[0])`` using the forward signature (report time only)."""
+    if not name.startswith("args["):
+        return name
+    try:
+        idx = int(name[5:name.index("]")])
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        if idx < len(params) and params[idx].kind is not inspect.Parameter.VAR_POSITIONAL:
+            return f"{params[idx].name} ({name})"
+    except Exception:
+        pass
+    return name
+
+
+def _where_words(d_in: torch.device, d_model: torch.device, what: str = "input") -> str:
+    if d_in.type == "cpu" and _accel(d_model):
+        return f"the {what} is on the CPU and the model is on an accelerator ({d_model}). "
+    if _accel(d_in) and d_model.type == "cpu":
+        return f"the {what} is on an accelerator ({d_in}) and the model is on the CPU. "
+    return ""
+
+
+COPY_HINT = ("`tensor.cuda()` / `tensor.to(device)` returns a copy and leaves the tensor where it was: assign it, "
+             "`x = x.to(device)` (unlike `model.to(device)`, which moves the model in place).")
+
+
+class DeviceMismatch(Check):
+    name = "device-mismatch"
+    kinds = ("device-mismatch",)
+    description = "inputs vs module parameters, optimizer state vs parameters, loss operands on different devices"
+    patches = {f"dev_{n}": f"torch.nn.functional.{n}" for n in LOSSES}
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        # id(module) -> (weakref, strict): strict = a torch.nn built-in, whose every tensor input must match
+        self._mods: Dict[int, Tuple[Any, bool, bool]] = {}
+        self._opt_seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------ module inputs
+    def _info(self, module) -> Tuple[bool, bool]:
+        ent = self._mods.get(id(module))
+        if ent is None or ent[0]() is not module:
+            strict = type(module).__module__.startswith("torch.nn.")
+            # accelerate's offload hooks move inputs/weights inside forward: their devices are not final here
+            skip = hasattr(module, "_hf_hook")
+            ent = (weakref.ref(module), strict, skip)
+            if len(self._mods) > 100_000:
+                self._mods.clear()
+            self._mods[id(module)] = ent
+        return ent[1], ent[2]
+
+    def on_forward_pre(self, module, path, args, kwargs, is_root):
+        params, bufs = module._parameters, module._buffers
+        if not params and not bufs:
+            return
+        pname, dev = None, None
+        for n, p in params.items():
+            if p is not None:
+                pname, dev = n, p.device
+                break
+        if dev is None:
+            for n, b in bufs.items():
+                if b is not None:
+                    pname, dev = n, b.device
+                    break
+            if dev is None:
+                return
+        strict = None
+        for name, t in _named_inputs(args, kwargs):
+            d = t.device
+            if d == dev or _mixable(t):
+                continue
+            if same_device(d, dev):
+                continue
+            if strict is None:
+                strict, skip = self._info(module)
+                if skip:
+                    return
+            if not strict and not (t.is_floating_point() or t.is_complex()):
+                continue  # custom modules may take CPU index/length tensors on purpose
+            self._report_input(module, path, name, d, pname, dev)
+            return
+
+    def _report_input(self, module, path: str, arg: str, d_in: torch.device, pname: str, d_mod: torch.device):
+        p = module._parameters.get(pname)
+        if p is None:
+            p = module._buffers.get(pname)
+        full = self.g.param_name(p) if p is not None and pname in module._parameters else (
+            f"{path}.{pname}" if path != type(module).__name__ else pname)
+        label = _arg_label(module, arg)
+        kind_word = "parameter" if pname in module._parameters else "buffer"
+        words = _where_words(d_in, d_mod)
+        if _accel(d_in) and d_mod.type == "cpu":
+            hint = ("The model was never moved: call `model.to(device)` (before creating the optimizer), "
+                    "or keep the data on the CPU.")
+        else:
+            hint = COPY_HINT
+        self.emit("device-mismatch", path,
+                  f"{words}{path} ({type(module).__name__}) got {label} on {d_in}, but its {kind_word} "
+                  f"{full} is on {d_mod}; PyTorch would fail with 'Expected all tensors to be on the same device'",
+                  hint, source=self.g.root_source,
+                  details={"module": type(module).__name__, "argument": label, "input_device": str(d_in),
+                           kind_word: full, "module_device": str(d_mod)})
+
+    # ------------------------------------------------------------------ optimizer state
+    def on_step_pre(self, optimizer):
+        full = optimizer not in self._opt_seen
+        self._opt_seen[optimizer] = True
+        state = optimizer.state
+        if not state:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                s = state.get(p)
+                if not s:
+                    continue
+                for key, v in s.items():
+                    if isinstance(v, torch.Tensor) and not _mixable(v) and not same_device(v.device, p.device):
+                        self._report_state(optimizer, p, key, v.device)
+                        return
+                if not full:
+                    break  # later steps: one representative per group
+
+    def _report_state(self, optimizer, p, key: str, d_state: torch.device) -> None:
+        name = self.g.param_name(p)
+        words = _where_words(d_state, p.device, "optimizer state")
+        self.emit("device-mismatch", name,
+                  f"{words}{type(optimizer).__name__} state {key!r} of parameter {name} is on {d_state}, "
+                  f"but the parameter is on {p.device}; optimizer.step() would fail",
+                  "The optimizer state was created or loaded while the parameters were on another device and "
+                  "`model.to(device)` ran afterwards: move the model first, then build the optimizer and call "
+                  "`optimizer.load_state_dict(...)` (it moves the state to the parameters' device).",
+                  source=self.g.source(),
+                  details={"optimizer": type(optimizer).__name__, "state": key, "state_device": str(d_state),
+                           "parameter": name, "parameter_device": str(p.device)})
+
+    # ------------------------------------------------------------------ losses
+    def _on_loss(self, fn: str, args: tuple, kwargs: dict) -> None:
+        a = args[0] if args else kwargs.get("input")
+        b = args[1] if len(args) > 1 else kwargs.get("target")
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            return
+        da, db = a.device, b.device
+        if da == db or _mixable(a) or _mixable(b) or same_device(da, db):
+            return
+        words = _where_words(db, da, "target")
+        self.emit("device-mismatch", "loss",
+                  f"{words}{fn}() got its input on {da} and its target on {db}",
+                  "Move the targets with the inputs: `y = y.to(device)` (Tensor.to returns a copy and must be "
+                  "assigned, unlike `model.to(device)`).",
+                  source=self.g.source(),
+                  details={"loss": fn, "input_device": str(da), "target_device": str(db)})
+
+
+def _loss_handler(fn: str):
+    def handler(self, args, kwargs):
+        self._on_loss(fn, args, kwargs)
+
+    handler.__name__ = f"on_dev_{fn}"
+    return handler
+
+
+for _fn in LOSSES:
+    setattr(DeviceMismatch, f"on_dev_{_fn}", _loss_handler(_fn))

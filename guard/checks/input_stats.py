@@ -1,0 +1,98 @@
+"""Unnormalized image inputs: raw 0-255 pixels, or [0, 1] images far from zero mean into a conv net.
+
+Looks only at the guarded model's (root) inputs during the first `STEPS`
+steps, and reports at most once. Per looked-at call: a handful of reductions
+on the input's device, staged as one flag (no sync); the per-channel numbers
+are read only when the flag fired.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.conv import _ConvNd
+
+from .base import Check
+
+STEPS = 3
+CHANNELS = (1, 3)
+RAW_MAX = 20.0  # normalized images stay within a few std of 0; 0-255 pixels do not
+MEAN_01 = 0.2  # [0, 1] images with a mean above this are far from centred (MNIST's 0.13 is not flagged)
+IMAGENET = "Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))"
+
+
+def _image(x: Any) -> bool:
+    return (type(x) in (torch.Tensor, nn.Parameter) and x.dim() == 4 and x.is_floating_point()
+            and x.shape[1] in CHANNELS and x.shape[2] >= 8 and x.shape[3] >= 8 and x.device.type != "meta"
+            and x.layout is torch.strided)
+
+
+def _starts_with_conv(model: nn.Module) -> bool:
+    for m in model.modules():
+        if m._parameters and any(p is not None for p in m._parameters.values()):
+            return isinstance(m, _ConvNd)
+    return False
+
+
+class InputStats(Check):
+    name = "input-stats"
+    kinds = ("input-not-normalized",)
+    description = "image-like model inputs far from normalized (0-255 pixels, or [0, 1] into a conv net)"
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._off = False
+        self._conv: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+    def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if not is_root or self._off:
+            return
+        if self.g.step >= STEPS:
+            self._off = True
+            return
+        if not self.g.sampling:
+            return
+        x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
+        if not _image(x):
+            return
+        conv = self._conv.get(module)
+        if conv is None:
+            conv = self._conv[module] = _starts_with_conv(module)
+        d = x.detach()
+        if d.dtype in (torch.float16, torch.bfloat16):
+            d = d.float()
+        mn, mx, mean = d.amin(), d.amax(), d.mean()
+        raw = (mn >= 0) & (mx > RAW_MAX)
+        bad = raw | ((mn >= 0) & (mx <= 1) & (mean > MEAN_01)) if conv else raw
+        # per-channel numbers for the report, kept tiny on the device; read only if the flag fires
+        stats = torch.stack([d.mean(dim=(0, 2, 3)), d.std(dim=(0, 2, 3)), d.amin(dim=(0, 2, 3)),
+                             d.amax(dim=(0, 2, 3))])
+        info = (path, type(module).__name__, list(x.shape), str(x.dtype), conv, stats, self.g.step, self.g.root_source)
+        self.g.stage_flag(~bad, lambda info=info: self._report(*info))
+
+    def _report(self, path: str, mtype: str, shape: list, dtype: str, conv: bool, stats: torch.Tensor,
+                step: int, source: Optional[str]) -> None:
+        if self._off:
+            return
+        self._off = True
+        mean, std, lo, hi = (list(map(float, r)) for r in stats.float().cpu().tolist())
+        fmt = lambda v: "(" + ", ".join(f"{a:.3g}" for a in v) + ")"  # noqa: E731
+        rng = f"[{min(lo):.3g}, {max(hi):.3g}]"
+        if max(hi) > RAW_MAX:
+            why = f"values span {rng}: raw 0-255 pixels"
+            fix = (f"Scale to [0, 1] (divide by 255, or torchvision's ToTensor()) and then normalize per channel, "
+                   f"e.g. torchvision.transforms.{IMAGENET} for ImageNet-style models, or your dataset's own "
+                   f"mean/std.")
+        else:
+            why = f"values lie in {rng} with mean {fmt(mean)}, far from 0, and the model starts with a convolution"
+            fix = (f"Normalize per channel after ToTensor(), e.g. torchvision.transforms.{IMAGENET} (ImageNet), "
+                   f"or your dataset's own mean/std, so inputs are centred near 0 with unit spread.")
+        self.emit("input-not-normalized", "input",
+                  f"the input to {path} ({mtype}) looks unnormalized: {shape} {dtype} images whose {why}; "
+                  f"per-channel mean {fmt(mean)}, std {fmt(std)}",
+                  fix, step=step, source=source,
+                  details={"shape": shape, "dtype": dtype, "mean": mean, "std": std, "min": lo, "max": hi,
+                           "starts_with_conv": conv,
+                           "example": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}})

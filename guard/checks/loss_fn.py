@@ -1,0 +1,280 @@
+"""Loss-function misuse: softmax before CrossEntropy, non-log-probabilities into NLL, sigmoid before BCE,
+class targets outside ``[0, C)``.
+
+Observed through reversible patches of ``torch.nn.functional.cross_entropy``,
+``nll_loss`` and ``binary_cross_entropy`` (``nn.CrossEntropyLoss``,
+``nn.NLLLoss`` and ``nn.BCELoss`` call these), so losses are seen whether or
+not they are modules of the guarded model.
+
+Cost model:
+
+* ``softmax-before-cross-entropy``: a few reductions over at most `ROWS` rows of
+  the input, on its device, staged as one flag (no sync); off once found.
+* ``sigmoid-before-bce``: host-only, reads the input's ``grad_fn`` chain (or
+  whether it is the output of an ``nn.Sigmoid`` module under ``no_grad``).
+* ``target-out-of-range``: on the CPU PyTorch always raises ("Target 7 is out of
+  bounds."), so guard checks nothing on the happy path and explains on the
+  error path (bad values, ``C``) before the exception leaves the loss. On an
+  accelerator the kernel's device-side assert kills the context
+  asynchronously, so a staged flag read later would be unreadable: instead the
+  (small, integer) target is copied to host memory with ``non_blocking=True``
+  (no sync; the copy is ordered before the loss kernel on the stream) and
+  examined on the host when the step is resolved, when an exception escapes
+  (the assert surfacing), or when the loss raises.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any, Deque, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .base import Check
+
+ROWS = 64
+_VIEWS = ("Squeeze", "Unsqueeze", "View", "Reshape", "UnsafeView", "Permute", "TBackward", "Transpose",
+          "Select", "Slice", "ToCopy", "Clone", "Expand", "Alias", "Index", "Clamp")
+#: devices where PyTorch itself raises synchronously for bad targets: explain on the error path only
+SYNC_RAISING = ("cpu",)
+MAX_COPIES = 16
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _checkable(t: Any) -> bool:
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.layout is torch.strided and t.device.type != "meta"
+            and t.numel() > 0)
+
+
+def _tol(t: torch.Tensor) -> float:
+    return 2e-2 if t.dtype in (torch.float16, torch.bfloat16) else 1e-3
+
+
+def _rows(x: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """At most `ROWS` samples of the input (every row must hold the property), and the class dim."""
+    if x.dim() >= 2:
+        return x.detach()[:ROWS].float(), 1
+    return x.detach().float(), 0
+
+
+def _bad_targets(t: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
+    return ((t < 0) | (t >= n_classes)) & (t != ignore_index)
+
+
+class LossMisuse(Check):
+    name = "loss-fn"
+    kinds = ("softmax-before-cross-entropy", "sigmoid-before-bce", "target-out-of-range")
+    description = "probabilities into CrossEntropy/NLL, sigmoid before BCELoss, class targets outside [0, C)"
+    patches = {"cross_entropy": "torch.nn.functional.cross_entropy",
+               "nll_loss": "torch.nn.functional.nll_loss",
+               "binary_cross_entropy": "torch.nn.functional.binary_cross_entropy"}
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        kinds = guard.config.kinds
+        self._want_prob = "softmax-before-cross-entropy" in kinds
+        self._want_sig = "sigmoid-before-bce" in kinds
+        self._want_tgt = "target-out-of-range" in kinds
+        self._sig_mods: Dict[int, Tuple[Any, bool]] = {}
+        self._sig_out: Optional[weakref.ref] = None
+        # host copies of accelerator targets of this step: (copy, C, ignore_index, fn, step, source)
+        self._copies: Deque[Tuple[torch.Tensor, int, int, str, int, Optional[str]]] = deque(maxlen=MAX_COPIES)
+
+    # ------------------------------------------------------------------ cross_entropy / nll_loss
+    def on_cross_entropy(self, args, kwargs):
+        self._class_loss("cross_entropy", args, kwargs)
+
+    def on_nll_loss(self, args, kwargs):
+        self._class_loss("nll_loss", args, kwargs)
+
+    def _class_loss(self, fn: str, args: tuple, kwargs: dict) -> None:
+        x = _arg(args, kwargs, 0, "input")
+        t = _arg(args, kwargs, 1, "target")
+        if not isinstance(x, torch.Tensor) or not _checkable(x) or not x.is_floating_point():
+            return
+        if self._want_tgt and isinstance(t, torch.Tensor) and _checkable(t) and not t.is_floating_point() \
+                and t.device.type not in SYNC_RAISING:
+            self._copy_targets(fn, x, t, _arg(args, kwargs, 4, "ignore_index", -100))
+        if self._want_prob and self.g.sampling:
+            rows, cd = _rows(x)
+            if fn == "cross_entropy":
+                # rows that are probabilities: non-negative and summing to 1 (NaN compares False: no alarm)
+                dev = (rows.sum(dim=cd) - 1).abs().amax()
+                ok = ~((rows.amin() >= 0) & (dev <= _tol(x)))
+            else:
+                # log-probabilities have logsumexp 0 over the classes
+                ok = ~((torch.logsumexp(rows, dim=cd).abs().amax() > _tol(x)))
+            info = (fn, list(x.shape), type(x.grad_fn).__name__ if x.grad_fn is not None else None,
+                    weakref.ref(x), self.g.step, self.g.source())
+            self.g.stage_flag(ok, lambda info=info: self._report_prob(*info))
+
+    def _report_prob(self, fn, shape, grad_fn, ref, step, source) -> None:
+        self._want_prob = False  # reported once; no more per-call work
+        x = ref()
+        if fn == "cross_entropy":
+            self.emit("softmax-before-cross-entropy", "loss",
+                      f"cross_entropy() (CrossEntropyLoss) got rows that are already probabilities (non-negative, "
+                      f"each summing to 1; input {shape}" + (f", made by {grad_fn}" if grad_fn else "") + "): "
+                      "softmax was applied twice, which flattens the loss and makes gradients vanish",
+                      "CrossEntropyLoss takes raw logits (it applies log_softmax itself): remove the softmax "
+                      "before the loss and apply it only to get predictions.",
+                      step=step, source=source, details={"loss": fn, "input_shape": shape, "grad_fn": grad_fn})
+            return
+        probs = None
+        if x is not None:
+            try:
+                rows, _ = _rows(x)
+                probs = bool((rows.amin() >= 0) & (rows.amax() <= 1))
+            except Exception:
+                probs = None
+        what = ("probabilities (softmax without log)" if probs else
+                "raw scores, not log-probabilities" if probs is False else "not log-probabilities")
+        self.emit("softmax-before-cross-entropy", "loss",
+                  f"nll_loss() (NLLLoss) got {what}: its rows do not have logsumexp 0 over the classes "
+                  f"(input {shape}" + (f", made by {grad_fn}" if grad_fn else "") + "), so the loss is meaningless",
+                  "NLLLoss expects log-probabilities: apply `log_softmax(dim=1)` (not softmax) before it, or feed "
+                  "raw logits to CrossEntropyLoss, which does both in one stable step.",
+                  step=step, source=source, details={"loss": fn, "input_shape": shape, "grad_fn": grad_fn,
+                                                     "looks_like": "probabilities" if probs else "scores"})
+
+    # ------------------------------------------------------------------ target-out-of-range
+    def _n_classes(self, x: torch.Tensor) -> int:
+        return x.shape[1] if x.dim() >= 2 else x.shape[0]
+
+    def _copy_targets(self, fn: str, x: torch.Tensor, t: torch.Tensor, ignore_index: int) -> None:
+        try:
+            cp = t.detach().to("cpu", non_blocking=True)
+        except Exception:
+            return
+        self._copies.append((cp, self._n_classes(x), int(ignore_index), fn, self.g.step, self.g.source()))
+
+    def _scan_copies(self, wait: bool) -> None:
+        copies = list(self._copies)
+        self._copies.clear()
+        if not copies:
+            return
+        if wait:
+            _synchronize()
+        for cp, c, ii, fn, step, source in copies:
+            if self._explain_targets(fn, cp, c, ii, step, source):
+                return
+
+    def _explain_targets(self, fn: str, t: torch.Tensor, c: int, ii: int, step: int, source: Optional[str]) -> bool:
+        """Host-side: report the bad values of CPU tensor `t` (a sync is fine here: we are on the error path)."""
+        bad = _bad_targets(t, c, ii)
+        if not bool(bad.any()):
+            return False
+        values = torch.unique(t[bad])
+        shown = [int(v) for v in values[:10]]
+        count = int(bad.sum())
+        self.emit("target-out-of-range", "loss",
+                  f"{fn}() got class targets outside [0, {c}): {shown}" + (" ..." if values.numel() > 10 else "")
+                  + f" ({count} of {t.numel()} targets; the input has C={c} classes"
+                  + (f", ignore_index={ii}" if ii != -100 else "") + ")",
+                  f"Targets must be class indices in [0, {c - 1}]: check the label encoding (1-based labels need "
+                  f"`y - 1`), the model's number of outputs (C={c}), or mark padding with ignore_index "
+                  f"(default -100).",
+                  step=step, source=source,
+                  details={"loss": fn, "classes": c, "bad_values": shown, "bad_count": count, "ignore_index": ii})
+        return True
+
+    def on_cross_entropy_error(self, args, kwargs, exc):
+        self._class_loss_error("cross_entropy", args, kwargs)
+
+    def on_nll_loss_error(self, args, kwargs, exc):
+        self._class_loss_error("nll_loss", args, kwargs)
+
+    def _class_loss_error(self, fn: str, args: tuple, kwargs: dict) -> None:
+        if not self._want_tgt:
+            return
+        x = _arg(args, kwargs, 0, "input")
+        t = _arg(args, kwargs, 1, "target")
+        if self._copies:
+            self._scan_copies(wait=True)
+            return
+        if not (isinstance(x, torch.Tensor) and isinstance(t, torch.Tensor) and _checkable(t) and x.dim() >= 1
+                and not t.is_floating_point() and t.device.type in SYNC_RAISING):
+            return
+        self._explain_targets(fn, t.detach(), self._n_classes(x), int(_arg(args, kwargs, 4, "ignore_index", -100)),
+                              self.g.step, self.g.source())
+
+    def on_step_pre(self, optimizer):
+        if self._copies and self.g.is_primary(optimizer):
+            self._scan_copies(wait=True)  # once per step; the guard syncs right after to read staged flags
+
+    def on_resolved(self):
+        self._scan_copies(wait=True)
+
+    def on_exception(self, exc):
+        self._scan_copies(wait=True)  # a device-side assert surfacing: the host copies were made before it
+
+    def on_exit(self):
+        self._scan_copies(wait=True)
+
+    # ------------------------------------------------------------------ BCE after sigmoid
+    def on_forward(self, module, path, args, kwargs, output, is_root):
+        if not self._want_sig:
+            return
+        ent = self._sig_mods.get(id(module))
+        if ent is None or ent[0]() is not module:
+            ent = (weakref.ref(module), isinstance(module, nn.Sigmoid))
+            if len(self._sig_mods) > 100_000:
+                self._sig_mods.clear()
+            self._sig_mods[id(module)] = ent
+        if ent[1] and isinstance(output, torch.Tensor):
+            self._sig_out = weakref.ref(output)
+
+    def on_binary_cross_entropy(self, args, kwargs):
+        if not self._want_sig:
+            return
+        x = _arg(args, kwargs, 0, "input")
+        if not isinstance(x, torch.Tensor):
+            return
+        via = _sigmoid_in_graph(x)
+        if via is None and self._sig_out is not None and self._sig_out() is x:
+            via = "an nn.Sigmoid module"
+        if via is None:
+            return
+        self.emit("sigmoid-before-bce", "loss",
+                  f"binary_cross_entropy() (BCELoss) is fed the output of a sigmoid ({via}): log(sigmoid(x)) in "
+                  f"two steps loses precision and saturates for large logits (BCELoss clamps log to -100)",
+                  "Drop the sigmoid and use `nn.BCEWithLogitsLoss` (F.binary_cross_entropy_with_logits) on the "
+                  "logits: it is numerically stable; apply torch.sigmoid only to get probabilities.",
+                  source=self.g.source(), details={"loss": "binary_cross_entropy", "via": via})
+        self._want_sig = False  # reported once; no more per-call work
+
+
+def _sigmoid_in_graph(x: torch.Tensor) -> Optional[str]:
+    fn = x.grad_fn
+    for _ in range(6):
+        if fn is None:
+            return None
+        name = type(fn).__name__
+        if name.startswith("SigmoidBackward"):
+            return "torch.sigmoid / nn.Sigmoid in the autograd graph"
+        if not name.startswith(_VIEWS):
+            return None
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        fn = nxt[0] if len(nxt) == 1 else None
+    return None
+
+
+def _synchronize() -> None:
+    """Wait for pending device work so non-blocking host copies are complete (errors: they already are)."""
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    except Exception:
+        pass  # a device-side assert surfaces here; copies enqueued before it are complete
+    try:
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and acc.is_available() and acc.current_accelerator().type != "cuda":
+            acc.synchronize()
+    except Exception:
+        pass
