@@ -239,6 +239,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="3 reps x 4 steps, no memory runs")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--per-check", action="store_true",
+                    help="also time each check alone (on the models given), to say what each costs")
     args = ap.parse_args(argv)
     if args.quick:
         args.reps, args.steps, args.warmup, args.no_memory = 3, 4, 2, True
@@ -248,6 +250,12 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown model {unknown[0]!r}; allowed: {', '.join(MODELS)}")
     configs = list(CONFIGS)
+    if args.per_check:
+        from guard.checks import registry
+
+        for cname in sorted(registry()):
+            CONFIGS[f"only {cname}"] = _guarded(checks=[cname])
+            configs.append(f"only {cname}")
     results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                           f"{args.threads} torch thread(s), torch {torch.__version__}, python {platform.python_version()}",
                "reps": args.reps, "steps": args.steps, "models": {}}
