@@ -78,14 +78,20 @@ def _arg_label(module: Any, name: str) -> str:
     if not name.startswith("args["):
         return name
     try:
-        idx = int(name[5:name.index("]")])
+        end = name.index("]")
+        idx, rest = int(name[5:end]), name[end + 1:]
         params = [p for p in inspect.signature(module.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
         if idx < len(params) and params[idx].kind is not inspect.Parameter.VAR_POSITIONAL:
-            return f"{params[idx].name} ({name})"
+            return f"{params[idx].name}{rest} ({name})"
     except Exception:
         pass
     return name
+
+
+def _mod_label(path: str, module: Any) -> str:
+    t = type(module).__name__
+    return path if path == t else f"{path} ({t})"
 
 
 def _where_words(d_in: torch.device, d_model: torch.device, what: str = "input") -> str:
@@ -172,7 +178,7 @@ class DeviceMismatch(Check):
         else:
             hint = COPY_HINT
         self.emit("device-mismatch", path,
-                  f"{words}{path} ({type(module).__name__}) got {label} on {d_in}, but its {kind_word} "
+                  f"{words}{_mod_label(path, module)} got {label} on {d_in}, but its {kind_word} "
                   f"{full} is on {d_mod}; PyTorch would fail with 'Expected all tensors to be on the same device'",
                   hint, source=self.g.root_source,
                   details={"module": type(module).__name__, "argument": label, "input_device": str(d_in),

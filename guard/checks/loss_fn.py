@@ -103,20 +103,22 @@ class LossMisuse(Check):
             self._copy_targets(fn, x, t, _arg(args, kwargs, 4, "ignore_index", -100))
         if self._want_prob and self.g.sampling:
             rows, cd = _rows(x)
+            info = (fn, list(x.shape), type(x.grad_fn).__name__ if x.grad_fn is not None else None,
+                    self.g.step, self.g.source())
             if fn == "cross_entropy":
                 # rows that are probabilities: non-negative and summing to 1 (NaN compares False: no alarm)
                 dev = (rows.sum(dim=cd) - 1).abs().amax()
                 ok = ~((rows.amin() >= 0) & (dev <= _tol(x)))
+                self.g.stage_flag(ok, lambda info=info: self._report_prob(*info, code=1.0))
             else:
-                # log-probabilities have logsumexp 0 over the classes
-                ok = ~((torch.logsumexp(rows, dim=cd).abs().amax() > _tol(x)))
-            info = (fn, list(x.shape), type(x.grad_fn).__name__ if x.grad_fn is not None else None,
-                    weakref.ref(x), self.g.step, self.g.source())
-            self.g.stage_flag(ok, lambda info=info: self._report_prob(*info))
+                # log-probabilities have logsumexp 0 over the classes; code 0 fine, 1 probabilities, 2 scores
+                bad = torch.logsumexp(rows, dim=cd).abs().amax() > _tol(x)
+                probs = (rows.amin() >= 0) & (rows.amax() <= 1)
+                code = bad.float() * (2.0 - probs.float())
+                self.g.stage(code, lambda v, info=info: v and self._report_prob(*info, code=v))
 
-    def _report_prob(self, fn, shape, grad_fn, ref, step, source) -> None:
+    def _report_prob(self, fn, shape, grad_fn, step, source, code: float) -> None:
         self._want_prob = False  # reported once; no more per-call work
-        x = ref()
         if fn == "cross_entropy":
             self.emit("softmax-before-cross-entropy", "loss",
                       f"cross_entropy() (CrossEntropyLoss) got rows that are already probabilities (non-negative, "
@@ -126,15 +128,8 @@ class LossMisuse(Check):
                       "before the loss and apply it only to get predictions.",
                       step=step, source=source, details={"loss": fn, "input_shape": shape, "grad_fn": grad_fn})
             return
-        probs = None
-        if x is not None:
-            try:
-                rows, _ = _rows(x)
-                probs = bool((rows.amin() >= 0) & (rows.amax() <= 1))
-            except Exception:
-                probs = None
-        what = ("probabilities (softmax without log)" if probs else
-                "raw scores, not log-probabilities" if probs is False else "not log-probabilities")
+        probs = code == 1.0
+        what = "probabilities (softmax without log)" if probs else "raw scores, not log-probabilities"
         self.emit("softmax-before-cross-entropy", "loss",
                   f"nll_loss() (NLLLoss) got {what}: its rows do not have logsumexp 0 over the classes "
                   f"(input {shape}" + (f", made by {grad_fn}" if grad_fn else "") + "), so the loss is meaningless",

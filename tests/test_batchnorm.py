@@ -1,0 +1,150 @@
+"""BatchNorm and batches of one: caught before PyTorch's error, and predicted from the DataLoader at step 0."""
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+from demos import batchnorm_last_batch
+from guard import GuardError, guard
+
+
+def by_kind(g, kind):
+    return [f for f in g.findings if f.kind == kind]
+
+
+def mlp_bn():
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def run_epochs(model, loader, opt, epochs=1):
+    for _ in range(epochs):
+        for xb, yb in loader:
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def data(n, d=6):
+    return TensorDataset(torch.randn(n, d), torch.randint(0, 2, (n,)))
+
+
+def test_demo_predicts_at_step_0_then_catches_the_crash(capsys):
+    g = batchnorm_last_batch.train(live=False)
+    assert "Expected more than 1 value per channel" in capsys.readouterr().out  # the crash still happens
+    assert [f.kind for f in g.findings] == ["batchnorm-last-batch", "batchnorm-single-sample"]
+    warn, err = g.findings
+    assert warn.step == 0 and warn.severity == "warning" and warn.where == "input"
+    assert warn.details["dataset_size"] == 161 and warn.details["batch_size"] == 32
+    assert warn.details["last_batch_size"] == 1 and warn.details["batchnorm_modules"] == ["1"]
+    assert "drop_last=True" in warn.hint and "GroupNorm/LayerNorm" in warn.hint and "batch size" in warn.hint
+    assert "161 samples, batch_size=32" in warn.message
+    assert warn.source.startswith(os.path.join("demos", "batchnorm_last_batch.py") + ":")
+    assert err.where == "1" and err.step == 5 and err.severity == "error"  # 5 full batches, then the batch of 1
+    assert "(1, 32)" in err.message and "drop_last=True" in err.hint
+
+
+def test_demo_clean_twin_drop_last_has_no_findings():
+    g = batchnorm_last_batch.train(fixed=True, checks="all", live=False)
+    assert g.findings == []
+    assert g.step == 10
+
+
+def test_reactive_raise_mode_before_pytorch_valueerror():
+    model = mlp_bn()
+    with guard(model, mode="raise", live=False):
+        with pytest.raises(GuardError) as err:
+            model(torch.randn(1, 6))
+    assert err.value.finding.kind == "batchnorm-single-sample" and err.value.finding.where == "1"
+
+
+def test_eval_mode_single_sample_is_fine():
+    model = mlp_bn().eval()
+    with guard(model, checks="all", live=False) as g:
+        with torch.no_grad():
+            model(torch.randn(1, 6))
+    assert g.findings == []
+
+
+def test_sampler_sets_the_length():
+    model = mlp_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = data(100)
+    loader = DataLoader(ds, batch_size=8, sampler=RandomSampler(ds, num_samples=33))
+    with guard(model, opt, live=False) as g:
+        with pytest.raises(ValueError):
+            run_epochs(model, loader, opt)
+    (w,) = by_kind(g, "batchnorm-last-batch")
+    assert w.step == 0
+    assert w.details["samples_per_epoch"] == 33 and w.details["dataset_size"] == 100
+    assert w.details["sampler"] == "RandomSampler"
+    assert "33 samples from its RandomSampler (dataset of 100)" in w.message
+    assert w.details["suggested_batch_size"] not in (None, 8) and 33 % w.details["suggested_batch_size"] != 1
+
+
+def test_conv_batchnorm2d_survives_a_batch_of_one_so_no_warning():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = TensorDataset(torch.randn(9, 3, 8, 8), torch.randint(0, 2, (9,)))
+    with guard(model, opt, checks="all", live=False) as g:
+        run_epochs(model, DataLoader(ds, batch_size=4), opt)  # last batch: 1 x 4 x 8 x 8, fine
+    assert g.findings == [] and g.step == 3
+
+
+def test_validation_loader_in_eval_mode_is_not_warned():
+    model = mlp_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = DataLoader(data(32), batch_size=8, shuffle=True)
+    val = DataLoader(data(17), batch_size=8)
+    with guard(model, opt, checks="all", live=False) as g:
+        run_epochs(model, train, opt)
+        model.eval()
+        with torch.no_grad():
+            for xb, _ in val:
+                model(xb)
+        model.train()
+    assert g.findings == []
+
+
+def test_model_without_batchnorm_is_not_warned():
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        run_epochs(model, DataLoader(data(33), batch_size=8), opt)
+    assert g.findings == []
+
+
+def test_global_guard_predicts_after_first_forward():
+    model = mlp_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(live=False) as g:
+        with pytest.raises(ValueError):
+            run_epochs(model, DataLoader(data(17), batch_size=8), opt)
+    w = by_kind(g, "batchnorm-last-batch")
+    assert len(w) == 1 and w[0].step == 0
+    assert by_kind(g, "batchnorm-single-sample")[0].step == 2
+
+
+def test_small_batches_are_info_and_do_not_hide_the_error():
+    model = mlp_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        with pytest.raises(ValueError):
+            run_epochs(model, DataLoader(data(7), batch_size=2), opt)  # 2, 2, 2, 1
+    infos = [f for f in g.findings if f.severity == "info"]
+    assert len(infos) == 1 and infos[0].kind == "batchnorm-single-sample" and infos[0].where == "input"
+    assert infos[0].step == 0 and "batches of 2" in infos[0].message
+    errors = [f for f in g.findings if f.severity == "error"]
+    assert [(f.kind, f.where, f.step) for f in errors] == [("batchnorm-single-sample", "1", 3)]
+
+
+def test_silenced_by_check_name():
+    model = mlp_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks=["default", "-batchnorm"], live=False) as g:
+        with pytest.raises(ValueError):
+            run_epochs(model, DataLoader(data(17), batch_size=8), opt)
+    assert g.findings == []

@@ -1,0 +1,61 @@
+"""input-not-normalized: raw 0-255 pixels, or [0, 1] images into a conv net; first steps only, once."""
+import os
+
+import torch
+from torch import nn
+
+from demos import unnormalized_input
+from guard import guard
+
+
+def convnet(c=3):
+    return nn.Sequential(nn.Conv2d(c, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 2))
+
+
+def train(model, batches, **opts):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False, **opts) as g:
+        for x in batches:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g
+
+
+def test_demo_raw_pixels_and_clean_twin():
+    g = unnormalized_input.train(live=False)
+    assert [f.kind for f in g.findings] == ["input-not-normalized"]
+    f = g.findings[0]
+    assert f.severity == "info" and f.where == "input" and f.step == 0 and f.count == 1
+    assert "raw 0-255 pixels" in f.message and "per-channel mean (" in f.message and "std (" in f.message
+    assert "0.485, 0.456, 0.406" in f.hint and "255" in f.hint
+    assert len(f.details["mean"]) == 3 and max(f.details["max"]) > 200
+    assert f.source.startswith(os.path.join("demos", "unnormalized_input.py") + ":")
+    assert unnormalized_input.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_unit_range_images_into_conv_net():
+    g = train(convnet(), [torch.rand(4, 3, 16, 16) for _ in range(3)])
+    assert [f.kind for f in g.findings] == ["input-not-normalized"]
+    assert "starts with a convolution" in g.findings[0].message
+    assert g.findings[0].count == 1  # once, not per step
+
+
+def test_unit_range_into_mlp_and_mnist_like_are_not_reported():
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 2))
+    assert train(mlp, [torch.rand(4, 3, 16, 16)], checks="all").findings == []
+    sparse = (torch.rand(4, 1, 28, 28) > 0.87).float()  # MNIST-like: mean ~0.13
+    assert train(convnet(1), [sparse], checks="all").findings == []
+
+
+def test_only_the_first_steps_are_looked_at():
+    batches = [torch.randn(4, 3, 16, 16) for _ in range(4)] + [torch.rand(4, 3, 16, 16) * 255]
+    g = train(convnet(), batches)
+    assert g.findings == [] and g.step == 5
+
+
+def test_silenced_by_check_name():
+    g = train(convnet(), [torch.rand(4, 3, 16, 16) * 255], checks=["default", "-input-stats"])
+    assert g.findings == []

@@ -1,0 +1,161 @@
+"""Loss misuse: softmax before CrossEntropy, NLL without log, sigmoid before BCE, targets outside [0, C)."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from demos import sigmoid_bce, softmax_cross_entropy, target_out_of_range
+from guard import GuardError, guard
+from guard.checks import loss_fn
+
+
+def kinds(g):
+    return [f.kind for f in g.findings]
+
+
+def one_step(model, loss, opt):
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_softmax_demo_and_clean_twin():
+    g = softmax_cross_entropy.train(live=False)
+    assert kinds(g) == ["softmax-before-cross-entropy"]
+    f = g.findings[0]
+    assert f.where == "loss" and f.step == 0 and f.severity == "warning"
+    assert "already probabilities" in f.message and "SoftmaxBackward0" in f.message
+    assert "raw logits" in f.hint
+    assert f.source.startswith(os.path.join("demos", "softmax_cross_entropy.py") + ":")
+    assert softmax_cross_entropy.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_cross_entropy_on_log_softmax_and_segmentation_logits_is_clean():
+    model = nn.Conv2d(3, 4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(2):
+            out = model(torch.randn(2, 3, 8, 8))
+            one_step(model, F.cross_entropy(out, torch.randint(0, 4, (2, 8, 8))), opt)
+            # log_softmax before CrossEntropy is redundant but gives the same loss: not reported
+            one_step(model, F.cross_entropy(model(torch.randn(2, 3, 8, 8)).log_softmax(1),
+                                            torch.randint(0, 4, (2, 8, 8))), opt)
+    assert g.findings == []
+
+
+def test_segmentation_probabilities_are_caught():
+    model = nn.Conv2d(3, 4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        out = model(torch.randn(2, 3, 8, 8)).softmax(dim=1)
+        one_step(model, nn.CrossEntropyLoss()(out, torch.randint(0, 4, (2, 8, 8))), opt)
+    assert kinds(g) == ["softmax-before-cross-entropy"]
+
+
+@pytest.mark.parametrize("make,looks", [(lambda z: z.softmax(1), "probabilities (softmax without log)"),
+                                        (lambda z: z, "raw scores")])
+def test_nll_loss_fed_non_log_probabilities(make, looks):
+    model = nn.Linear(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        x = torch.randn(8, 5)
+        one_step(model, nn.NLLLoss()(make(model(x)), torch.randint(0, 3, (8,))), opt)
+    assert kinds(g) == ["softmax-before-cross-entropy"]
+    assert looks in g.findings[0].message and "log_softmax" in g.findings[0].hint
+
+
+def test_nll_loss_on_log_softmax_is_clean_also_in_half():
+    model = nn.Linear(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        one_step(model, F.nll_loss(F.log_softmax(model(torch.randn(8, 5)), dim=1), torch.randint(0, 3, (8,))), opt)
+        with torch.no_grad():
+            lp = torch.randn(16, 100).log_softmax(1).half()
+            F.nll_loss(lp.float(), torch.randint(0, 100, (16,)))
+    assert g.findings == []
+
+
+def test_sigmoid_demo_and_clean_twin():
+    g = sigmoid_bce.train(live=False)
+    assert kinds(g) == ["sigmoid-before-bce"]
+    f = g.findings[0]
+    assert f.severity == "info" and f.where == "loss" and f.step == 0
+    assert "BCEWithLogitsLoss" in f.hint
+    assert sigmoid_bce.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_sigmoid_through_views_and_under_no_grad():
+    model = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    with guard(model, live=False) as g:
+        F.binary_cross_entropy(torch.sigmoid(torch.randn(6, 1, requires_grad=True)).squeeze(1).clamp(1e-6, 1 - 1e-6),
+                               torch.rand(6))
+    assert kinds(g) == ["sigmoid-before-bce"]
+    with guard(model, live=False) as g2:
+        with torch.no_grad():
+            F.binary_cross_entropy(model(torch.randn(6, 4)), torch.rand(6, 1))
+    assert kinds(g2) == ["sigmoid-before-bce"] and "nn.Sigmoid module" in g2.findings[0].message
+
+
+def test_bce_on_probabilities_not_from_sigmoid_is_clean():
+    logits = torch.randn(6, 2, requires_grad=True)
+    with guard(nn.Linear(2, 2), checks="all", live=False) as g:
+        F.binary_cross_entropy(logits.softmax(1)[:, 1], torch.rand(6))
+    assert g.findings == []
+
+
+def test_target_demo_reports_values_and_classes(capsys):
+    g = target_out_of_range.train(live=False)
+    assert "Target 10 is out of bounds" in capsys.readouterr().out
+    assert kinds(g) == ["target-out-of-range"]
+    f = g.findings[0]
+    assert f.where == "loss" and f.step == 0 and f.severity == "error"
+    assert f.details["bad_values"] == [10] and f.details["classes"] == 10
+    assert "[0, 10)" in f.message and "y - 1" in f.hint
+    assert f.source.startswith(os.path.join("demos", "target_out_of_range.py") + ":")
+    assert target_out_of_range.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_target_raise_mode_replaces_the_opaque_error():
+    logits = torch.randn(4, 3)
+    with guard(nn.Linear(2, 2), mode="raise", live=False):
+        with pytest.raises(GuardError) as err:
+            F.cross_entropy(logits, torch.tensor([0, 2, -1, 5]))
+    assert err.value.finding.details["bad_values"] == [-1, 5]
+
+
+def test_ignore_index_is_respected():
+    logits = torch.randn(2, 3, 4, 4)
+    t = torch.randint(0, 3, (2, 4, 4))
+    t[0, 0] = 255  # void pixels in segmentation
+    with guard(nn.Linear(2, 2), checks="all", live=False) as g:
+        F.cross_entropy(logits, t, ignore_index=255)
+        F.cross_entropy(logits, torch.where(t == 255, -100, t))
+    assert g.findings == []
+    with guard(nn.Linear(2, 2), live=False) as g2:
+        with pytest.raises(IndexError):
+            F.cross_entropy(logits, t)  # ignore_index forgotten
+    assert g2.findings[0].details["bad_values"] == [255]
+
+
+def test_accelerator_path_host_copy(monkeypatch):
+    """Where the loss cannot raise synchronously, bad targets are found from a non-blocking host copy."""
+    monkeypatch.setattr(loss_fn, "SYNC_RAISING", ())
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(2):
+            one_step(model, F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 2, 1])), opt)
+    assert g.findings == []
+    with guard(model, opt, live=False) as g2:
+        with pytest.raises(IndexError):
+            F.nll_loss(model(torch.randn(4, 4)).log_softmax(1), torch.tensor([0, 1, 3, 1]))
+    assert kinds(g2) == ["target-out-of-range"] and g2.findings[0].details["bad_values"] == [3]
+
+
+def test_silenced_target_check_leaves_the_error_alone():
+    with guard(nn.Linear(2, 2), checks=["default", "-target-out-of-range"], live=False) as g:
+        with pytest.raises(IndexError):
+            F.cross_entropy(torch.randn(2, 3), torch.tensor([0, 3]))
+    assert g.findings == []
