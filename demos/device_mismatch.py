@@ -1,4 +1,4 @@
-"""`x.to(device)` without assignment: the model is on the accelerator, the batch stays on the CPU (seed note 1)."""
+"""`x.to(device)` without assignment: the model is on the accelerator, the batch stays on the CPU (seed notes: Tensor.cuda() returns a copy)."""
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

@@ -1,4 +1,4 @@
-"""uint8 images cast to float without scaling or normalizing: a conv net gets pixels in 0..255 (seed note 4)."""
+"""uint8 images cast to float without scaling or normalizing: a conv net gets pixels in 0..255 (seed notes: Normalize(mean, std))."""
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

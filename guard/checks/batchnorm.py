@@ -46,24 +46,18 @@ class BatchNormBatch(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        self._bn: Dict[int, Tuple[Any, bool]] = {}  # id(module) -> (weakref, is a training-capable BatchNorm)
+        self._bn: Dict[type, bool] = {}  # module type -> is a BatchNorm
         self._first: set = set()  # BatchNorm paths whose first training batch was looked at
         self._pending: List[Dict[str, Any]] = []  # loader predictions waiting for the next forward pass
         self._crashy: Dict[str, Tuple[int, ...]] = {}  # BatchNorms that trained on one value/sample/channel, this pass
         self._has_bn: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ per module call
-    def _is_bn(self, module) -> bool:
-        ent = self._bn.get(id(module))
-        if ent is None or ent[0]() is not module:
-            ent = (weakref.ref(module), isinstance(module, _BatchNorm))
-            if len(self._bn) > 100_000:
-                self._bn.clear()
-            self._bn[id(module)] = ent
-        return ent[1]
-
     def on_forward_pre(self, module, path, args, kwargs, is_root):
-        if not self._is_bn(module) or not _training(module):
+        is_bn = self._bn.get(type(module))  # by type: one dict lookup per module call
+        if is_bn is None:
+            is_bn = self._bn[type(module)] = issubclass(type(module), _BatchNorm)
+        if not is_bn or not _training(module):
             return
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor) or x.dim() < 2:

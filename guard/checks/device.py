@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
@@ -114,22 +114,18 @@ class DeviceMismatch(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        # id(module) -> (weakref, strict): strict = a torch.nn built-in, whose every tensor input must match
-        self._mods: Dict[int, Tuple[Any, bool, bool]] = {}
+        # module type -> strict: a torch.nn built-in, whose every tensor input must match
+        self._strict: Dict[type, bool] = {}
         self._opt_seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ module inputs
     def _info(self, module) -> Tuple[bool, bool]:
-        ent = self._mods.get(id(module))
-        if ent is None or ent[0]() is not module:
-            strict = type(module).__module__.startswith("torch.nn.")
-            # accelerate's offload hooks move inputs/weights inside forward: their devices are not final here
-            skip = hasattr(module, "_hf_hook")
-            ent = (weakref.ref(module), strict, skip)
-            if len(self._mods) > 100_000:
-                self._mods.clear()
-            self._mods[id(module)] = ent
-        return ent[1], ent[2]
+        """(strict, skip) for a module whose inputs look mismatched (slow path only)."""
+        strict = self._strict.get(type(module))
+        if strict is None:
+            strict = self._strict[type(module)] = type(module).__module__.startswith("torch.nn.")
+        # accelerate's offload hooks move inputs/weights inside forward: their devices are not final here
+        return strict, hasattr(module, "_hf_hook")
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         params, bufs = module._parameters, module._buffers
@@ -146,6 +142,14 @@ class DeviceMismatch(Check):
                     pname, dev = n, b.device
                     break
             if dev is None:
+                return
+        if not kwargs:
+            for a in args:  # the common case, plain tensor arguments: no generator, no names
+                if not isinstance(a, torch.Tensor):
+                    break
+                if a.device != dev and not _mixable(a) and not same_device(a.device, dev):
+                    break
+            else:
                 return
         strict = None
         for name, t in _named_inputs(args, kwargs):

@@ -90,7 +90,7 @@ class InputStats(Check):
             fix = (f"Normalize per channel after ToTensor(), e.g. torchvision.transforms.{IMAGENET} (ImageNet), "
                    f"or your dataset's own mean/std, so inputs are centred near 0 with unit spread.")
         self.emit("input-not-normalized", "input",
-                  f"the input to {path} ({mtype}) looks unnormalized: {shape} {dtype} images whose {why}; "
+                  f"the input to {path if path == mtype else f'{path} ({mtype})'} looks unnormalized: {shape} {dtype} images whose {why}; "
                   f"per-channel mean {fmt(mean)}, std {fmt(std)}",
                   fix, step=step, source=source,
                   details={"shape": shape, "dtype": dtype, "mean": mean, "std": std, "min": lo, "max": hi,

@@ -81,7 +81,7 @@ class LossMisuse(Check):
         self._want_prob = "softmax-before-cross-entropy" in kinds
         self._want_sig = "sigmoid-before-bce" in kinds
         self._want_tgt = "target-out-of-range" in kinds
-        self._sig_mods: Dict[int, Tuple[Any, bool]] = {}
+        self._sig_mods: Dict[type, bool] = {}  # module type -> is nn.Sigmoid
         self._sig_out: Optional[weakref.ref] = None
         # host copies of accelerator targets of this step: (copy, C, ignore_index, fn, step, source)
         self._copies: Deque[Tuple[torch.Tensor, int, int, str, int, Optional[str]]] = deque(maxlen=MAX_COPIES)
@@ -216,13 +216,10 @@ class LossMisuse(Check):
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not self._want_sig:
             return
-        ent = self._sig_mods.get(id(module))
-        if ent is None or ent[0]() is not module:
-            ent = (weakref.ref(module), isinstance(module, nn.Sigmoid))
-            if len(self._sig_mods) > 100_000:
-                self._sig_mods.clear()
-            self._sig_mods[id(module)] = ent
-        if ent[1] and isinstance(output, torch.Tensor):
+        is_sig = self._sig_mods.get(type(module))
+        if is_sig is None:
+            is_sig = self._sig_mods[type(module)] = issubclass(type(module), nn.Sigmoid)
+        if is_sig and isinstance(output, torch.Tensor):
             self._sig_out = weakref.ref(output)
 
     def on_binary_cross_entropy(self, args, kwargs):
