@@ -1,0 +1,84 @@
+"""Which parameters the optimizers hold: frozen ones handed to them, trainable ones left out.
+
+* ``frozen-param-in-optimizer`` [info]: ``requires_grad=False`` parameters in an
+  optimizer's groups (the freeze-layers recipe done halfway), named by module prefix.
+  Checked once per optimizer, at its first ``step()``.
+* ``param-not-in-optimizer`` [warning]: parameters of the watched model that receive
+  gradients but are in no watched optimizer (e.g. a layer replaced after the optimizer
+  was built), reported at the first step. With no optimizer given to the guard, every
+  optimizer stepping is watched, so the check waits for the second step: by then each
+  optimizer of the loop has stepped once (a GAN's two optimizers, say).
+
+Host-only work, once per optimizer / once per run; no device values are read.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List
+
+import torch
+
+from ._params import module_prefixes
+from .base import Check
+
+
+def _listing(prefixes: List[str], more: bool) -> str:
+    return ", ".join(prefixes) + (", ..." if more else "")
+
+
+class OptimizerParams(Check):
+    name = "optimizer-params"
+    kinds = ("frozen-param-in-optimizer", "param-not-in-optimizer")
+    description = "requires_grad=False parameters handed to an optimizer; trainable ones that are in none"
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self._missing_done = False
+
+    def on_step_pre(self, optimizer):
+        if optimizer not in self._seen:
+            self._seen[optimizer] = True
+            self._frozen(optimizer)
+        if not self._missing_done and self.g.is_primary(optimizer):
+            # The session's own list: optimizers given explicitly are all known from the start.
+            explicit = bool(getattr(self.g, "_optimizers", ()))
+            if explicit or self.g.step >= 1:
+                self._missing_done = True
+                self._missing()
+
+    def _frozen(self, opt) -> None:
+        frozen = [p for grp in opt.param_groups for p in grp["params"] if not p.requires_grad]
+        if not frozen:
+            return
+        names = [self.g.param_name(p) for p in frozen]
+        model_names = [n for n, _ in self.g.named_parameters()]
+        prefixes = module_prefixes(names, model_names, limit=11)
+        shown, more = prefixes[:10], len(prefixes) > 10
+        total = sum(len(g["params"]) for g in opt.param_groups)
+        self.emit("frozen-param-in-optimizer", shown[0],
+                  f"{len(frozen)} of the {total} parameters handed to {type(opt).__name__} have requires_grad=False "
+                  f"({_listing(shown, more)}): they are frozen, yet the optimizer holds them",
+                  "Pass only trainable parameters: torch.optim.X(filter(lambda p: p.requires_grad, "
+                  "model.parameters()), ...). If you unfreeze them later on purpose, this is fine.",
+                  source=self.g.source(),
+                  details={"optimizer": type(opt).__name__, "modules": shown, "parameters": len(frozen),
+                           "names": names[:20]})
+
+    def _missing(self) -> None:
+        held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        named = self.g.named_parameters()
+        missing = [n for n, p in named if p.requires_grad and p.grad is not None and id(p) not in held]
+        if not missing:
+            return
+        prefixes = module_prefixes(missing, [n for n, _ in named], limit=11)
+        shown, more = prefixes[:10], len(prefixes) > 10
+        opts = ", ".join(type(o).__name__ for o in self.g.optimizers)
+        self.emit("param-not-in-optimizer", shown[0],
+                  f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
+                  f"{_listing(shown, more)}; optimizer.step() never updates them",
+                  "Build the optimizer after the model is final (e.g. after replacing a layer or head), or add "
+                  "them: optimizer.add_param_group({'params': model.<module>.parameters()}). If they are meant "
+                  "to stay fixed, set requires_grad=False.",
+                  source=self.g.source(),
+                  details={"modules": shown, "parameters": len(missing), "names": missing[:20]})
