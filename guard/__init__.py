@@ -13,6 +13,7 @@ from .config import ConfigError
 from .findings import Finding, GuardError
 from .session import Guard, GuardInternalWarning
 from .wrap import wrap
+from .checks.state_dict import explain_state_dict
 
 __version__ = "0.1.0"
 
@@ -35,5 +36,6 @@ def guard(model: Any = None, optimizer: Any = None, *, checks: Any = "default", 
 
 guard.wrap = wrap  # type: ignore[attr-defined]
 guard.Guard = Guard  # type: ignore[attr-defined]
+guard.explain_state_dict = explain_state_dict  # type: ignore[attr-defined]
 
-__all__ = ["guard", "wrap", "Guard", "Finding", "GuardError", "ConfigError", "GuardInternalWarning"]
+__all__ = ["guard", "wrap", "Guard", "Finding", "GuardError", "ConfigError", "GuardInternalWarning", "explain_state_dict"]

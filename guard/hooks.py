@@ -255,6 +255,25 @@ class Installer:
         """Enter a context manager now (e.g. ``saved_tensors_hooks``); it is exited on close."""
         return self._stack.enter_context(cm)
 
+    def attr(self, obj: Any, name: str, value: Any) -> _Handle:
+        """Set ``obj.<name> = value`` (an instance attribute) until close or the handle's ``remove()``.
+
+        The previous instance attribute (or its absence) is restored, unless someone replaced ours meanwhile.
+        """
+        had = name in getattr(obj, "__dict__", {})
+        old = obj.__dict__[name] if had else None
+        setattr(obj, name, value)
+
+        def restore() -> None:
+            if obj.__dict__.get(name) is not value:
+                return
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+
+        return self._keep(_Handle(restore))
+
     def process_exit(self, obj: Any) -> None:
         self._keep(_watch_process_exit(obj))
 

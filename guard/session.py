@@ -188,7 +188,10 @@ class Guard:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if exc is not None:
-            self._dispatch("exception", exc)
+            try:
+                self._dispatch("exception", exc)
+            except GuardError:
+                pass  # the user's exception propagates unchanged (raise mode included)
             try:
                 self.close()
             except GuardError:
@@ -530,6 +533,9 @@ class Guard:
         if not self._optimizers:
             inst.optimizer_hooks(None, self._hook_step_pre, self._hook_step_post)
         inst.patch("torch.autograd.backward", self._mw_backward)
+        for check in self.checks:
+            for cm in check.contexts():
+                inst.context(cm)
         for ev, target in self._patch_targets().items():
             inst.patch(target, self._make_patch_middleware(ev))
         inst.process_exit(self)
@@ -552,7 +558,10 @@ class Guard:
             try:
                 result = call(*args, **kwargs)
             except BaseException as exc:
-                self._dispatch(event + "_error", args, kwargs, exc)
+                try:
+                    self._dispatch(event + "_error", args, kwargs, exc)
+                except GuardError:
+                    pass  # the call's own exception is the one to see (raise mode included)
                 raise
             self._dispatch(event + "_done", args, kwargs, result)
             return result

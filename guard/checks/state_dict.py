@@ -1,0 +1,268 @@
+"""state_dict mismatches: explain why ``load_state_dict`` / ``torch.load`` failed, with the exact fix.
+
+While a guard is active, ``nn.Module.load_state_dict`` and ``torch.load`` are
+observed (shared, reversible patches). A failing load gets a note on its
+exception (``BaseException.add_note``) and a ``state-dict-mismatch`` finding;
+the exception itself propagates unchanged. ``strict=False`` loads are reported
+only when nothing at all matched (e.g. a ``module.`` prefix), since partial
+loads with ``strict=False`` are usually deliberate.
+
+`explain_state_dict` is the same analysis as a plain function.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..findings import Finding, severity_of
+from .base import Check
+
+KIND = "state-dict-mismatch"
+NOTE_PREFIX = "guard: "
+_PREFIXES = (
+    ("module.", "a DataParallel/DistributedDataParallel-wrapped model"),
+    ("_orig_mod.", "a torch.compile'd model"),
+)
+_NBT = "num_batches_tracked"
+_MAX_LIST = 8
+
+
+def _shape(v: Any) -> Optional[List[int]]:
+    return list(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _is_lazy(v: Any) -> bool:
+    try:
+        return bool(nn.parameter.is_lazy(v))
+    except Exception:
+        return False
+
+
+def _strip(keys, prefix: str) -> set:
+    return {k[len(prefix):] if k.startswith(prefix) else k for k in keys}
+
+
+def _top(key: str) -> str:
+    return key.split(".", 1)[0] if "." in key else "(top level)"
+
+
+def _group(keys: List[str], model_keys: set) -> List[Dict[str, Any]]:
+    """Group keys by their top-level module; say when a group is the whole module."""
+    groups: Dict[str, List[str]] = {}
+    for k in sorted(keys):
+        groups.setdefault(_top(k), []).append(k)
+    out = []
+    for prefix, ks in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        total = sum(1 for m in model_keys if _top(m) == prefix)
+        out.append({"prefix": prefix, "count": len(ks), "examples": ks[:3], "whole_module": total == len(ks)})
+    return out
+
+
+def _fmt_groups(groups: List[Dict[str, Any]]) -> str:
+    parts = []
+    for g in groups[:_MAX_LIST]:
+        ex = ", ".join(g["examples"][:2]) + (", ..." if g["count"] > 2 else "")
+        parts.append(f"{g['prefix']}.* ({g['count']}: {ex})" if g["prefix"] != "(top level)"
+                     else f"{g['count']} top-level key(s) ({ex})")
+    if len(groups) > _MAX_LIST:
+        parts.append(f"... {len(groups) - _MAX_LIST} more module(s)")
+    return "; ".join(parts)
+
+
+def _renames(missing: List[str], unexpected: List[str]) -> List[Tuple[str, str]]:
+    """Top-level modules whose keys match apart from their name (``classifier.*`` saved, ``fc.*`` expected)."""
+    def suffixes(keys):
+        d: Dict[str, set] = {}
+        for k in keys:
+            if "." in k:
+                top, rest = k.split(".", 1)
+                d.setdefault(top, set()).add(rest)
+        return d
+
+    miss, unexp = suffixes(missing), suffixes(unexpected)
+    return [(old, new) for old, so in unexp.items() for new, sn in miss.items() if so == sn]
+
+
+def analyse(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Optional[Dict[str, Any]]:
+    """``{"message", "hint", "details"}`` explaining how `state_dict` differs from `model`, or None if it fits."""
+    if not isinstance(state_dict, Mapping):
+        return None
+    own = model.state_dict()
+    exp, got = set(own), set(state_dict)
+    details: Dict[str, Any] = {"model": type(model).__name__, "checkpoint_keys": len(got), "model_keys": len(exp)}
+    # A prefix on every key: DataParallel/DDP (module.) or torch.compile (_orig_mod.).
+    for prefix, origin in _PREFIXES:
+        if exp != got and got and all(k.startswith(prefix) for k in got) and not any(k.startswith(prefix) for k in exp):
+            rest = _strip(got, prefix) ^ exp
+            if not rest or all(k.endswith(_NBT) for k in rest):
+                details.update(prefix=prefix, direction="checkpoint")
+                return {
+                    "message": (f"every checkpoint key starts with {prefix!r} but the model's keys do not: the "
+                                f"checkpoint was saved from {origin} and is loaded into the plain model"),
+                    "hint": (f"Strip the prefix: model.load_state_dict({{k.removeprefix({prefix!r}): v for k, v in "
+                             f"state_dict.items()}}); save model.module.state_dict() next time."
+                             if prefix == "module." else
+                             f"Strip the prefix: model.load_state_dict({{k.removeprefix({prefix!r}): v for k, v in "
+                             f"state_dict.items()}}); save the original model's state_dict() next time."),
+                    "details": details,
+                }
+        if exp != got and exp and all(k.startswith(prefix) for k in exp) and not any(k.startswith(prefix) for k in got):
+            rest = _strip(exp, prefix) ^ got
+            if not rest or all(k.endswith(_NBT) for k in rest):
+                details.update(prefix=prefix, direction="model")
+                return {
+                    "message": (f"every model key starts with {prefix!r} but the checkpoint's keys do not: the model "
+                                f"is {origin} and the checkpoint was saved from the plain model"),
+                    "hint": ("Load into the wrapped model: model.module.load_state_dict(state_dict)"
+                             if prefix == "module." else
+                             "Load into the original model: model._orig_mod.load_state_dict(state_dict)"),
+                    "details": details,
+                }
+    missing, unexpected = sorted(exp - got), sorted(got - exp)
+    shapes = []
+    for k in sorted(exp & got):
+        a, b = state_dict[k], own[k]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not _is_lazy(b) and a.shape != b.shape:
+            shapes.append({"key": k, "checkpoint": list(a.shape), "model": list(b.shape)})
+    if not missing and not unexpected and not shapes:
+        return None
+    if not strict and not shapes and (exp & got or not exp):
+        return None  # a deliberate partial load
+    details.update(missing=missing[:50], unexpected=unexpected[:50], missing_count=len(missing),
+                   unexpected_count=len(unexpected), shape_mismatches=shapes[:50])
+    parts, hints = [], []
+    diff = missing + unexpected
+    if diff and all(k.endswith(_NBT) for k in diff):
+        which = ", ".join(diff[:_MAX_LIST]) + (" ..." if len(diff) > _MAX_LIST else "")
+        if missing:
+            parts.append(f"only BatchNorm {_NBT} buffers are missing from the checkpoint ({which}): it was saved "
+                         f"by PyTorch older than 0.4.1, which had no such buffer")
+            hints.append(f"Safe to add them: for k in {missing[:3]!r}{'...' if len(missing) > 3 else ''}: "
+                         f"state_dict[k] = torch.tensor(0); or load with strict=False - only these keys differ.")
+        if unexpected:
+            parts.append(f"only {_NBT} buffers are unexpected ({which}): the checkpoint comes from a newer "
+                         f"PyTorch (>= 0.4.1) or from BatchNorm layers with track_running_stats=True")
+            hints.append(f"Safe to drop them: state_dict = {{k: v for k, v in state_dict.items() if not "
+                         f"k.endswith('{_NBT}')}}; or load with strict=False - only these keys differ.")
+        details["num_batches_tracked_only"] = True
+    elif diff:
+        renames = _renames(missing, unexpected)
+        if missing:
+            details["missing_groups"] = _group(missing, exp)
+            parts.append(f"{len(missing)} key(s) the model expects are missing: {_fmt_groups(details['missing_groups'])}")
+        if unexpected:
+            details["unexpected_groups"] = _group(unexpected, got)
+            parts.append(f"{len(unexpected)} checkpoint key(s) are unexpected: "
+                         f"{_fmt_groups(details['unexpected_groups'])}")
+        if renames:
+            details["renamed"] = [list(r) for r in renames]
+            old, new = renames[0]
+            hints.append(f"The module looks renamed ({old} -> {new}): state_dict = {{('{new}.' + k[{len(old) + 1}:] "
+                         f"if k.startswith('{old}.') else k): v for k, v in state_dict.items()}}.")
+        else:
+            hints.append("The checkpoint is from a different architecture or version of the model: build the model "
+                         "with the checkpoint's configuration, or load with strict=False only if the missing modules "
+                         "are meant to stay freshly initialised (e.g. a new head).")
+    if shapes:
+        listed = "; ".join(f"{s['key']}: checkpoint {s['checkpoint']} vs model {s['model']}" for s in shapes[:_MAX_LIST])
+        parts.append(f"{len(shapes)} tensor(s) have a different shape ({listed}"
+                     + (" ..." if len(shapes) > _MAX_LIST else "") + ")")
+        hints.append("Shapes differ because the model was built with other sizes (e.g. num_classes): build it with the "
+                     "checkpoint's sizes, or drop these keys and load with strict=False to re-initialise them: "
+                     f"state_dict = {{k: v for k, v in state_dict.items() if k not in {[s['key'] for s in shapes[:3]]!r}"
+                     f"{'...' if len(shapes) > 3 else ''}}}.")
+    return {"message": "; ".join(parts), "hint": " ".join(hints), "details": details}
+
+
+def explain_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> Optional[Finding]:
+    """Explain why `state_dict` would not load into `model` (strictly): a ``state-dict-mismatch`` Finding, or None.
+
+    The Finding's ``message`` says what differs (``module.`` prefix, ``num_batches_tracked`` only, shape
+    changes, missing/unexpected keys grouped by module), ``hint`` the one-line fix, ``details`` the keys.
+    Needs no active guard; ``step`` is 0.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"explain_state_dict: model={type(model).__name__} object is not an nn.Module")
+    res = analyse(model, state_dict)
+    if res is None:
+        return None
+    return Finding(kind=KIND, severity=severity_of(KIND), message=res["message"], hint=res["hint"],
+                   where=type(model).__name__, step=0, details=res["details"])
+
+
+def add_guard_note(exc: BaseException, text: str) -> bool:
+    """Add `text` as a note unless guard already annotated `exc` (nested guards, two checks)."""
+    if any(isinstance(n, str) and n.startswith(NOTE_PREFIX) for n in getattr(exc, "__notes__", ()) or ()):
+        return False
+    try:
+        exc.add_note(text)
+    except Exception:  # an exception type that refuses notes: the finding still carries it
+        return False
+    return True
+
+
+def _load_location(args: tuple, kwargs: dict) -> str:
+    f = args[0] if args else kwargs.get("f")
+    if isinstance(f, (str, os.PathLike)):
+        return os.fspath(f)
+    return getattr(f, "name", None) or "torch.load"
+
+
+class StateDictMismatch(Check):
+    name = "state-dict"
+    kinds = (KIND,)
+    description = "explains load_state_dict key/shape mismatches and GPU checkpoints loaded without a GPU"
+    patches = {"load_state_dict": "torch.nn.Module.load_state_dict", "torch_load": "torch.load"}
+
+    @staticmethod
+    def _args(args: tuple, kwargs: dict) -> Tuple[Any, Any, bool]:
+        module = args[0] if args else None
+        sd = args[1] if len(args) > 1 else kwargs.get("state_dict")
+        strict = args[2] if len(args) > 2 else kwargs.get("strict", True)
+        return module, sd, bool(strict)
+
+    def _report(self, module: nn.Module, res: Dict[str, Any], exc: Optional[BaseException]) -> None:
+        where = self.g.path_of(module)
+        source = self.g.source()
+        if exc is not None:
+            add_guard_note(exc, f"{NOTE_PREFIX}{res['message']}\n  fix: {res['hint']}")
+        self.emit(KIND, where, res["message"], res["hint"], source=source, details=res["details"])
+
+    def on_load_state_dict_error(self, args, kwargs, exc):
+        module, sd, strict = self._args(args, kwargs)
+        if not isinstance(module, nn.Module) or not isinstance(exc, RuntimeError):
+            return
+        res = analyse(module, sd, strict=True)
+        if res is not None:
+            self._report(module, res, exc)
+
+    def on_load_state_dict_done(self, args, kwargs, result):
+        module, sd, strict = self._args(args, kwargs)
+        if strict or not isinstance(module, nn.Module):
+            return
+        if not (getattr(result, "missing_keys", None) or getattr(result, "unexpected_keys", None)):
+            return
+        res = analyse(module, sd, strict=False)
+        if res is not None:
+            res["message"] += " (strict=False hid this: nothing was loaded)"
+            self._report(module, res, None)
+
+    def on_torch_load_error(self, args, kwargs, exc):
+        text = str(exc)
+        if "deserialize object on" not in text or "CUDA" not in text:
+            return
+        where = _load_location(args, kwargs)
+        if "is_available() is False" in text:
+            msg = ("the checkpoint holds tensors saved on a GPU, and this machine has no usable CUDA device, so "
+                   "torch.load cannot put them back where they were")
+            hint = (f"Load onto the CPU: torch.load({where!r}, map_location='cpu'), then move the model with "
+                    f".to(device); or map_location=torch.device('cuda') when a GPU is present.")
+        else:
+            msg = "the checkpoint names a CUDA device index this machine does not have"
+            hint = (f"Remap the devices: torch.load({where!r}, map_location='cuda:0') (or map_location='cpu'), "
+                    f"then .to(device).")
+        add_guard_note(exc, f"{NOTE_PREFIX}{msg}\n  fix: {hint}")
+        self.emit(KIND, where, msg, hint, source=self.g.source(), details={"error": text.splitlines()[0][:300]})

@@ -1,0 +1,172 @@
+"""state-dict-mismatch: real failing loads get a note and a finding; the exception is unchanged."""
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+import guard as guard_pkg
+from guard import explain_state_dict, guard
+from guard.hooks import active_patches
+
+
+class Net(nn.Module):
+    def __init__(self, classes=4):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, classes)
+
+    def forward(self, x):
+        return self.fc(self.bn(self.conv(x)).mean((2, 3)))
+
+
+def _notes(exc):
+    return "\n".join(getattr(exc, "__notes__", []))
+
+
+def test_module_prefix_explained_and_fix_loads():
+    src = nn.DataParallel(Net())  # runs on CPU without GPUs; keys get the module. prefix
+    sd = src.state_dict()
+    assert all(k.startswith("module.") for k in sd)
+    model = Net()
+    with guard(model, checks="all", live=False) as g:
+        with pytest.raises(RuntimeError) as ei:
+            model.load_state_dict(sd)
+        assert type(ei.value) is RuntimeError and "Error(s) in loading state_dict" in str(ei.value)
+        note = _notes(ei.value)
+        assert "module." in note and "DataParallel" in note and "removeprefix" in note
+        # the hint, applied, loads
+        model.load_state_dict({k.removeprefix("module."): v for k, v in sd.items()})
+    f = [f for f in g.findings if f.kind == "state-dict-mismatch"]
+    assert len(f) == 1 and f[0].where == "Net" and f[0].severity == "error"
+    assert f[0].details["prefix"] == "module." and f[0].details["direction"] == "checkpoint"
+    assert torch.equal(model.fc.weight, src.module.fc.weight)
+
+
+def test_model_wrapped_checkpoint_plain_hints_model_module():
+    sd = Net().state_dict()
+    dp = nn.DataParallel(Net())
+    with guard(dp, checks="all", live=False) as g:
+        with pytest.raises(RuntimeError) as ei:
+            dp.load_state_dict(sd)
+        assert "model.module.load_state_dict" in _notes(ei.value)
+        dp.module.load_state_dict(sd)
+    assert [f.details["direction"] for f in g.findings] == ["model"]
+
+
+def test_strict_false_with_prefix_is_reported_nothing_loaded():
+    sd = nn.DataParallel(Net()).state_dict()
+    model = Net()
+    with guard(model, checks="all", live=False) as g:
+        res = model.load_state_dict(sd, strict=False)
+    assert res.missing_keys  # PyTorch silently loaded nothing
+    (f,) = g.findings
+    assert f.kind == "state-dict-mismatch" and "nothing was loaded" in f.message
+
+
+def test_strict_false_partial_load_is_not_reported():
+    sd = {k: v for k, v in Net().state_dict().items() if not k.startswith("fc.")}
+    model = Net()
+    with guard(model, checks="all", live=False) as g:
+        model.load_state_dict(sd, strict=False)  # a deliberate new head
+    assert g.findings == []
+
+
+def test_num_batches_tracked_only_names_keys():
+    sd = Net().state_dict()  # keeps _metadata (version 2), so PyTorch does not fill the buffer itself
+    del sd["bn.num_batches_tracked"]
+    model = Net()
+    with guard(model, checks="all", live=False) as g:
+        with pytest.raises(RuntimeError) as ei:
+            model.load_state_dict(sd)
+        note = _notes(ei.value)
+        assert "0.4.1" in note and "bn.num_batches_tracked" in note and "strict=False" in note
+        sd["bn.num_batches_tracked"] = torch.tensor(0)  # the hint: safe to add
+        model.load_state_dict(sd)
+    assert g.findings[0].details["num_batches_tracked_only"] is True
+
+
+def test_shape_mismatch_lists_param_and_shapes():
+    sd = Net(classes=10).state_dict()
+    model = Net(classes=4)
+    with guard(model, checks="all", live=False) as g:
+        with pytest.raises(RuntimeError) as ei:
+            model.load_state_dict(sd)
+    note = _notes(ei.value)
+    assert "fc.weight: checkpoint [10, 4] vs model [4, 4]" in note and "fc.bias" in note
+    (f,) = g.findings
+    assert {s["key"] for s in f.details["shape_mismatches"]} == {"fc.weight", "fc.bias"}
+
+
+def test_other_keys_grouped_by_module_and_rename_detected():
+    class Big(nn.Module):
+        def __init__(self, head="fc"):
+            super().__init__()
+            self.body = nn.Sequential(*[nn.Linear(4, 4) for _ in range(30)])
+            setattr(self, head, nn.Linear(4, 2))
+
+    sd = Big(head="classifier").state_dict()
+    sd = {k: v for k, v in sd.items() if not k.startswith("body.2")}
+    model = Big()
+    with guard(model, checks="all", live=False) as g:
+        with pytest.raises(RuntimeError) as ei:
+            model.load_state_dict(sd)
+    note = _notes(ei.value)
+    assert "body.*" in note and "fc.*" in note and "classifier.*" in note
+    assert "classifier -> fc" in note
+    assert len(note) < 1500  # grouped, not 60 names dumped
+    groups = g.findings[0].details["missing_groups"]
+    assert {gr["prefix"]: gr["whole_module"] for gr in groups} == {"body": False, "fc": True}
+
+
+def test_explain_state_dict_public_and_none_when_fine():
+    assert guard_pkg.explain_state_dict is explain_state_dict
+    model = Net()
+    assert explain_state_dict(model, Net().state_dict()) is None
+    f = explain_state_dict(model, nn.DataParallel(Net()).state_dict())
+    assert f.kind == "state-dict-mismatch" and "removeprefix" in f.hint and f.step == 0
+
+
+def test_gpu_checkpoint_on_cpu_machine_explains_map_location(tmp_path):
+    """A real CUDA-tagged checkpoint (the location tag forced at save time), loaded by the real torch.load."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    from torch import serialization
+
+    entry = (1, lambda obj: "cuda:0", lambda obj, loc: None)
+    serialization._package_registry.append(entry)
+    serialization._package_registry.sort(key=lambda e: e[0])
+    try:
+        path = tmp_path / "ckpt.pt"
+        torch.save(Net().state_dict(), path)
+    finally:
+        serialization._package_registry.remove(entry)
+    with guard(checks="all", live=False) as g:
+        with pytest.raises(RuntimeError) as ei:
+            torch.load(path)
+        assert "map_location='cpu'" in _notes(ei.value)
+        assert "is_available() is False" in str(ei.value)
+        torch.load(path, map_location="cpu")  # the fix works
+    (f,) = g.findings
+    assert f.kind == "state-dict-mismatch" and f.where == str(path)
+
+
+def test_patches_removed_and_clean_load_has_no_findings():
+    model = Net()
+    sd = Net().state_dict()
+    before = nn.Module.load_state_dict, torch.load
+    with guard(model, checks="all", live=False) as g:
+        assert any("load_state_dict" in p for p in active_patches())
+        model.load_state_dict(sd)
+    assert (nn.Module.load_state_dict, torch.load) == before
+    assert g.findings == []
+
+
+def test_mode_raise_keeps_the_original_exception():
+    model = Net()
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, checks="all", mode="raise", live=False):
+            model.load_state_dict(Net(classes=3).state_dict())
+    assert type(ei.value) is RuntimeError and "size mismatch" in str(ei.value)
+    assert "guard:" in _notes(ei.value)
