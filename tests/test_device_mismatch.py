@@ -229,3 +229,23 @@ def test_patches_are_removed_on_exit():
     with guard(nn.Linear(2, 2), live=False):
         assert F.mse_loss is not before[0]
     assert (F.mse_loss, F.cross_entropy, torch.utils.data.DataLoader.__iter__) == before
+
+
+def test_meta_conv_that_pytorch_runs_silently_is_still_caught():
+    conv = nn.Conv2d(3, 2, 3).to("meta")
+    with guard(conv, live=False) as g:
+        out = conv(torch.randn(1, 3, 5, 5))  # no error from PyTorch: a CPU tensor of garbage
+    assert out.device.type == "cpu"
+    assert [f.kind for f in g.findings] == ["device-mismatch"] and g.findings[0].where == "Conv2d"
+
+
+def test_dump_holds_the_finding(tmp_path):
+    path = tmp_path / "report.json"
+    device_mismatch.train(report=str(path), live=False)
+    import json
+
+    rep = json.loads(path.read_text())
+    (f,) = [f for f in rep["findings"] if f["kind"] == "device-mismatch"]
+    assert f["severity"] == "error" and f["where"] == "0"
+    assert f["details"] == {"module": "Linear", "argument": "input (args[0])", "input_device": "cpu",
+                            "parameter": "0.weight", "module_device": "meta"}

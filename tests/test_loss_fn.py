@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from demos import sigmoid_bce, softmax_cross_entropy, target_out_of_range
-from guard import GuardError, guard
+from guard import guard
 from guard.checks import loss_fn
 
 
@@ -117,12 +117,13 @@ def test_target_demo_reports_values_and_classes(capsys):
     assert target_out_of_range.train(fixed=True, checks="all", live=False).findings == []
 
 
-def test_target_raise_mode_replaces_the_opaque_error():
+def test_target_raise_mode_explains_on_the_error_path():
     logits = torch.randn(4, 3)
-    with guard(nn.Linear(2, 2), mode="raise", live=False):
-        with pytest.raises(GuardError) as err:
+    with guard(nn.Linear(2, 2), mode="raise", live=False) as g:
+        with pytest.raises(IndexError):  # on the error path PyTorch's own exception is the one raised
             F.cross_entropy(logits, torch.tensor([0, 2, -1, 5]))
-    assert err.value.finding.details["bad_values"] == [-1, 5]
+    assert g.findings[0].kind == "target-out-of-range"
+    assert g.findings[0].details["bad_values"] == [-1, 5] and g.findings[0].details["bad_count"] == 2
 
 
 def test_ignore_index_is_respected():

@@ -94,6 +94,15 @@ class LossMisuse(Check):
         self._class_loss("nll_loss", args, kwargs)
 
     def _class_loss(self, fn: str, args: tuple, kwargs: dict) -> None:
+        try:
+            self._class_loss_checks(fn, args, kwargs)
+        except Exception:
+            # an earlier device-side assert surfacing here (sticky CUDA error): the host copies made before
+            # it are complete, so explain first; then the error takes its course
+            self._scan_copies(wait=False)
+            raise
+
+    def _class_loss_checks(self, fn: str, args: tuple, kwargs: dict) -> None:
         x = _arg(args, kwargs, 0, "input")
         t = _arg(args, kwargs, 1, "target")
         if not isinstance(x, torch.Tensor) or not _checkable(x) or not x.is_floating_point():
@@ -143,10 +152,7 @@ class LossMisuse(Check):
         return x.shape[1] if x.dim() >= 2 else x.shape[0]
 
     def _copy_targets(self, fn: str, x: torch.Tensor, t: torch.Tensor, ignore_index: int) -> None:
-        try:
-            cp = t.detach().to("cpu", non_blocking=True)
-        except Exception:
-            return
+        cp = t.detach().to("cpu", non_blocking=True)
         self._copies.append((cp, self._n_classes(x), int(ignore_index), fn, self.g.step, self.g.source()))
 
     def _scan_copies(self, wait: bool) -> None:
