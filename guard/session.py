@@ -31,6 +31,7 @@ MAX_STAGED = 8192
 
 _DP_TYPES: Tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 _VALUE, _FLAG, _FINITE, _BATCH = 0, 1, 2, 3
+_NO_OUTPUT = object()
 
 
 class GuardInternalWarning(RuntimeWarning):
@@ -616,7 +617,9 @@ class Guard:
             except Exception as exc:
                 self._contain(check, exc)
 
-    def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = _NO_OUTPUT) -> None:
+        if output is _NO_OUTPUT:  # forward raised: torch calls always_call global hooks as (module, args, result)
+            kwargs, output = {}, kwargs
         tls = self._tls
         depth = getattr(tls, "depth", 1) - 1
         tls.depth = depth if depth > 0 else 0

@@ -148,3 +148,14 @@ def test_silenced_by_check_name():
         with pytest.raises(ValueError):
             run_epochs(model, DataLoader(data(17), batch_size=8), opt)
     assert g.findings == []
+
+
+def test_global_guard_keeps_seeing_model_calls_after_a_caught_crash():
+    """A forward that raised must not leave guard thinking it is still inside a module call."""
+    model = mlp_bn()
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    with guard(live=False) as g:
+        with pytest.raises(ValueError):
+            model(torch.randn(1, 6))  # BatchNorm1d with a batch of 1
+        conv(torch.rand(2, 3, 8, 8) * 255)  # a root call again: input-stats looks at roots only
+    assert [f.kind for f in g.findings] == ["batchnorm-single-sample", "input-not-normalized"]
