@@ -84,6 +84,20 @@ def test_sampler_sets_the_length():
     assert w.details["suggested_batch_size"] not in (None, 8) and 33 % w.details["suggested_batch_size"] != 1
 
 
+def test_distributed_sampler_per_rank_length():
+    from torch.utils.data.distributed import DistributedSampler
+
+    model = mlp_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = data(66)  # 2 ranks: 33 samples each, batches of 8 leave 1
+    loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, num_replicas=2, rank=0))
+    with guard(model, opt, live=False) as g:
+        with pytest.raises(ValueError):
+            run_epochs(model, loader, opt)
+    (w,) = by_kind(g, "batchnorm-last-batch")
+    assert w.details["samples_per_epoch"] == 33 and w.details["sampler"] == "DistributedSampler"
+
+
 def test_conv_batchnorm2d_survives_a_batch_of_one_so_no_warning():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
@@ -159,3 +173,13 @@ def test_global_guard_keeps_seeing_model_calls_after_a_caught_crash():
             model(torch.randn(1, 6))  # BatchNorm1d with a batch of 1
         conv(torch.rand(2, 3, 8, 8) * 255)  # a root call again: input-stats looks at roots only
     assert [f.kind for f in g.findings] == ["batchnorm-single-sample", "input-not-normalized"]
+
+
+def test_escaping_valueerror_carries_the_finding_as_a_note():
+    model = mlp_bn()
+    with pytest.raises(ValueError) as err:
+        with guard(model, checks="all", live=False) as g:
+            model(torch.randn(1, 6))
+    notes = getattr(err.value, "__notes__", [])
+    assert any(n.startswith("guard: batchnorm-single-sample at 1 (step 0)") and "drop_last=True" in n for n in notes)
+    assert [f.kind for f in g.findings] == ["batchnorm-single-sample"]

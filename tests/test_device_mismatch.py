@@ -249,3 +249,13 @@ def test_dump_holds_the_finding(tmp_path):
     assert f["severity"] == "error" and f["where"] == "0"
     assert f["details"] == {"module": "Linear", "argument": "input (args[0])", "input_device": "cpu",
                             "parameter": "0.weight", "module_device": "meta"}
+
+
+def test_pytorch_error_escaping_the_block_carries_the_finding_as_a_note():
+    model = nn.Linear(4, 2).to("meta")
+    with pytest.raises(RuntimeError) as err:
+        with guard(model, checks="all", live=False) as g:
+            model(torch.randn(2, 4))
+    notes = getattr(err.value, "__notes__", [])
+    assert any(n.startswith("guard: device-mismatch at Linear (step 0)") and "x = x.to(device)" in n for n in notes)
+    assert [f.kind for f in g.findings] == ["device-mismatch"]  # explained once, not again as explained-error

@@ -160,3 +160,12 @@ def test_silenced_target_check_leaves_the_error_alone():
         with pytest.raises(IndexError):
             F.cross_entropy(torch.randn(2, 3), torch.tensor([0, 3]))
     assert g.findings == []
+
+
+def test_indexerror_carries_the_explanation_as_a_note():
+    with pytest.raises(IndexError) as err:
+        with guard(nn.Linear(2, 2), checks="all", live=False) as g:
+            F.cross_entropy(torch.randn(3, 4), torch.tensor([1, 4, 0]))
+    notes = getattr(err.value, "__notes__", [])
+    assert any(n.startswith("guard: target-out-of-range at loss (step 0)") and "[0, 4): [4]" in n for n in notes)
+    assert [f.kind for f in g.findings] == ["target-out-of-range"]

@@ -28,6 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import BatchSampler
 
 from .base import Check
+from .state_dict import NOTE_PREFIX, add_guard_note
 
 SMALL_BATCH = 4
 FIX = ("drop the incomplete last batch with `DataLoader(..., drop_last=True)`, use a batch size that does not leave "
@@ -51,6 +52,7 @@ class BatchNormBatch(Check):
         self._pending: List[Dict[str, Any]] = []  # loader predictions waiting for the next forward pass
         self._crashy: Dict[str, Tuple[int, ...]] = {}  # BatchNorms that trained on one value/sample/channel, this pass
         self._has_bn: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self._note: Optional[Tuple[str, int]] = None  # the last single-sample error, for the exception's note
 
     # ------------------------------------------------------------------ per module call
     def on_forward_pre(self, module, path, args, kwargs, is_root):
@@ -65,6 +67,7 @@ class BatchNormBatch(Check):
         shape = tuple(x.shape)
         n, spatial = shape[0], math.prod(shape[2:])
         if n * spatial == 1:
+            self._note = (path, self.g.step)
             self.emit("batchnorm-single-sample", path,
                       f"{path} ({type(module).__name__}) is in training mode and gets an input of shape {shape}: "
                       f"one value per channel, so no batch statistics exist; PyTorch would fail with "
@@ -86,6 +89,14 @@ class BatchNormBatch(Check):
                           severity="info", source=self.g.root_source,
                           details={"module": path, "batch_size": n, "input_shape": list(shape),
                                    "threshold": SMALL_BATCH})
+
+    def on_exception(self, exc):
+        """PyTorch's own error for the batch of one escapes: point it at the finding (and keep explain quiet)."""
+        if self._note is not None and isinstance(exc, ValueError) and "more than 1 value per channel" in str(exc):
+            path, step = self._note
+            self._note = None
+            add_guard_note(exc, f"{NOTE_PREFIX}batchnorm-single-sample at {path} (step {step}): a batch of one "
+                                f"sample reached BatchNorm in training mode\n  fix: {FIX}")
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root:

@@ -21,6 +21,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ..tensors import iter_named_tensors
 from .base import Check
+from .state_dict import NOTE_PREFIX, add_guard_note
 
 #: functional losses watched for operands on different devices (nn.*Loss modules call these)
 LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy", "nll_loss",
@@ -117,6 +118,19 @@ class DeviceMismatch(Check):
         # module type -> strict: a torch.nn built-in, whose every tensor input must match
         self._strict: Dict[type, bool] = {}
         self._opt_seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self._note: Any = None  # (where, step, message, hint) of the last finding, for the exception's note
+
+    def _emit(self, where: str, message: str, hint: str, **kw) -> None:
+        self._note = (where, self.g.step, message, hint)
+        self.emit("device-mismatch", where, message, hint, **kw)
+
+    def on_exception(self, exc):
+        """PyTorch's device error escapes after guard reported it: add the finding as a note to the traceback."""
+        if self._note is None or not isinstance(exc, RuntimeError) or "device" not in str(exc):
+            return
+        where, step, message, hint = self._note
+        self._note = None
+        add_guard_note(exc, f"{NOTE_PREFIX}device-mismatch at {where} (step {step}): {message}\n  fix: {hint}")
 
     # ------------------------------------------------------------------ module inputs
     def _info(self, module) -> Tuple[bool, bool]:
@@ -124,8 +138,8 @@ class DeviceMismatch(Check):
         strict = self._strict.get(type(module))
         if strict is None:
             strict = self._strict[type(module)] = type(module).__module__.startswith("torch.nn.")
-        # accelerate's offload hooks move inputs/weights inside forward: their devices are not final here
-        return strict, hasattr(module, "_hf_hook")
+        # accelerate's offload hooks and FSDP's CPU offload move inputs/weights inside forward: not final here
+        return strict, hasattr(module, "_hf_hook") or type(module).__module__.startswith("torch.distributed.")
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         params, bufs = module._parameters, module._buffers
@@ -181,7 +195,7 @@ class DeviceMismatch(Check):
                     "or keep the data on the CPU.")
         else:
             hint = COPY_HINT
-        self.emit("device-mismatch", path,
+        self._emit(path,
                   f"{words}{_mod_label(path, module)} got {label} on {d_in}, but its {kind_word} "
                   f"{full} is on {d_mod}; PyTorch would fail with 'Expected all tensors to be on the same device'",
                   hint, source=self.g.root_source,
@@ -210,7 +224,7 @@ class DeviceMismatch(Check):
     def _report_state(self, optimizer, p, key: str, d_state: torch.device) -> None:
         name = self.g.param_name(p)
         words = _where_words(d_state, p.device, "optimizer state")
-        self.emit("device-mismatch", name,
+        self._emit(name,
                   f"{words}{type(optimizer).__name__} state {key!r} of parameter {name} is on {d_state}, "
                   f"but the parameter is on {p.device}; optimizer.step() would fail",
                   "The optimizer state was created or loaded while the parameters were on another device and "
@@ -230,7 +244,7 @@ class DeviceMismatch(Check):
         if da == db or _mixable(a) or _mixable(b) or same_device(da, db):
             return
         words = _where_words(db, da, "target")
-        self.emit("device-mismatch", "loss",
+        self._emit("loss",
                   f"{words}{fn}() got its input on {da} and its target on {db}",
                   "Move the targets with the inputs: `y = y.to(device)` (Tensor.to returns a copy and must be "
                   "assigned, unlike `model.to(device)`).",

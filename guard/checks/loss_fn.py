@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .base import Check
+from .state_dict import NOTE_PREFIX, add_guard_note
 
 ROWS = 64
 _VIEWS = ("Squeeze", "Unsqueeze", "View", "Reshape", "UnsafeView", "Permute", "TBackward", "Transpose",
@@ -85,6 +86,7 @@ class LossMisuse(Check):
         self._sig_out: Optional[weakref.ref] = None
         # host copies of accelerator targets of this step: (copy, C, ignore_index, fn, step, source)
         self._copies: Deque[Tuple[torch.Tensor, int, int, str, int, Optional[str]]] = deque(maxlen=MAX_COPIES)
+        self._exc: Optional[BaseException] = None  # the exception being explained, if any
 
     # ------------------------------------------------------------------ cross_entropy / nll_loss
     def on_cross_entropy(self, args, kwargs):
@@ -174,36 +176,42 @@ class LossMisuse(Check):
         values = torch.unique(t[bad])
         shown = [int(v) for v in values[:10]]
         count = int(bad.sum())
-        self.emit("target-out-of-range", "loss",
-                  f"{fn}() got class targets outside [0, {c}): {shown}" + (" ..." if values.numel() > 10 else "")
-                  + f" ({count} of {t.numel()} targets; the input has C={c} classes"
-                  + (f", ignore_index={ii}" if ii != -100 else "") + ")",
-                  f"Targets must be class indices in [0, {c - 1}]: check the label encoding (1-based labels need "
-                  f"`y - 1`), the model's number of outputs (C={c}), or mark padding with ignore_index "
-                  f"(default -100).",
-                  step=step, source=source,
+        message = (f"{fn}() got class targets outside [0, {c}): {shown}" + (" ..." if values.numel() > 10 else "")
+                   + f" ({count} of {t.numel()} targets; the input has C={c} classes"
+                   + (f", ignore_index={ii}" if ii != -100 else "") + ")")
+        hint = (f"Targets must be class indices in [0, {c - 1}]: check the label encoding (1-based labels need "
+                f"`y - 1`), the model's number of outputs (C={c}), or mark padding with ignore_index "
+                f"(default -100).")
+        exc, self._exc = self._exc, None
+        if exc is not None:  # the opaque error gets the explanation as a note on its traceback
+            add_guard_note(exc, f"{NOTE_PREFIX}target-out-of-range at loss (step {step}): {message}\n  fix: {hint}")
+        self.emit("target-out-of-range", "loss", message, hint, step=step, source=source,
                   details={"loss": fn, "classes": c, "bad_values": shown, "bad_count": count, "ignore_index": ii})
         return True
 
     def on_cross_entropy_error(self, args, kwargs, exc):
-        self._class_loss_error("cross_entropy", args, kwargs)
+        self._class_loss_error("cross_entropy", args, kwargs, exc)
 
     def on_nll_loss_error(self, args, kwargs, exc):
-        self._class_loss_error("nll_loss", args, kwargs)
+        self._class_loss_error("nll_loss", args, kwargs, exc)
 
-    def _class_loss_error(self, fn: str, args: tuple, kwargs: dict) -> None:
+    def _class_loss_error(self, fn: str, args: tuple, kwargs: dict, exc: BaseException) -> None:
         if not self._want_tgt:
             return
-        x = _arg(args, kwargs, 0, "input")
-        t = _arg(args, kwargs, 1, "target")
-        if self._copies:
-            self._scan_copies(wait=True)
-            return
-        if not (isinstance(x, torch.Tensor) and isinstance(t, torch.Tensor) and _checkable(t) and x.dim() >= 1
-                and not t.is_floating_point() and t.device.type in SYNC_RAISING):
-            return
-        self._explain_targets(fn, t.detach(), self._n_classes(x), int(_arg(args, kwargs, 4, "ignore_index", -100)),
-                              self.g.step, self.g.source())
+        self._exc = exc
+        try:
+            x = _arg(args, kwargs, 0, "input")
+            t = _arg(args, kwargs, 1, "target")
+            if self._copies:
+                self._scan_copies(wait=True)
+                return
+            if not (isinstance(x, torch.Tensor) and isinstance(t, torch.Tensor) and _checkable(t) and x.dim() >= 1
+                    and not t.is_floating_point() and t.device.type in SYNC_RAISING):
+                return
+            self._explain_targets(fn, t.detach(), self._n_classes(x),
+                                  int(_arg(args, kwargs, 4, "ignore_index", -100)), self.g.step, self.g.source())
+        finally:
+            self._exc = None  # never keep the exception (and its frames) alive
 
     def on_step_pre(self, optimizer):
         if self._copies and self.g.is_primary(optimizer):
@@ -213,7 +221,11 @@ class LossMisuse(Check):
         self._scan_copies(wait=True)
 
     def on_exception(self, exc):
-        self._scan_copies(wait=True)  # a device-side assert surfacing: the host copies were made before it
+        self._exc = exc
+        try:
+            self._scan_copies(wait=True)  # a device-side assert surfacing: the host copies were made before it
+        finally:
+            self._exc = None
 
     def on_exit(self):
         self._scan_copies(wait=True)
