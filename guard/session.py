@@ -255,7 +255,8 @@ class Guard:
             return
         tb = traceback.extract_tb(exc.__traceback__)
         at = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "?"
-        entry = {"check": name, "error": f"{type(exc).__name__}: {exc}", "at": at, "step": self.step}
+        first = (str(exc).strip().splitlines() or [""])[0][:300]  # torch errors can run to 100 lines
+        entry = {"check": name, "error": f"{type(exc).__name__}: {first}", "at": at, "step": self.step}
         self.internal_errors.append(entry)
         msg = (f"guard: internal error in check {name!r} ({entry['error']} at {at}); "
                f"the check is switched off, training continues")
@@ -658,7 +659,7 @@ class Guard:
             self.modules[path] = {
                 "path": path,
                 "type": type(module).__name__,
-                "output_shape": list(t.shape) if t is not None else None,
+                "output_shape": list(t.shape) if t is not None and not t.is_nested else None,
                 "dtype": str(t.dtype) if t is not None else None,
                 "device": str(t.device) if t is not None else None,
                 "params": sum(p.numel() for p in module.parameters(recurse=True)),

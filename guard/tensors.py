@@ -68,6 +68,7 @@ def screenable(t: torch.Tensor) -> bool:
         type(t) in _PLAIN
         and t.dtype in _SCREEN_DTYPES
         and t.layout is torch.strided
+        and not t.is_nested  # nested tensors report a strided layout but have no sizes/sum
         and not t.is_meta
         and t.numel() > 0
     )
