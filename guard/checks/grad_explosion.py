@@ -1,0 +1,144 @@
+"""Gradient explosion (total norm far above its running level) and gradients that vanished entirely.
+
+Per sampled step and optimizer: the total gradient norm from the shared, fused
+``g.grad_norms(opt)`` (no extra reduction), staged and read with the step's
+other values. Host side, a window of the last `WINDOW` finite, non-zero totals:
+after `WARMUP` steps a total above ``FACTOR`` x the window's median fires; the
+per-parameter norms are read (one sync) only then, to name the largest.
+
+All-zero gradients for the whole optimizer for `ZERO_STEPS` sampled steps in a
+row mean training has stopped. The contract's vocabulary has no kind of its own
+for that, so it is reported as ``grad-explosion`` with ``severity="info"``,
+``where="loss"`` and ``details["all_zero"] = True`` (the same signal, the total
+gradient norm, gone the other way).
+
+The gradients seen are the unscaled ones under AMP: ``GradScaler.step`` unscales
+before ``optimizer.step()``; for optimizers that unscale inside their fused step
+(``opt.grad_scale``/``opt.found_inf`` set by the scaler) the total is divided by
+the scale on the device, and a step the scaler will skip is ignored.
+
+Also adds the learning rate of group 0 of the main optimizer to the timeline.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from collections import deque
+from statistics import median
+from typing import Any, Dict, Optional
+
+import torch
+
+from .base import Check
+
+WARMUP = 10
+WINDOW = 50
+FACTOR = 10.0
+ZERO_STEPS = 5
+
+
+class _State:
+    __slots__ = ("window", "zero_run", "zero_since", "where")
+
+    def __init__(self) -> None:
+        self.window: deque = deque(maxlen=WINDOW)
+        self.zero_run = 0
+        self.zero_since = 0
+        self.where: Optional[str] = None
+
+
+def _nice(x: float) -> str:
+    if x <= 0 or not math.isfinite(x):
+        return "1.0"
+    e = math.floor(math.log10(x))
+    m = x / 10 ** e
+    m = 1 if m < 1.5 else 2 if m < 3.5 else 5 if m < 7.5 else 10
+    return f"{m * 10 ** e:g}"
+
+
+class GradExplosion(Check):
+    name = "grad-explosion"
+    kinds = ("grad-explosion",)
+    description = "total gradient norm far above its running median; all-zero gradients (training stopped)"
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._state: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _State]" = weakref.WeakKeyDictionary()
+
+    def on_step_pre(self, optimizer):
+        if not self.g.sampling:
+            return
+        if self.g.is_primary(optimizer):
+            self._note_lr(optimizer)
+        gn = self.g.grad_norms(optimizer)
+        totals = list(gn.totals.values())
+        if not totals:
+            return
+        with torch.no_grad():
+            total = totals[0]
+            if len(totals) > 1:
+                total = torch.linalg.vector_norm(torch.stack([t.to(total.device) for t in totals]))
+            scale = getattr(optimizer, "grad_scale", None)
+            if isinstance(scale, torch.Tensor):  # fused AMP step: grads are still scaled
+                total = total / scale.detach().to(total.device).reshape(()).float()
+            found_inf = getattr(optimizer, "found_inf", None)
+            if isinstance(found_inf, torch.Tensor):  # the fused step will skip: not a signal
+                total = torch.where(found_inf.detach().to(total.device).reshape(()) > 0,
+                                    torch.full_like(total, float("nan")), total)
+        step, source, oref = self.g.step, self.g.source(), weakref.ref(optimizer)
+        self.g.stage(total, lambda v: self._seen(oref, gn, v, step, source))
+
+    def _note_lr(self, optimizer) -> None:
+        groups = optimizer.param_groups
+        lr = groups[0].get("lr") if groups else None
+        if isinstance(lr, torch.Tensor):
+            self.g.stage(lr.detach().reshape(()).float(), lambda v: self.g.timeline_note(lr=v))
+        elif isinstance(lr, (int, float)):
+            self.g.timeline_note(lr=float(lr))
+
+    def _seen(self, oref, gn, v: float, step: int, source: Optional[str]) -> None:
+        opt = oref()
+        if opt is None or not math.isfinite(v):
+            return  # NaN/Inf is the nonfinite check's business (or a step the scaler skips)
+        st = self._state.get(opt)
+        if st is None:
+            st = self._state[opt] = _State()
+        if v == 0.0:
+            if st.zero_run == 0:
+                st.zero_since = step
+            st.zero_run += 1
+            if st.zero_run >= ZERO_STEPS:
+                self._report_zero(opt, st, len(gn.params), source)
+            return
+        st.zero_run = 0
+        if len(st.window) >= WARMUP:
+            med = median(st.window)
+            if med > 0 and v > FACTOR * med:
+                self._report(opt, st, gn, v, med, step, source)
+        st.window.append(v)
+
+    def _report(self, opt, st: _State, gn, v: float, med: float, step: int, source: Optional[str]) -> None:
+        values = gn.per_param()
+        ranked = sorted(zip(gn.names, values), key=lambda nv: -nv[1] if math.isfinite(nv[1]) else 0.0)[:5]
+        where = st.where or (ranked[0][0] if ranked else "loss")
+        st.where = where
+        largest = ", ".join(f"{n} ({x:.3g})" for n, x in ranked)
+        self.emit("grad-explosion", where,
+                  f"total gradient norm {v:.3g} is {v / med:.0f}x its running median {med:.3g} "
+                  f"(last {len(st.window)} steps); largest: {largest}",
+                  f"The update is about to jump far: lower the learning rate (or lengthen its warm-up), and clip "
+                  f"gradients before optimizer.step(): torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                  f"max_norm={_nice(3 * med)}) (a few times the usual norm here).",
+                  step=step, source=source,
+                  details={"optimizer": type(opt).__name__, "total_norm": v, "running_median": med,
+                           "ratio": v / med, "largest": [{"name": n, "norm": x} for n, x in ranked]})
+
+    def _report_zero(self, opt, st: _State, n: int, source: Optional[str]) -> None:
+        self.emit("grad-explosion", "loss",
+                  f"every gradient of the {n} parameter(s) {type(opt).__name__} updates has been exactly zero for "
+                  f"{st.zero_run} steps since step {st.zero_since}: training has stopped",
+                  "The loss no longer depends on the parameters: look for detach()/.item()/argmax/round in the loss "
+                  "path, a loss multiplied by 0 or a constant, dead ReLUs or saturated outputs.",
+                  step=st.zero_since, source=source, severity="info",
+                  details={"all_zero": True, "optimizer": type(opt).__name__, "steps": st.zero_run,
+                           "parameters": n})
