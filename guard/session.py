@@ -709,6 +709,24 @@ class Guard:
         except Exception as exc:
             self._contain(None, exc)
 
+    def skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An AMP ``GradScaler`` skipped ``optimizer.step()`` (inf/NaN grads): end the step without step hooks.
+
+        The step still counts (step numbers follow the training loop) and is marked ``skipped`` in
+        the timeline; its scaled, non-finite gradient norms are dropped.
+        """
+        if not self._active or not self._watches_optimizer(optimizer) or not self.is_primary(optimizer):
+            return
+        try:
+            self._grad_norms.pop(id(optimizer), None)
+            self.timeline_note(skipped=True)
+            self._resolve()
+            self._end_step()
+        except GuardError:
+            raise
+        except Exception as exc:
+            self._contain(None, exc)
+
     def _end_step(self) -> None:
         self._dispatch("step_end", self.step)
         self.step += 1
