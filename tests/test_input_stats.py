@@ -59,3 +59,22 @@ def test_only_the_first_steps_are_looked_at():
 def test_silenced_by_check_name():
     g = train(convnet(), [torch.rand(4, 3, 16, 16) * 255], checks=["default", "-input-stats"])
     assert g.findings == []
+
+
+class Normalizing(nn.Module):
+    """Normalizes inside forward with registered mean/std buffers (a common pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1))
+        self.net = convnet()
+
+    def forward(self, x):
+        return self.net((x / 255 - self.mean) / self.std)
+
+
+def test_models_that_normalize_their_own_input_are_not_reported():
+    assert train(Normalizing(), [torch.rand(4, 3, 16, 16) * 255], checks="all").findings == []
+    data_bn = nn.Sequential(nn.BatchNorm2d(3), convnet())
+    assert train(data_bn, [torch.rand(4, 3, 16, 16) * 255], checks="all").findings == []

@@ -29,11 +29,21 @@ def _image(x: Any) -> bool:
             and x.layout is torch.strided)
 
 
-def _starts_with_conv(model: nn.Module) -> bool:
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+
+
+def _first_layer(model: nn.Module) -> str:
+    """``"conv"``, ``"norm"`` (the model normalizes its own input) or ``"other"``."""
+    for name, b in model.named_buffers():
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if ("mean" in leaf or "std" in leaf) and not leaf.startswith("running_") and b.numel() in CHANNELS:
+            return "norm"  # e.g. register_buffer("mean", ...) and (x - mean) / std inside forward
     for m in model.modules():
+        if isinstance(m, _NORMS):
+            return "norm"
         if m._parameters and any(p is not None for p in m._parameters.values()):
-            return isinstance(m, _ConvNd)
-    return False
+            return "conv" if isinstance(m, _ConvNd) else "other"
+    return "other"
 
 
 class InputStats(Check):
@@ -44,7 +54,7 @@ class InputStats(Check):
     def __init__(self, guard):
         super().__init__(guard)
         self._off = False
-        self._conv: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+        self._first: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if not is_root or self._off:
@@ -57,9 +67,12 @@ class InputStats(Check):
         x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
         if not _image(x):
             return
-        conv = self._conv.get(module)
-        if conv is None:
-            conv = self._conv[module] = _starts_with_conv(module)
+        first = self._first.get(module)
+        if first is None:
+            first = self._first[module] = _first_layer(module)
+        if first == "norm":
+            return
+        conv = first == "conv"
         d = x.detach()
         if d.dtype in (torch.float16, torch.bfloat16):
             d = d.float()
