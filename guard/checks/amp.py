@@ -57,6 +57,9 @@ class AmpScaler(Check):
         self._runs: "weakref.WeakKeyDictionary[object, _Run]" = weakref.WeakKeyDictionary()
         self._skipped_opts: "weakref.WeakKeyDictionary[object, List[weakref.ref]]" = weakref.WeakKeyDictionary()
         self._loss_scale: Optional[float] = None  # the scale of this step's scaled loss, once read
+        self._fused_note: Optional[tuple] = None  # (skipped, grad scale) of this step's fused AMP step
+        self._fused_ids: set = set()
+        self._scaler_of: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 
     # scaler.scale(loss): the timeline's loss is the unscaled one --------------------------
     def on_scaler_scale_done(self, args, kwargs, result):
@@ -72,27 +75,63 @@ class AmpScaler(Check):
 
     def on_resolved(self):
         scale, self._loss_scale = self._loss_scale, None
+        fused, self._fused_note = self._fused_note, None
         tl = self.g.timeline
-        if scale and tl and tl[-1].get("step") == self.g.step and "loss" in tl[-1] and "loss_scale" not in tl[-1]:
-            self.g.timeline_note(loss=tl[-1]["loss"] / scale, loss_scale=scale)
+        if not tl or tl[-1].get("step") != self.g.step:
+            return
+        entry = tl[-1]
+        if scale and "loss" in entry and "loss_scale" not in entry:
+            self.g.timeline_note(loss=entry["loss"] / scale, loss_scale=scale)
+        if fused is not None and "grad_norm" in entry:
+            skipped, grad_scale = fused
+            if skipped:
+                self.g.timeline_note(grad_norm=None)
+            elif grad_scale:
+                self.g.timeline_note(grad_norm=entry["grad_norm"] / grad_scale)
 
     # scaler.step(optimizer) -------------------------------------------------------------
     def on_scaler_step(self, args, kwargs):
         opt = args[1] if len(args) > 1 else kwargs.get("optimizer")
         if opt is not None:
             self._inflight[id(opt)] = False
+            self._scaler_of[id(opt)] = args[0]
+            if args[0] not in self._runs:
+                self._runs[args[0]] = _Run()
 
     def on_step_pre(self, optimizer):
         if id(optimizer) not in self._inflight:
             return
         self._inflight[id(optimizer)] = True
         found_inf = getattr(optimizer, "found_inf", None)
-        if self.g.is_primary(optimizer):
-            if isinstance(found_inf, torch.Tensor):  # fused step: it skips itself, on the device
-                self.g.stage(found_inf.detach().reshape(()).float().clone(),
-                             lambda v: self.g.timeline_note(skipped=bool(v > 0)))
+        if not self.g.is_primary(optimizer) or not self.g.sampling:
+            return
+        if isinstance(found_inf, torch.Tensor):
+            self._fused_ids.add(id(optimizer))
+            # Fused step: it unscales and skips by itself, on the device. Read found_inf and the scale
+            # with the step's other values; the timeline's grad norm is then unscaled in on_resolved.
+            scale = getattr(optimizer, "grad_scale", None)
+            vals = [found_inf.detach().reshape(()).float()]
+            if isinstance(scale, torch.Tensor):
+                vals.append(scale.detach().reshape(()).float().to(vals[0].device))
+            stacked = torch.stack(vals)
+            self.g.stage_batch(lambda: [(stacked, lambda v: self._fused(optimizer, v))])
+        else:
+            self.g.timeline_note(skipped=False)
+
+    def _fused(self, optimizer, values: List[float]) -> None:
+        skipped = values[0] > 0
+        self._fused_note = (skipped, values[1] if len(values) > 1 else None)
+        self.g.timeline_note(skipped=skipped)
+        scaler = self._scaler_of.get(id(optimizer))
+        run = self._runs.get(scaler) if scaler is not None else None
+        if run is not None:
+            if skipped:
+                if run.count == 0:
+                    run.since = self.g.step
+                run.count += 1
+                self._skipped_opts.setdefault(scaler, []).append(weakref.ref(optimizer))
             else:
-                self.g.timeline_note(skipped=False)
+                run.count = 0
 
     def on_scaler_step_error(self, args, kwargs, exc):
         opt = args[1] if len(args) > 1 else kwargs.get("optimizer")
@@ -111,8 +150,8 @@ class AmpScaler(Check):
         if run is None:
             run = self._runs[scaler] = _Run()
         if stepped:
-            if self.g.is_primary(opt):
-                run.count = 0
+            if self.g.is_primary(opt) and id(opt) not in self._fused_ids:
+                run.count = 0  # (a fused step counts its skips from found_inf, in _fused)
             return
         if self.g.is_primary(opt) or not self.g.has_optimizer:
             if run.count == 0:

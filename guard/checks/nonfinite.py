@@ -199,7 +199,8 @@ class NonFinite(Check):
             self._stage_grads(None)
 
     def on_step_pre(self, optimizer):
-        if self.g.sampling:
+        # A GradScaler's fused step (found_inf set on the optimizer) skips NaN/Inf grads itself: expected.
+        if self.g.sampling and not isinstance(getattr(optimizer, "found_inf", None), torch.Tensor):
             self._stage_grads(optimizer)
 
     def _stage_grads(self, optimizer) -> None:

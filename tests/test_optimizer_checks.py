@@ -1,0 +1,467 @@
+"""Optimizer pitfalls: weight decay without gradient, frozen/missing parameters, gradient explosion,
+AMP GradScaler awareness and the per-step timeline."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from demos import amp_skipped, finetune_optimizer, grad_explosion, nan_grad, weight_decay_no_grad
+from guard import guard
+from guard.checks._params import module_prefixes
+
+OPTIMIZERS = {
+    "SGD": lambda ps, wd: torch.optim.SGD(ps, lr=0.01, weight_decay=wd),
+    "SGD+momentum": lambda ps, wd: torch.optim.SGD(ps, lr=0.01, momentum=0.9, weight_decay=wd),
+    "Adam": lambda ps, wd: torch.optim.Adam(ps, lr=0.01, weight_decay=wd),
+    "AdamW": lambda ps, wd: torch.optim.AdamW(ps, lr=0.01, weight_decay=wd),
+    "RMSprop": lambda ps, wd: torch.optim.RMSprop(ps, lr=0.01, weight_decay=wd),
+    "Adagrad": lambda ps, wd: torch.optim.Adagrad(ps, lr=0.01, weight_decay=wd),
+}
+
+
+def kinds(g):
+    return [f.kind for f in g.findings]
+
+
+def only(g, kind):
+    found = [f for f in g.findings if f.kind == kind]
+    assert found, f"no {kind} in {g.findings}"
+    return found[0]
+
+
+# ---------------------------------------------------------------- what optimizers really do (measured)
+
+def _moves(make, wd, grad, primed):
+    p = nn.Parameter(torch.ones(4))
+    opt = make([p], wd)
+    if primed:  # optimizer state (momentum buffers, Adam moments) exists from an earlier step
+        p.grad = torch.ones(4)
+        opt.step()
+    before = p.detach().clone()
+    p.grad = None if grad == "none" else torch.zeros(4)
+    opt.step()
+    return not torch.equal(before, p.detach())
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_measured_which_optimizers_move_a_parameter_without_gradient(name):
+    make = OPTIMIZERS[name]
+    # A None gradient is skipped by every optimizer, with or without state or weight decay.
+    assert not any(_moves(make, wd, "none", pr) for wd in (0.0, 0.1) for pr in (False, True))
+    # An all-zero gradient with weight decay moves the parameter in every one of them.
+    assert _moves(make, 0.1, "zero", False) and _moves(make, 0.1, "zero", True)
+    # Without weight decay only momentum/Adam state keeps moving it.
+    assert not _moves(make, 0.0, "zero", False)
+    assert _moves(make, 0.0, "zero", True) == (name in ("SGD+momentum", "Adam", "AdamW"))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1 = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.layer4 = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x, deep=True):
+        h = self.layer1(x)
+        return self.fc(h + self.layer4(h) if deep else h)
+
+
+def _phase_run(make, steps=8, warm=2, set_to_none=False, fill_zeros=False, **opts):
+    torch.manual_seed(0)
+    model = Net()
+    opt = make(model)
+    with guard(model, opt, live=False, **opts) as g:
+        for step in range(steps):
+            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+            opt.zero_grad(set_to_none=set_to_none)
+            nn.functional.cross_entropy(model(x, deep=step < warm), y).backward()
+            if fill_zeros:  # what DDP does for unused parameters: zeros, not None
+                for p in model.layer4.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_reported_exactly_where_the_optimizer_really_moves_the_parameter(name, wd):
+    g = _phase_run(lambda m: OPTIMIZERS[name](m.parameters(), wd), checks=["weight-decay-without-grad"])
+    moves = wd > 0 or name in ("SGD+momentum", "Adam", "AdamW")
+    assert (kinds(g) == ["weight-decay-without-grad"]) == moves, g.findings
+    if moves:
+        f = g.findings[0]
+        assert f.where == "layer4" and f.step == 2
+        assert f.details["cause"] == ("weight_decay" if wd else "momentum")
+
+
+def test_layer4_with_adamw_names_the_prefix_group_decay_and_step():
+    g = weight_decay_no_grad.train(live=False)
+    assert kinds(g) == ["weight-decay-without-grad"]
+    f = g.findings[0]
+    assert f.severity == "warning" and f.where == "layer4" and f.step == 2
+    assert f.details["group"] == 0 and f.details["weight_decay"] == 0.05 and f.details["parameters"] == 4
+    assert "param_groups[0]" in f.message and "weight decay (0.05)" in f.message
+    assert "weight_decay=0" in f.hint and "set_to_none=True" in f.hint
+    assert "weight_decay_no_grad.py" in f.source
+
+
+def test_layer4_with_sgd_weight_decay_reports_the_shrink():
+    g = _phase_run(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.01), steps=10)
+    f = only(g, "weight-decay-without-grad")
+    assert f.where == "layer4" and f.details["cause"] == "weight_decay"
+    assert f.details["norm_now"] < f.details["norm_first"] and f.details["norm_change_pct"] < 0
+    assert "shrank" in f.message and "halves it every ~693 steps" in f.message
+    assert f.count == 1 and len(g.findings) == 1  # one finding for the module, not one per parameter
+
+
+def test_ddp_style_zero_filled_grads_are_caught():
+    g = _phase_run(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4),
+                   set_to_none=True, fill_zeros=True, steps=6, warm=0)
+    f = only(g, "weight-decay-without-grad")
+    assert f.where == "layer4" and f.step == 0
+
+
+def test_one_unlucky_step_is_not_reported():
+    g = _phase_run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=4, warm=2, checks="all")
+    assert g.findings == []  # layer4 had zero grads for only 2 steps
+
+
+def test_none_grads_and_weight_decay_free_group_are_clean():
+    g = weight_decay_no_grad.train(fixed=True, live=False, checks="all")
+    assert g.findings == [] and g.internal_errors == []
+    # bias/norm parameters in their own weight_decay=0 group (plain SGD): zero grads do not move them
+    g = _phase_run(lambda m: torch.optim.SGD(
+        [{"params": [p for n, p in m.named_parameters() if not n.startswith("layer4")], "weight_decay": 1e-2},
+         {"params": m.layer4.parameters(), "weight_decay": 0.0}], lr=0.1), checks="all")
+    assert g.findings == [], g.findings
+
+
+def test_two_unused_modules_give_one_finding_each():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(4, 4)
+            self.aux = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+            self.extra = nn.Linear(4, 4)
+
+        def forward(self, x, all_=False):
+            h = self.enc(x)
+            return h + self.aux["a"](h) + self.aux["b"](h) + self.extra(h) if all_ else h
+
+    torch.manual_seed(0)
+    model = Two()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
+    with guard(model, opt, live=False) as g:
+        for step in range(5):
+            opt.zero_grad(set_to_none=False)
+            model(torch.randn(3, 4), all_=step == 0).sum().backward()
+            opt.step()
+    assert sorted(f.where for f in g.findings) == ["aux", "extra"]
+
+
+def test_module_prefixes():
+    names = ["a.0.w", "a.0.b", "a.1.w", "b.w", "b.b", "c.w"]
+    assert module_prefixes(["a.0.w", "a.0.b", "a.1.w"], names) == ["a"]
+    assert module_prefixes(["a.0.w", "a.0.b", "b.w"], names) == ["a.0", "b.w"]
+    assert module_prefixes(["c.w", "x"], names) == ["c", "x"]
+
+
+def test_no_per_parameter_host_sync(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
+    calls = {"item": 0, "tolist": 0}
+    item, tolist = torch.Tensor.item, torch.Tensor.tolist
+
+    def counting(name, fn):
+        def wrapper(self, *a, **k):
+            calls[name] += 1
+            return fn(self, *a, **k)
+        return wrapper
+
+    with guard(model, opt, live=False, checks=["weight-decay-without-grad", "grad-explosion"]) as g:
+        monkeypatch.setattr(torch.Tensor, "item", counting("item", item))
+        monkeypatch.setattr(torch.Tensor, "tolist", counting("tolist", tolist))
+        for _ in range(10):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        monkeypatch.undo()
+    assert calls["item"] == 0 and calls["tolist"] <= 10  # one batched read per step, 40 parameters
+    assert g.findings == []
+
+
+# ---------------------------------------------------------------- frozen / missing parameters
+
+def test_finetune_frozen_backbone_in_optimizer_and_new_head_missing():
+    g = finetune_optimizer.train(live=False)
+    frozen = only(g, "frozen-param-in-optimizer")
+    assert frozen.severity == "info" and frozen.where == "backbone" and frozen.step == 0
+    assert frozen.details["modules"] == ["backbone"] and frozen.details["parameters"] == 4
+    assert "filter(lambda p: p.requires_grad" in frozen.hint
+    missing = only(g, "param-not-in-optimizer")
+    assert missing.severity == "warning" and missing.where == "head" and missing.step == 0
+    assert missing.details["names"] == ["head.weight", "head.bias"]
+    assert "add_param_group" in missing.hint
+
+
+def test_frozen_backbone_done_right_is_clean():
+    g = finetune_optimizer.train(fixed=True, live=False, checks="all")
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_gan_with_two_optimizers_under_a_global_guard_is_clean():
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), 1e-3), torch.optim.Adam(disc.parameters(), 1e-3)
+    with guard(live=False, checks=["optimizer-params"]) as g:
+        for _ in range(4):
+            fake = gen(torch.randn(8, 4))
+            opt_d.zero_grad()
+            disc(fake).mean().backward()  # reaches the generator's params too (no detach)
+            opt_d.step()
+            opt_g.zero_grad()
+            (-disc(gen(torch.randn(8, 4)))).mean().backward()
+            opt_g.step()
+    assert g.findings == [], g.findings
+
+
+def test_global_guard_reports_a_parameter_in_no_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with guard(live=False, checks=["optimizer-params"]) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    f = only(g, "param-not-in-optimizer")
+    assert f.where == "1" and f.details["names"] == ["1.weight", "1.bias"]
+
+
+# ---------------------------------------------------------------- gradient explosion
+
+def test_gradient_spike_names_the_largest_parameters():
+    g = grad_explosion.train(live=False)
+    assert kinds(g) == ["grad-explosion"]
+    f = g.findings[0]
+    assert f.severity == "warning" and f.step == 25 and f.where == "0.weight"
+    assert f.details["ratio"] > 10 and f.details["largest"][0]["name"] == "0.weight"
+    assert "clip_grad_norm_" in f.hint and "learning rate" in f.hint
+    assert "grad_explosion.py" in f.source
+
+
+def test_clipped_twin_is_clean():
+    g = grad_explosion.train(fixed=True, live=False, checks="all")
+    assert g.findings == [] and g.internal_errors == []
+
+
+def _healthy(model, opt, batch, loss_fn, steps):
+    with guard(model, opt, live=False, checks="all") as g:
+        for i in range(steps):
+            x, y = batch()
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    return g
+
+
+class _LSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.out = nn.LSTM(4, 16, batch_first=True), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True), 2)
+        self.out = nn.Linear(16, 20)
+
+    def forward(self, x):
+        return self.out(self.enc(self.emb(x))).flatten(0, 1)
+
+
+def _case(name):
+    w, centers = torch.randn(8, 1), torch.randn(4, 8) * 3
+    if name == "mlp-sgd":
+        m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+        def batch():
+            x = torch.randn(16, 8)
+            return x, x @ w + 0.1 * torch.randn(16, 1)
+        return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), batch, nn.MSELoss(), 300
+    if name == "separable-adam":  # converges to a near-zero loss: tiny norms with relative noise
+        m = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+
+        def batch():
+            y = torch.randint(0, 4, (16,))
+            return centers[y] + 0.3 * torch.randn(16, 8), y
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2), batch, nn.CrossEntropyLoss(), 400
+    if name == "cnn-bn-adam":
+        m = nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 3))
+        return (m, torch.optim.Adam(m.parameters(), lr=3e-3),
+                lambda: (torch.randn(8, 1, 10, 10), torch.randint(0, 3, (8,))), nn.CrossEntropyLoss(), 300)
+    if name == "lstm-adam":
+        m = _LSTM()
+
+        def batch():
+            x = torch.randn(8, 12, 4)
+            return x, 3 * x.mean(dim=(1, 2)).unsqueeze(1)
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2), batch, nn.MSELoss(), 300
+    m = _Tiny()
+
+    def batch():
+        x = torch.randint(0, 20, (8, 6))
+        return x, x.flip(1).flatten()
+    return m, torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01), batch, nn.CrossEntropyLoss(), 200
+
+
+@pytest.mark.parametrize("name", ["mlp-sgd", "separable-adam", "cnn-bn-adam", "lstm-adam", "transformer-adamw"])
+def test_healthy_runs_of_a_few_hundred_steps_are_clean(name):
+    model, opt, batch, loss_fn, steps = _case(name)
+    g = _healthy(model, opt, batch, loss_fn, steps)
+    assert g.findings == [] and g.internal_errors == []
+    assert len(g.timeline) == steps
+
+
+def test_all_zero_gradients_for_the_whole_model_mean_training_stopped():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(8):
+            x, y = torch.randn(16, 4), torch.randint(0, 3, (16, 1)).float()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x).round(), y).backward()  # round() has zero gradient everywhere
+            opt.step()
+    f = only(g, "grad-explosion")
+    assert f.severity == "info" and f.where == "loss" and f.step == 0
+    assert f.details["all_zero"] is True and f.details["steps"] == 5
+    assert "training has stopped" in f.message
+    assert kinds(g) == ["grad-explosion"]
+
+
+# ---------------------------------------------------------------- AMP GradScaler
+
+def _amp_nan_once(fused, steps=6, every=1):
+    """nan_grad's bug on one step (step 3), under a CPU GradScaler: the scaler skips that step."""
+    torch.manual_seed(0)
+    m = nan_grad.Embed()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01, fused=fused)
+    scaler = torch.amp.GradScaler("cpu")
+    with guard(m, opt, live=False, checks="all", every=every) as g:
+        for step in range(steps):
+            a = torch.randint(0, 10, (16,))
+            b = a.clone() if step == 3 else (a + torch.randint(1, 10, (16,))) % 10
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                u, v = m(a, b)
+            loss = nan_grad.distance(u.float(), v.float(), False).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return g, scaler
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_the_scaler_skips_is_no_error_and_is_marked_in_the_timeline(fused):
+    g, scaler = _amp_nan_once(fused)
+    assert g.findings == [] and g.internal_errors == []
+    assert g.step == 6  # the skipped step still counts
+    assert [e["skipped"] for e in g.timeline] == [False, False, False, True, False, False]
+    assert scaler.get_scale() == 32768.0
+    ok = [e for e in g.timeline if not e["skipped"]]
+    # unscaled: the scale (65536) shows neither in the loss nor in the gradient norm
+    assert all(e["grad_norm"] < 10 and e["loss"] < 10 for e in ok)
+    assert all(e["loss_scale"] in (65536.0, 32768.0) for e in g.timeline)
+
+
+def test_scaler_step_really_does_not_call_optimizer_step_when_it_skips():
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append(1))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(p.sum()).backward()
+    p.grad[0] = float("inf")
+    scaler.step(opt)
+    assert calls == []  # so the guard learns of a skipped step from the scaler, not from step hooks
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(p.sum()).backward()
+    scaler.step(opt)
+    assert calls == [1]
+
+
+
+def test_collapsing_scale_is_a_warning_not_an_error():
+    g = amp_skipped.train(live=False, mode="raise")  # raise mode: nothing of severity error
+    assert kinds(g) == ["nonfinite-grad"]
+    f = g.findings[0]
+    assert f.severity == "warning" and f.where == "emb.weight" and f.step == 0
+    assert f.details["amp_skipped"] == 17 and f.details["scale"] < 1
+    assert "not training" in f.message and "detect_anomaly" in f.hint
+    assert all(e["skipped"] for e in g.timeline)
+
+
+def test_amp_twin_is_clean():
+    g = amp_skipped.train(fixed=True, live=False, checks="all")
+    assert g.findings == [] and g.internal_errors == []
+    assert not any(e["skipped"] for e in g.timeline)
+
+
+def test_amp_does_not_trigger_grad_explosion_from_the_scale():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=5)  # grows x2 every 5 steps
+    with guard(model, opt, live=False, checks="all") as g:
+        for _ in range(60):
+            x = torch.randn(16, 8)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scaler.get_scale() > 2.0 ** 12  # the scale grew 256-fold during the run
+    assert g.findings == [], g.findings
+
+
+# ---------------------------------------------------------------- timeline and dump
+
+def test_timeline_has_loss_grad_norm_lr_and_skipped_in_the_dump(tmp_path):
+    path = tmp_path / "r.json"
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    with guard(model, opt, live=False, report=str(path)):
+        for _ in range(4):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+    tl = json.loads(path.read_text())["timeline"]
+    assert [e["step"] for e in tl] == [0, 1, 2, 3]
+    assert [e["lr"] for e in tl] == [0.1, 0.1, 0.05, 0.05]
+    assert all(e["skipped"] is False and e["loss"] > 0 and e["grad_norm"] > 0 for e in tl)
+
+
+def test_skipped_steps_keep_the_sampling_period():
+    g, _ = _amp_nan_once(False, steps=8, every=2)
+    # sampled steps, plus the skipped one (a skip is always recorded)
+    assert [(e["step"], e["skipped"]) for e in g.timeline] == [(0, False), (2, False), (3, True), (4, False),
+                                                                (6, False)]
+    assert g.findings == []
