@@ -1,0 +1,107 @@
+"""Evaluation in training mode: a ``no_grad``/``inference_mode`` forward with dropout/BatchNorm still training.
+
+BatchNorm in training mode normalises with the evaluation batch's statistics and
+overwrites its running statistics with them; dropout makes metrics noisy. The
+check looks only at root model calls: when grad mode is off and the model has
+Dropout (``p > 0``) or BatchNorm (tracking running stats) modules in training
+mode, that is an evaluation forward in train mode.
+
+Threshold (to leave deliberate uses alone): it fires only for a model that is
+also trained under the guard, i.e. that has had a grad-enabled forward (before or
+after). A momentum/EMA teacher or a DQN target network that only ever runs under
+``no_grad`` is never reported. To silence it for one module, set
+``module.guard_train_mode_ok = True`` on the model or on the Dropout/BatchNorm
+module; to silence it everywhere, ``checks=["default", "-eval-in-train-mode"]``.
+
+Cost: one ``torch.is_grad_enabled()`` per root model call; the list of
+Dropout/BatchNorm modules is computed once per model; nothing per inner module.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+
+from .base import Check
+
+MAX_NAMED = 4
+OPT_OUT = "guard_train_mode_ok"
+
+
+def _sensitive(model: nn.Module) -> List[Tuple[str, weakref.ref]]:
+    """(path, module) of the Dropout/BatchNorm modules whose train/eval mode changes the output."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, _DropoutNd):
+            if float(getattr(m, "p", 0.0) or 0.0) > 0:
+                out.append((name or type(m).__name__, weakref.ref(m)))
+        elif isinstance(m, _BatchNorm):
+            if getattr(m, "track_running_stats", True):
+                out.append((name or type(m).__name__, weakref.ref(m)))
+    return out
+
+
+class EvalInTrainMode(Check):
+    name = "eval-in-train-mode"
+    kinds = ("eval-in-train-mode",)
+    description = "no_grad/inference_mode forward while dropout/BatchNorm modules are in training mode"
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._mods: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+        self._trained: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        # model -> (step, source, names, types, count, inference) of its first train-mode no_grad forward
+        self._pending: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+        self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+    def on_forward(self, module, path, args, kwargs, output, is_root):
+        if not is_root:
+            return
+        if torch.is_grad_enabled():
+            if module not in self._trained:
+                self._trained.add(module)
+                pend = self._pending.pop(module, None)
+                if pend is not None:
+                    self._emit(module, path, *pend)
+            return
+        if module in self._reported or module in self._pending or getattr(module, OPT_OUT, False):
+            return
+        mods = self._mods.get(module)
+        if mods is None:
+            mods = self._mods[module] = _sensitive(module)
+        if not mods:
+            return
+        training = [(n, m) for n, r in mods if (m := r()) is not None and m.training
+                    and not getattr(m, OPT_OUT, False)]
+        if not training:
+            return
+        info = (self.g.step, self.g.root_source, [n for n, _ in training], [type(m).__name__ for _, m in training],
+                torch.is_inference_mode_enabled())
+        if module in self._trained:
+            self._emit(module, path, *info)
+        else:
+            self._pending[module] = info
+
+    def _emit(self, module, path: str, step: int, source: Optional[str], names: List[str], types: List[str],
+              inference: bool) -> None:
+        self._reported.add(module)
+        shown = ", ".join(f"{n} ({t})" for n, t in zip(names[:MAX_NAMED], types[:MAX_NAMED]))
+        more = f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
+        ctx = "torch.inference_mode()" if inference else "torch.no_grad()"
+        effects = []
+        if any("BatchNorm" in t or "Norm" in t for t in types):
+            effects.append("BatchNorm normalises with this batch's statistics and overwrites its running "
+                           "statistics with evaluation data")
+        if any("Dropout" in t for t in types):
+            effects.append("dropout randomly zeroes activations, so the metrics are noisy")
+        message = (f"{path} ran under {ctx} at {source} while {len(names)} module(s) are in training mode: "
+                   f"{shown}{more}; {'; '.join(effects)}")
+        hint = ("Call model.eval() before evaluating (and model.train() before training again). If the train "
+                "mode is deliberate, set `module.guard_train_mode_ok = True` on that module.")
+        self.emit("eval-in-train-mode", path, message, hint, step=step, source=source,
+                  details={"modules": names[:20], "types": types[:20], "count": len(names),
+                           "context": ctx})

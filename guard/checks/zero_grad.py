@@ -1,0 +1,197 @@
+"""Missing ``zero_grad()``: ``optimizer.step()`` applies gradients summed over earlier steps.
+
+Observed, not guessed from values: ``Optimizer.zero_grad`` and ``Module.zero_grad``
+are watched through declared patches, and at every ``optimizer.step()`` the check
+remembers each gradient tensor (weakly) with its version counter. At the first
+``backward()`` after that step, a parameter whose gradient is still the very same
+tensor, untouched since the step (same object, same ``_version``), with no
+``zero_grad()`` seen in between, is about to accumulate onto the previous step's
+gradient. Set-to-None (by ``zero_grad()`` or ``p.grad = None`` by hand) gives a
+new tensor; ``p.grad.zero_()`` bumps the version. Only ``p.grad.data.zero_()``
+(which bypasses the version counter) is indistinguishable, so the candidates'
+norms are staged (read with the step's other values, no extra sync) and only
+non-zero leftovers count. The finding is made when that optimizer steps while the
+stale gradients are still in place, so a ``zero_grad()`` any time before the
+step (GAN loops, zeroing before ``backward()``) and deliberate accumulation
+(several backwards, one step, then ``zero_grad()``) stay silent.
+
+Cost: nothing per module call; per step one pass over the optimizer's
+parameters (a weak reference and a version number each), and per backward only
+while no ``zero_grad()`` was seen since the last step.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..tensors import fused_norms
+from .base import Check
+
+
+class _State:
+    __slots__ = ("gen", "recs", "armed", "cands", "norms", "verdict", "step_seen", "since", "backward_source")
+
+    def __init__(self) -> None:
+        self.gen = 0
+        self.recs: Dict[int, Tuple[weakref.ref, weakref.ref, int]] = {}
+        self.armed = False
+        self.clear()
+
+    def clear(self) -> None:
+        self.gen += 1
+        self.armed = False
+        self.recs = {}
+        self.cands: List[Tuple[weakref.ref, weakref.ref]] = []
+        self.norms: Optional[List[torch.Tensor]] = None
+        self.verdict: Optional[List[bool]] = None
+        self.step_seen = False
+        self.since = 0
+        self.backward_source: Optional[str] = None
+
+
+class MissingZeroGrad(Check):
+    name = "missing-zero-grad"
+    kinds = ("missing-zero-grad",)
+    description = "optimizer.step() with gradients still holding earlier steps' gradients (no zero_grad())"
+    patches = {"opt_zero_grad": "torch.optim.Optimizer.zero_grad",
+               "module_zero_grad": "torch.nn.Module.zero_grad"}
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._st: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _State]" = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------ zero_grad observed
+    def on_opt_zero_grad_done(self, args, kwargs, result):
+        st = self._st.get(args[0]) if args else None
+        if st is not None:
+            st.clear()
+
+    def on_module_zero_grad_done(self, args, kwargs, result):
+        if not args or not self._st:
+            return
+        ids = {id(p) for p in args[0].parameters()}
+        for st in list(self._st.values()):
+            if st.recs:
+                st.recs = {k: v for k, v in st.recs.items() if k not in ids}
+                st.armed = st.armed and bool(st.recs)
+            if st.cands:
+                keep = [i for i, (pref, _) in enumerate(st.cands) if id(pref()) not in ids]
+                if not keep:
+                    st.clear()
+                elif len(keep) < len(st.cands):
+                    st.cands = [st.cands[i] for i in keep]
+                    if st.norms is not None:
+                        st.norms = [st.norms[i] for i in keep]
+                    if st.verdict is not None:
+                        st.verdict = [st.verdict[i] for i in keep]
+
+    # ------------------------------------------------------------------ steps and backwards
+    def on_step_post(self, optimizer):
+        st = self._st.get(optimizer)
+        if st is None:
+            st = self._st[optimizer] = _State()
+        st.clear()
+        recs = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is not None:
+                    recs[id(p)] = (weakref.ref(p), weakref.ref(g), g._version)
+        st.recs, st.armed, st.since = recs, bool(recs), self.g.step
+
+    def on_backward(self, tensors, kwargs):
+        for opt, st in list(self._st.items()):
+            if st.armed:
+                self._evaluate(opt, st)
+
+    def _evaluate(self, opt, st: _State) -> None:
+        """First backward since `opt` stepped without zero_grad(): which gradients are left over?"""
+        st.armed = False
+        cands = []
+        for pref, gref, version in st.recs.values():
+            p = pref()
+            g = p.grad if p is not None else None
+            if g is None or g is not gref() or g._version != version:
+                continue  # set to None, replaced, or touched in place (zeroed by hand) since the step
+            if g.layout is not torch.strided or g.is_meta:
+                continue
+            cands.append((pref, gref))
+        st.recs = {}
+        if not cands:
+            return
+        with torch.no_grad():
+            norms, _ = fused_norms([gref().detach() for _, gref in cands])
+        st.cands, st.norms, st.verdict = cands, norms, None
+        st.backward_source = self.g.source()
+        gen = st.gen
+        oref = weakref.ref(opt)
+
+        def collect():
+            if st.gen != gen or st.norms is None:
+                return []
+            vals = [n.reshape(()).float() for n in st.norms]
+            if len({v.device for v in vals}) > 1:
+                vals = [v.cpu() for v in vals]
+            return [(torch.stack(vals), lambda values: self._verdict(oref, st, gen, values))]
+
+        self.g.stage_batch(collect)
+
+    def _verdict(self, oref, st: _State, gen: int, values: List[float]) -> None:
+        if st.gen != gen:
+            return
+        st.verdict = [v != 0.0 for v in values]
+        st.norms = None
+        opt = oref()
+        if opt is not None and st.step_seen:
+            self._judge(opt, st)
+
+    def on_step_pre(self, optimizer):
+        st = self._st.get(optimizer)
+        if st is None or not st.cands:
+            return
+        st.step_seen = True
+        if st.verdict is None and not self.g.is_primary(optimizer) and st.norms is not None:
+            # this optimizer's step is not the one that resolves staged values: read them now (rare path)
+            st.verdict = [float(n) != 0.0 for n in st.norms]
+            st.norms = None
+        if st.verdict is not None:
+            self._judge(optimizer, st)
+
+    def _judge(self, opt, st: _State) -> None:
+        stale = []
+        for (pref, gref), left in zip(st.cands, st.verdict or ()):
+            p = pref()
+            if left and p is not None and p.grad is not None and p.grad is gref():
+                stale.append(p)
+        total = sum(1 for g in opt.param_groups for p in g["params"] if p.grad is not None)
+        since, bsrc = st.since, st.backward_source
+        st.clear()
+        if stale:
+            self._emit(opt, stale, total, since, bsrc)
+
+    def _emit(self, opt, stale: List[torch.Tensor], total: int, since: int, bsrc: Optional[str]) -> None:
+        where = self._label(opt)
+        names = [self.g.param_name(p) for p in stale[:8]]
+        src = self.g.source()
+        step = self.g.step
+        more = ", ..." if len(stale) > len(names) else ""
+        message = (f"{where}.step() applies gradients that still hold those of the step before: no "
+                   f"zero_grad() after step {since}, so backward() ({bsrc}) added onto the old gradients of "
+                   f"{len(stale)} of {total} parameters ({', '.join(names)}{more}); every update sums all "
+                   f"earlier steps' gradients")
+        hint = ("Call optimizer.zero_grad() once per optimizer step (before backward() or right after step()). "
+                "To accumulate over micro-batches on purpose, step every N backwards and zero_grad() after "
+                "that step.")
+        self.emit("missing-zero-grad", where, message, hint, step=step, source=src,
+                  details={"optimizer": type(opt).__name__, "parameters": len(stale), "with_grad": total,
+                           "names": names, "stale_since_step": since, "backward_source": bsrc})
+
+    def _label(self, opt) -> str:
+        opts = self.g.optimizers
+        name = type(opt).__name__
+        same = [o for o in opts if type(o).__name__ == name]
+        if len(same) > 1:
+            return f"{name}[{next(i for i, o in enumerate(same) if o is opt)}]"
+        return name
