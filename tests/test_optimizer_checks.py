@@ -103,7 +103,7 @@ def test_layer4_with_adamw_names_the_prefix_group_decay_and_step():
     f = g.findings[0]
     assert f.severity == "warning" and f.where == "layer4" and f.step == 2
     assert f.details["group"] == 0 and f.details["weight_decay"] == 0.05 and f.details["parameters"] == 4
-    assert "param_groups[0]" in f.message and "weight decay (0.05)" in f.message
+    assert "param_groups[0]" in f.message and "(weight_decay=0.05, plus AdamW" in f.message
     assert "weight_decay=0" in f.hint and "set_to_none=True" in f.hint
     assert "weight_decay_no_grad.py" in f.source
 
@@ -173,8 +173,12 @@ def test_no_per_parameter_host_sync(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
-    calls = {"item": 0, "tolist": 0}
-    item, tolist = torch.Tensor.item, torch.Tensor.tolist
+    calls = {"item": 0, "tolist": 0, "norm": 0}
+    item, tolist, foreach_norm = torch.Tensor.item, torch.Tensor.tolist, torch._foreach_norm
+
+    def counting_norm(*a, **k):
+        calls["norm"] += 1
+        return foreach_norm(*a, **k)
 
     def counting(name, fn):
         def wrapper(self, *a, **k):
@@ -185,12 +189,14 @@ def test_no_per_parameter_host_sync(monkeypatch):
     with guard(model, opt, live=False, checks=["weight-decay-without-grad", "grad-explosion"]) as g:
         monkeypatch.setattr(torch.Tensor, "item", counting("item", item))
         monkeypatch.setattr(torch.Tensor, "tolist", counting("tolist", tolist))
+        monkeypatch.setattr(torch, "_foreach_norm", counting_norm)
         for _ in range(10):
             opt.zero_grad()
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
         monkeypatch.undo()
     assert calls["item"] == 0 and calls["tolist"] <= 10  # one batched read per step, 40 parameters
+    assert calls["norm"] == 10  # the shared gradient norms only: healthy weights are not reduced
     assert g.findings == []
 
 

@@ -14,8 +14,10 @@ the check reports only parameters whose norm really changed while their
 gradient stayed zero.
 
 Cost per sampled step: the per-parameter gradient norms are the shared fused
-``g.grad_norms(opt)``; one ``_foreach_norm`` over the candidates' weights; both
-are read with the step's other staged values (one transfer, no extra sync).
+``g.grad_norms(opt)``, stacked and read with the step's other staged values (one
+transfer, no extra sync). Weights are reduced (one ``_foreach_norm``) only for
+parameters whose gradient was zero at the previous step, so a healthy run pays
+no extra reduction; the norm change is measured from the 2nd zero step on.
 """
 from __future__ import annotations
 
@@ -35,10 +37,19 @@ STEPS = 3  # consecutive sampled steps with a zero gradient before reporting (no
 class _Track:
     __slots__ = ("ref", "first_step", "count", "first_norm", "last_norm", "group", "why", "wd", "reported")
 
-    def __init__(self, p: torch.Tensor, step: int, norm: float, group: int, why: str, wd: float):
+    def __init__(self, p: torch.Tensor, step: int, group: int, why: str, wd: float):
         self.ref = weakref.ref(p)
-        self.first_step, self.count, self.first_norm, self.last_norm = step, 0, norm, norm
+        self.first_step, self.count = step, 0
+        self.first_norm: Optional[float] = None  # weights measured from the 2nd zero-gradient step on
+        self.last_norm: Optional[float] = None
         self.group, self.why, self.wd, self.reported = group, why, wd, False
+
+
+def _norms(ts: List[_Track]) -> Tuple[float, float, float]:
+    """Joint norm of the tracked weights when first measured, now, and the change in percent."""
+    first = sum((t.first_norm or 0.0) ** 2 for t in ts) ** 0.5
+    now = sum((t.last_norm or 0.0) ** 2 for t in ts) ** 0.5
+    return first, now, ((now - first) / first * 100 if first else 0.0)
 
 
 def _has_momentum_state(state: Any) -> bool:
@@ -57,6 +68,7 @@ class WeightDecayWithoutGrad(Check):
         # per optimizer: id(param) -> _Track
         self._tracks: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Dict[int, _Track]]" = (
             weakref.WeakKeyDictionary())
+        self._reported: Dict[Tuple[int, str], List[_Track]] = {}  # (id(opt), where) -> its tracks
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
@@ -81,41 +93,58 @@ class WeightDecayWithoutGrad(Check):
         if not cands:
             self._tracks.pop(optimizer, None)
             return
+        # Weights are measured only for parameters whose gradient was zero at the last resolved step:
+        # nothing extra to reduce while every gradient carries signal.
+        tracks = self._tracks.get(optimizer, {})
+        suspects = [c[0] for c in cands if id(c[0]) in tracks]
         with torch.no_grad():
-            pnorms, _ = fused_norms([c[0].detach() for c in cands])
+            pnorms, _ = fused_norms([p.detach() for p in suspects])
         gnorms = [gn.norms[c[1]] for c in cands]
         step, source = self.g.step, self.g.source()
         oref = weakref.ref(optimizer)
+        sids = [id(p) for p in suspects]
 
         def collect():
             vals = [t.detach().reshape(()).float() for t in gnorms + pnorms]
             devs = {v.device for v in vals}
             if len(devs) > 1:
                 vals = [v.cpu() for v in vals]  # rare (model split across devices): still one read per step
-            return [(torch.stack(vals), lambda values: self._update(oref, cands, values, step, source))]
+            return [(torch.stack(vals), lambda values: self._update(oref, cands, sids, values, step, source))]
 
         self.g.stage_batch(collect)
 
-    def _update(self, oref, cands, values: List[float], step: int, source: Optional[str]) -> None:
+    def _update(self, oref, cands, sids, values: List[float], step: int, source: Optional[str]) -> None:
         opt = oref()
         if opt is None:
             return
         n = len(cands)
+        pnorm = dict(zip(sids, values[n:]))
         tracks = self._tracks.setdefault(opt, {})
         live: Dict[int, _Track] = {}
-        for (p, _, gi, why, wd), gval, pval in zip(cands, values[:n], values[n:]):
+        for (p, _, gi, why, wd), gval in zip(cands, values[:n]):
             if gval != 0.0:
                 continue
             t = tracks.get(id(p))
             if t is None or t.ref() is not p:
-                t = _Track(p, step, pval, gi, why, wd)
+                t = _Track(p, step, gi, why, wd)
             t.count += 1
-            t.last_norm, t.group, t.why, t.wd = pval, gi, why, wd
+            t.group, t.why, t.wd = gi, why, wd
+            pval = pnorm.get(id(p))
+            if pval is not None:
+                if t.first_norm is None:
+                    t.first_norm = pval
+                t.last_norm = pval
             live[id(p)] = t
         self._tracks[opt] = live  # a step with signal (or not a candidate) breaks the run
-        due = [t for t in live.values() if not t.reported and t.count >= STEPS and t.last_norm != t.first_norm]
+        due = [t for t in live.values() if not t.reported and t.count >= STEPS and t.first_norm is not None
+               and t.last_norm != t.first_norm]
         if due:
             self._report(opt, due, source)
+        for (oid, where), ts in list(self._reported.items()):
+            if oid == id(opt) and any(id(t.ref()) in live and live[id(t.ref())] is t for t in ts if t.ref() is not None):
+                first, now, change = _norms(ts)
+                self.g.update_details("weight-decay-without-grad", where, norm_now=now, norm_change_pct=change,
+                                      zero_grad_steps=max(t.count for t in ts), measured_at_step=step)
 
     def _report(self, opt, due: List[_Track], source: Optional[str]) -> None:
         names: Dict[int, str] = {}
@@ -135,9 +164,8 @@ class WeightDecayWithoutGrad(Check):
                 self._emit(opt, gi, prefix, mine, source)
 
     def _emit(self, opt, gi: int, where: str, ts: List[_Track], source: Optional[str]) -> None:
-        first = sum(t.first_norm ** 2 for t in ts) ** 0.5
-        now = sum(t.last_norm ** 2 for t in ts) ** 0.5
-        change = (now - first) / first * 100 if first else 0.0
+        self._reported[(id(opt), where)] = ts
+        first, now, change = _norms(ts)
         wd = ts[0].wd
         decay = any(t.why == "weight_decay" for t in ts)
         since = min(t.first_step for t in ts)
@@ -148,9 +176,9 @@ class WeightDecayWithoutGrad(Check):
         lr = float(lr) if not isinstance(lr, torch.Tensor) else float(lr.detach().cpu())
         trend = "shrank" if change < 0 else "grew"
         if decay:
-            by = f"weight decay ({wd:g})" + (f" and {opt_name}'s momentum from earlier steps" if momentum else "")
+            by = f"weight_decay={wd:g}" + (f", plus {opt_name}'s momentum from earlier steps" if momentum else "")
             what = (f"{where}: {len(ts)} parameter(s) in {opt_name} param_groups[{gi}] got all-zero gradients "
-                    f"for {count} steps, yet optimizer.step() keeps moving them by {by}: their norm {trend} "
+                    f"for {count} steps, yet optimizer.step() keeps moving them ({by}): their norm {trend} "
                     f"{abs(change):.2g}% since step {since}")
             if lr * wd > 0 and type(opt).__name__ in ("SGD", "AdamW") and not momentum:
                 what += f" (decay alone halves it every ~{math.log(2) / (lr * wd):,.0f} steps)"
