@@ -18,6 +18,7 @@ from torch import nn
 
 from . import hooks as _hooks
 from ._frames import user_source
+from ._dist import rank_info as _dist_rank
 from .checks import registry
 from .checks.base import Check
 from .config import Config, ConfigError, make_config
@@ -283,8 +284,11 @@ class Guard:
                 return None
             if len(self._findings) >= MAX_FINDINGS:
                 return None
+            details = dict(details or {})
+            if _dist_rank() is not None:
+                details.setdefault("rank", _dist_rank()[0])
             finding = Finding(kind=kind, severity=severity or severity_of(kind), message=message, hint=hint,
-                              where=where, step=step, count=1, source=source, details=dict(details or {}),
+                              where=where, step=step, count=1, source=source, details=details,
                               last_step=step)
             self._findings[key] = finding
         self._console().finding(finding)
@@ -804,6 +808,9 @@ class Guard:
     def _finish(self) -> None:
         path = self.config.report
         if path:
+            from ._dist import rank_report_path
+
+            path = rank_report_path(path)  # one dump per rank: report.rank{N}.json
             from .report import write_report
 
             try:
