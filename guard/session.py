@@ -7,6 +7,7 @@ the other way round. Hooks and patches are installed only through
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import traceback
 import warnings
@@ -97,6 +98,7 @@ class Guard:
         self.sampling = True
         self._findings: Dict[Tuple[str, str], Finding] = {}
         self.internal_errors: List[Dict[str, Any]] = []
+        self.notices: List[str] = []  # what guard cannot see (e.g. under torch.compile), said once each
         self.timeline: List[Dict[str, Any]] = []
         self._timeline_stride = 1
         self.modules: Dict[str, Dict[str, Any]] = {}
@@ -114,6 +116,7 @@ class Guard:
         self._seen_optimizers: List[weakref.ref] = list(self._optimizers)
         self._primary: Optional[weakref.ref] = self._optimizers[0] if self._optimizers else None
         self._backward_pending = False
+        self._scripted = False  # a TorchScript model runs no Python hooks: own every backward
         self._param_names: Dict[int, str] = {}
         self.checks: List[Check] = []
         self._handlers: Dict[str, List[Tuple[Check, Callable]]] = {}
@@ -263,6 +266,20 @@ class Guard:
                f"the check is switched off, training continues")
         warnings.warn(msg, GuardInternalWarning, stacklevel=2)
         self._console().internal(msg)
+
+    def notice(self, message: str) -> None:
+        """Say once (stderr and the dump's ``notices``) what guard cannot check; not a finding."""
+        if message not in self.notices:
+            self.notices.append(message)
+            self._console().internal(message)
+
+    def _compiled_notice(self, module: nn.Module) -> None:
+        self.notice(
+            f"guard: {self.path_of(getattr(module, '_orig_mod', module))} runs under torch.compile: module hooks "
+            f"added after its first compiled call do not run inside compiled code (and hooks added before are traced "
+            f"into it: graph breaks, recompiles). Under compile guard reliably checks the outer call's inputs and "
+            f"outputs, losses, gradients and optimizer steps; per-layer checks (NaN origin, BatchNorm, device, "
+            f"eval mode) may see nothing. For full checks run a few steps uncompiled under guard.")
 
     # ------------------------------------------------------------------ findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Optional[Check] = None,
@@ -520,11 +537,19 @@ class Guard:
                 if model is None:
                     continue
                 inner = model.module if isinstance(model, _DP_TYPES) else model
+                if type(inner).__name__ == "OptimizedModule":
+                    self._compiled_notice(inner)
                 for path, mod in inner.named_modules():
                     self._paths_by_id[id(mod)] = path or type(mod).__name__
                 self._roots.add(inner)
                 self._root_ids.add(id(inner))
+                if isinstance(inner, torch.jit.ScriptModule):
+                    self._scripted = True
+                    self.notice(f"guard: {type(inner).__name__} is a TorchScript module: it runs no Python hooks, "
+                                f"so guard checks its losses, gradients and optimizer steps, not its layers.")
                 for mod in dict.fromkeys(m for _, m in inner.named_modules()):
+                    if isinstance(mod, torch.jit.ScriptModule):
+                        continue  # register_forward_*hook raises on ScriptModules
                     pre = self._hook_pre if (every_pre or mod is inner) else None
                     inst.module_hooks(mod, pre, self._hook_post)
         else:
@@ -588,6 +613,8 @@ class Guard:
 
     def _adopt_root(self, module: nn.Module) -> None:
         if isinstance(module, _DP_TYPES) or type(module).__name__ == "OptimizedModule":
+            if type(module).__name__ == "OptimizedModule":
+                self._compiled_notice(module)
             return
         try:
             for path, mod in module.named_modules():
@@ -732,6 +759,10 @@ class Guard:
             self._contain(None, exc)
 
     def _end_step(self) -> None:
+        if self.step == 0 and self._models and not self.modules and not self._scripted and "torch._dynamo" in sys.modules:
+            self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs through "
+                        "a torch.compile'd wrapper (compiled code skips module hooks), guard that compiled module "
+                        "instead; until then only gradients and parameters are checked.")
         self._dispatch("step_end", self.step)
         self.step += 1
         self.sampling = self.step % self.config.every == 0
@@ -744,7 +775,7 @@ class Guard:
 
     def _mw_backward(self, call: Callable, args: tuple, kwargs: dict) -> Any:
         tls = self._tls
-        if not self._active or getattr(tls, "in_backward", False) or (self._models and not getattr(tls, "saw_forward", False)):
+        if not self._active or getattr(tls, "in_backward", False) or (self._models and not self._scripted and not getattr(tls, "saw_forward", False)):
             return call(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
         tls.in_backward = True

@@ -69,6 +69,7 @@ def screenable(t: torch.Tensor) -> bool:
         and t.dtype in _SCREEN_DTYPES
         and t.layout is torch.strided
         and not t.is_nested  # nested tensors report a strided layout but have no sizes/sum
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)  # vmap/grad values must not escape the transform
         and not t.is_meta
         and t.numel() > 0
     )

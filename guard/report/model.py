@@ -67,6 +67,7 @@ def build_report(g: "Guard") -> Dict[str, Any]:
         "timeline": list(g.timeline),
         "modules": list(g.modules.values()),
         "internal_errors": list(g.internal_errors),
+        "notices": list(getattr(g, "notices", [])),
     })
 
 
