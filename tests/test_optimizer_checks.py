@@ -425,6 +425,21 @@ def test_amp_twin_is_clean():
     assert not any(e["skipped"] for e in g.timeline)
 
 
+def test_gradient_norms_taken_before_unscale_are_not_reused():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+            g.grad_norms(opt)  # as a check looking at gradients at backward time would
+            scaler.step(opt)
+            scaler.update()
+    assert all(e["grad_norm"] < 100 for e in g.timeline), g.timeline  # not x65536
+
+
 def test_amp_does_not_trigger_grad_explosion_from_the_scale():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))

@@ -17,7 +17,7 @@ kind of its own; the cause is non-finite gradients, hidden by the scaler).
 The timeline's ``loss`` is divided by the scale of ``scaler.scale(loss)`` (staged with the step's
 other values) and the scale is kept as ``loss_scale``.
 
-Observed through declared patches of ``GradScaler.scale``, ``step`` and ``update``
+Observed through declared patches of ``GradScaler.scale``, ``unscale_``, ``step`` and ``update``
 (``torch.cuda.amp.GradScaler`` inherits both). Skips are known on the host
 (no step hook fired), so nothing extra is synced; the scale is read only after
 a skipped step, when the scaler has already synced. Optimizers that take the
@@ -48,8 +48,8 @@ class AmpScaler(Check):
     name = "amp-scaler"
     kinds = ("nonfinite-grad",)
     description = "GradScaler-skipped steps are expected (timeline); a scale collapsing on NaN/Inf grads is not"
-    patches = {"scaler_scale": "torch.amp.GradScaler.scale", "scaler_step": "torch.amp.GradScaler.step",
-               "scaler_update": "torch.amp.GradScaler.update"}
+    patches = {"scaler_scale": "torch.amp.GradScaler.scale", "scaler_unscale": "torch.amp.GradScaler.unscale_",
+               "scaler_step": "torch.amp.GradScaler.step", "scaler_update": "torch.amp.GradScaler.update"}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -88,6 +88,15 @@ class AmpScaler(Check):
                 self.g.timeline_note(grad_norm=None)
             elif grad_scale:
                 self.g.timeline_note(grad_norm=entry["grad_norm"] / grad_scale)
+
+    # scaler.unscale_(optimizer): gradients changed in place -------------------------------
+    def on_scaler_unscale_done(self, args, kwargs, result):
+        opt = args[1] if len(args) > 1 else kwargs.get("optimizer")
+        cache = getattr(self.g, "_grad_norms", None)
+        if opt is not None and isinstance(cache, dict):
+            # Norms taken before unscale_ (e.g. by a check at backward time) are of scaled grads:
+            # drop them so every gradient check at step time sees the unscaled ones.
+            cache.pop(id(opt), None)
 
     # scaler.step(optimizer) -------------------------------------------------------------
     def on_scaler_step(self, args, kwargs):
