@@ -1,9 +1,12 @@
 """Helpers shared by the autograd-graph checks: sizing a graph, formatting bytes."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Set, Tuple
 
 import torch
+
+from .._frames import _skipped
 
 
 def graph_size(tensors: List[torch.Tensor], limit: int = 100_000) -> Tuple[int, int]:
@@ -45,3 +48,14 @@ def fmt_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def user_frames(limit: int = 12) -> List[Any]:
+    """The user's frames on the current stack (innermost first), skipping torch and guard."""
+    frames = []
+    f = sys._getframe(1)
+    while f is not None and len(frames) < limit:
+        if not _skipped(f.f_code.co_filename):
+            frames.append(f)
+        f = f.f_back
+    return frames

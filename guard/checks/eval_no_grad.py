@@ -1,34 +1,33 @@
 """Evaluation outside ``torch.no_grad()``: model forwards whose graphs are never back-propagated.
 
-Each grad-enabled call of a guarded root model whose outputs require grad gets a
-small tag in its output nodes' ``metadata``. Every ``backward()`` (and
-``torch.autograd.grad``) walks its graph from the roots, only while some tagged
-forward of the current step is still unclaimed, and only until all of them are
-found (a loss built on the model output reaches the output node in a few
-nodes). At the end of a training step a forward that no backward reached, and
-whose graph is gone (it can no longer be back-propagated), was built for
-nothing; one whose graph is still alive is given two more steps (GAN loops
-back-propagate a generator output after the discriminator's step). At the end
-of the guard every unclaimed forward counts. Steps without any ``backward()``
-are not judged, and a guard that never saw one reports nothing (inference
-scripts, ``autograd.grad``-only loops).
+Each grad-enabled call of a guarded root model whose outputs require grad tags
+its output nodes: a sentinel in ``grad_fn.metadata`` (it lives exactly as long
+as the graph) and a node pre-hook that marks the forward as used when any
+``backward()`` or ``torch.autograd.grad`` executes that node, whoever calls it
+(a second ``backward()`` in the same step, a GAN's generator loss after the
+discriminator's step). The hook belongs to the graph, not to the model, and goes
+away with it. At the end of a training step a forward that was not
+back-propagated and whose graph is gone (it can no longer be) was built for
+nothing; one whose graph is still alive is given two more steps. At the end of
+the guard every unused forward counts. Steps without any ``backward()`` are not
+judged, and a guard that never saw one reports nothing (inference scripts).
 
-Cost: one ``torch.is_grad_enabled()`` and a few attribute writes per root model
-call; nothing per inner module; graph walks only while a forward is unclaimed.
+Cost: one ``torch.is_grad_enabled()``, one metadata write and one hook
+registration per root model call; nothing per inner module, no graph walks.
 Reported once; afterwards the check stops tracking.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._graphs import fmt_bytes, graph_size
+from ._graphs import fmt_bytes, graph_size, user_frames
 from .base import Check
 
 KEY = "guard.eval_no_grad"
-WALK_BUDGET = 50_000  # nodes per backward walk; beyond it unclaimed forwards are given the benefit of the doubt
+WALK_BUDGET = 50_000  # graph nodes visited when looking for the variable that holds unused graphs
 MAX_PENDING = 4096
 GRACE = 2  # steps a still-alive, unclaimed graph may wait for its backward
 MAX_OUTPUTS = 8
@@ -50,6 +49,10 @@ class _Fwd:
         self.tags: List[weakref.ref] = []
         self.outs: List[weakref.ref] = []
         self.age = 0
+
+    def __call__(self, grad_outputs):
+        self.used = True  # a node pre-hook: this forward's output is being back-propagated
+        return None
 
     def alive(self) -> bool:
         return any(t() is not None for t in self.tags)
@@ -77,8 +80,8 @@ class EvalWithoutNoGrad(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
+        self._key = f"{KEY}.{id(self)}"  # per guard: nested guards keep their own marks
         self._pending: List[_Fwd] = []
-        self._unclaimed = 0  # pending forwards not yet reached by a backward
         self._backward_in_step = False
         self._any_backward = False
         self._done = False
@@ -92,66 +95,28 @@ class EvalWithoutNoGrad(Check):
         rec = _Fwd(self.g.step, self.g.root_source, path)
         for t in outs:
             md = t.grad_fn.metadata
-            if KEY in md:
+            if self._key in md:
                 continue  # an output passed through unchanged from an earlier tagged forward
             tag = _Tag(rec)
-            md[KEY] = tag
+            md[self._key] = tag
+            t.grad_fn.register_prehook(rec)  # runs when any backward/autograd.grad executes this node
             rec.tags.append(weakref.ref(tag))
             rec.outs.append(weakref.ref(t))
         if rec.tags:
             self._pending.append(rec)
-            self._unclaimed += 1
 
     def on_backward(self, tensors, kwargs):
         self._backward_in_step = self._any_backward = True
-        self._claim(tensors)
 
     def on_autograd_grad(self, args, kwargs):
         self._backward_in_step = self._any_backward = True
-        self._claim(args[0] if args else kwargs.get("outputs"))
-
-    def _claim(self, roots: Any) -> None:
-        if self._done or self._unclaimed <= 0:
-            return
-        if isinstance(roots, torch.Tensor):
-            roots = [roots]
-        stack = [t.grad_fn for t in (roots or ()) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        seen = set()
-        keep = []  # node wrappers stay alive during the walk, so ids stay unique
-        budget = WALK_BUDGET
-        while stack and self._unclaimed > 0:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            keep.append(node)
-            budget -= 1
-            if budget <= 0:
-                for rec in self._pending:  # too big to be sure: no alarm for anything still open
-                    rec.used = True
-                self._unclaimed = 0
-                return
-            try:
-                tag = node.metadata.get(KEY)
-            except Exception:
-                tag = None
-            if tag is not None and not tag.rec.used:
-                tag.rec.used = True
-                self._unclaimed -= 1
-            try:
-                nxt = node.next_functions
-            except Exception:
-                continue
-            for n, _ in nxt:
-                if n is not None and id(n) not in seen:
-                    stack.append(n)
 
     def on_step_end(self, step):
         if self._done:
             return
         if not self._backward_in_step:
             if not any(r.alive() for r in self._pending):
-                self._pending, self._unclaimed = [], 0  # a step without backward: not judged
+                self._pending = []  # a step without backward: not judged
             return
         self._backward_in_step = False
         keep, unused = [], []
@@ -164,7 +129,6 @@ class EvalWithoutNoGrad(Check):
             else:
                 unused.append(rec)
         self._pending = keep
-        self._unclaimed = len(keep)
         if unused:
             self._report(unused)
 
@@ -175,15 +139,51 @@ class EvalWithoutNoGrad(Check):
         if unused:
             self._report(unused)
 
+    def _holders(self, recs: set) -> Tuple[Optional[str], List[torch.Tensor]]:
+        """A variable in the user's frames whose graph reaches these forwards (e.g. `val_loss`), and its tensors."""
+        from .loss_graph import _candidates
+
+        budget = WALK_BUDGET
+        for fr in user_frames():
+            for name, value in list(fr.f_locals.items()):
+                try:
+                    cands = list(_candidates(name, value))
+                except Exception:
+                    continue
+                for cname, _, ts in cands:
+                    stack = [t.grad_fn for t in ts]
+                    seen, keep = set(), []
+                    while stack and budget > 0:
+                        node = stack.pop()
+                        if node is None or id(node) in seen:
+                            continue
+                        seen.add(id(node))
+                        keep.append(node)
+                        budget -= 1
+                        try:
+                            tag = node.metadata.get(self._key)
+                        except Exception:
+                            tag = None
+                        if tag is not None and id(tag.rec) in recs:
+                            return cname, ts
+                        try:
+                            stack.extend(n for n, _ in node.next_functions if n is not None)
+                        except Exception:
+                            pass
+        return None, []
+
     def _report(self, unused: List[_Fwd]) -> None:
         self._done = True
-        self._pending, self._unclaimed = [], 0
+        self._pending = []
         first = unused[0]
         by_source: Dict[Optional[str], int] = {}
         for r in unused:
             by_source[r.source] = by_source.get(r.source, 0) + 1
         same = [r for r in unused if r.source == first.source]
         alive = [t for r in same for t in (o() for o in r.outs) if t is not None]
+        holder = None
+        if not alive and any(r.alive() for r in same):
+            holder, alive = self._holders(set(map(id, same)))
         details: Dict[str, Any] = {"forwards": len(same), "sources": {str(k): v for k, v in by_source.items()},
                                    "graphs_alive": sum(1 for r in same if r.alive())}
         mem = ""
@@ -191,7 +191,11 @@ class EvalWithoutNoGrad(Check):
             nodes, saved = graph_size(alive)
             details.update(graph_nodes=nodes, saved_bytes=saved)
             if saved:
-                mem = f"; the {len(alive)} graph(s) still alive hold {fmt_bytes(saved)} of saved activations"
+                alive_n = details["graphs_alive"]
+                by = f" (through `{holder}`)" if holder else ""
+                mem = f"; the {alive_n} graph(s) still alive{by} hold {fmt_bytes(saved)} of saved activations"
+            if holder:
+                details["holder"] = holder
         n = len(same)
         message = (f"{n} forward pass{'es' if n != 1 else ''} of {first.path} at {first.source} built autograd "
                    f"graphs (outputs require grad) that no backward() used; evaluation outside "

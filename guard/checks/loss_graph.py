@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import linecache
 import re
-import sys
 import time
 import types
 import weakref
@@ -32,8 +31,8 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from .._frames import _short, _skipped
-from ._graphs import fmt_bytes, graph_size
+from .._frames import _short
+from ._graphs import fmt_bytes, graph_size, user_frames
 from .base import Check
 
 KEY = "guard.loss_graph"
@@ -66,8 +65,8 @@ def _roots(tensors: Any) -> List[torch.Tensor]:
 class _Walker:
     """Follows ``grad_fn`` chains to the marked loss nodes of past steps (bounded)."""
 
-    def __init__(self, before: int):
-        self.before = before  # marks of steps < before count as "old"
+    def __init__(self, before: int, key: str):
+        self.before, self.key = before, key  # marks of steps < before count as "old"
         self.budget = NODE_BUDGET
 
     def steps_reached(self, t: torch.Tensor, out: Set[int]) -> None:
@@ -85,7 +84,7 @@ class _Walker:
             keep.append(node)
             self.budget -= 1
             try:
-                mark = node.metadata.get(KEY)
+                mark = node.metadata.get(self.key)
             except Exception:
                 mark = None
             if mark is not None:
@@ -142,6 +141,7 @@ def _candidates(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, An
         yield from _candidates(f"{name}.{k}", v, depth + 1)
 
 
+_HARMLESS = re.compile(r"\.item\(\)|\.detach\(\)|\.tolist\(\)|\bfloat\(")
 _UPDATE = r"\s*(\+=|-=|\*=|/=|\.append\(|\.extend\(|\.insert\(|\.appendleft\()"
 
 
@@ -167,6 +167,8 @@ def _search(filename: str, lo: int, hi: int, target: str) -> Optional[int]:
     best: Optional[int] = None
     for no in range(max(lo, 1), min(hi, len(lines)) + 1):
         text = lines[no - 1].split("#", 1)[0]
+        if _HARMLESS.search(text):
+            continue  # `total += loss.item()` is the fix, not the holder's update
         if upd.search(text):
             return no
         m = selfref.search(text)
@@ -215,6 +217,7 @@ class LossGraph(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
+        self._key = f"{KEY}.{id(self)}"  # per guard: nested guards keep their own marks
         self._marks: List[Tuple[int, weakref.ref]] = []
         self._done = False
 
@@ -238,10 +241,10 @@ class LossGraph(Check):
             if fn is None:
                 continue
             md = fn.metadata
-            if KEY in md:
+            if self._key in md:
                 continue  # the same graph back-propagated again (retain_graph=True)
             mark = _Mark(step)
-            md[KEY] = mark
+            md[self._key] = mark
             self._marks.append((step, weakref.ref(mark)))
         if len(self._marks) > MAX_MARKS:
             self._marks = self._marks[-MAX_MARKS:]
@@ -249,14 +252,9 @@ class LossGraph(Check):
     # ------------------------------------------------------------------ naming the holder
     def _holders(self, before: int):
         """(name, frame, steps reached, tensors) for graph holders in the user's frames, best first."""
-        walker = _Walker(before)
+        walker = _Walker(before, self._key)
         found = []
-        frames = []
-        f = sys._getframe(1)
-        while f is not None and len(frames) < MAX_FRAMES:
-            if not _skipped(f.f_code.co_filename):
-                frames.append(f)
-            f = f.f_back
+        frames = user_frames(MAX_FRAMES)
         scopes = [(fr, fr.f_locals) for fr in frames]
         seen_scopes = {id(d) for _, d in scopes}
         for fr in frames[:3]:

@@ -1,0 +1,470 @@
+"""Training-loop pitfalls: retained loss graphs, eval without no_grad, eval in train mode, missing zero_grad."""
+import inspect
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from demos import eval_in_train_mode, eval_without_no_grad, loss_graph_retained, missing_zero_grad
+from guard import guard
+
+
+def kinds(g):
+    return [f.kind for f in g.findings]
+
+
+def line_of(fn_or_module, needle):
+    """``file:line`` of the first source line of `fn_or_module` containing `needle`."""
+    lines, start = inspect.getsourcelines(fn_or_module)
+    if inspect.ismodule(fn_or_module):
+        start = 1
+    for i, text in enumerate(lines):
+        if needle in text:
+            return f"{os.path.relpath(inspect.getsourcefile(fn_or_module))}:{start + i}"
+    raise AssertionError(needle)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def batches(n=4):
+    return [(torch.randn(8, 8), torch.randn(8, 1)) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- loss-graph-retained
+
+def test_loss_graph_demo_names_total_loss_and_twin_is_clean():
+    g = loss_graph_retained.train(live=False)
+    assert kinds(g) == ["loss-graph-retained"]
+    f = g.findings[0]
+    src = line_of(loss_graph_retained, "total_loss += loss  #")
+    assert f.severity == "error" and f.where == "total_loss" and f.step == 0
+    assert f.message.startswith(f"`total_loss` ({src}) holds the autograd graphs of 5 steps")
+    assert "loss.item()" in f.message and "loss.item()" in f.hint
+    assert f.details["holder"] == "total_loss" and f.details["holder_source"] == src
+    assert f.details["steps"] == 5 and f.details["detected_at_step"] <= 10
+    assert loss_graph_retained.train(fixed=True, checks="all", live=False).findings == []
+
+
+class Meter:
+    def __init__(self):
+        self.sum, self.n = 0.0, 0
+
+    def update(self, value):
+        self.sum += value
+        self.n += 1
+
+
+def accumulate(stats, loss):
+    stats["loss"] += loss
+
+
+def _loop(form, steps=12):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with guard(model, opt, live=False) as g:
+        history, avg, meter, stats = [], 0.0, Meter(), {"loss": 0.0}
+        for step in range(steps):
+            x, y = data[step % 4]
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if form == "append":
+                history.append(loss)
+            elif form == "ema":
+                avg = 0.9 * avg + 0.1 * loss
+            elif form == "meter":
+                meter.update(loss)
+            elif form == "dict":
+                accumulate(stats, loss)
+    return g
+
+
+@pytest.mark.parametrize("form,where,name,needle,where_fn", [
+    ("append", "history", "history[...]", "history.append(loss)", _loop),
+    ("ema", "avg", "avg", "avg = 0.9 * avg + 0.1 * loss", _loop),
+    ("meter", "meter.sum", "meter.sum", "self.sum += value", Meter),
+    ("dict", "stats['loss']", "stats['loss']", 'stats["loss"] += loss', accumulate),
+])
+def test_loss_graph_variants_name_the_holder(form, where, name, needle, where_fn):
+    g = _loop(form)
+    assert kinds(g) == ["loss-graph-retained"], g.findings
+    f = g.findings[0]
+    assert f.where == where and f.details["holder"] == name
+    src = line_of(where_fn, needle)
+    assert f.message.startswith(f"`{name}` ({src}) holds the autograd graphs of ")
+    assert f.source == src and f.details["detected_at_step"] <= 10 and f.details["steps"] >= 3
+
+
+def test_loss_graph_clean_patterns():
+    torch.manual_seed(0)
+    # truncated BPTT with hidden.detach()
+    rnn, head = nn.GRU(4, 8, batch_first=True), nn.Linear(8, 1)
+    model = nn.ModuleList([rnn, head])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, checks="all", live=False) as g:
+        hidden = torch.zeros(1, 2, 8)
+        for _ in range(12):
+            out, hidden = rnn(torch.randn(2, 5, 4), hidden)
+            loss = head(out).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            hidden = hidden.detach()
+    assert g.findings == []
+    # gradient accumulation over micro-batches, retain_graph for two backwards, logging with .item()/.detach()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with guard(model, opt, checks="all", live=False) as g:
+        logged, detached, total = [], [], 0.0
+        for step in range(12):
+            for x, y in data[:2]:
+                loss = F.mse_loss(model(x), y) / 2
+                loss.backward()
+            out = model(data[2][0])
+            a, b = out.pow(2).mean(), out.abs().mean()
+            a.backward(retain_graph=True)
+            b.backward()
+            opt.step()
+            opt.zero_grad()
+            total += loss.item()
+            logged.append(loss.item())
+            detached.append(loss.detach())
+    assert g.findings == []
+
+
+def test_loss_graph_clean_gan_with_detach():
+    G, D = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6)), nn.Sequential(nn.Linear(6, 8), nn.ReLU(),
+                                                                                    nn.Linear(8, 1))
+    og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    bce = nn.BCEWithLogitsLoss()
+    with guard([G, D], [od, og], checks="all", live=False) as g:
+        d_losses, g_losses = [], []
+        for _ in range(12):
+            real, fake = torch.randn(8, 6), G(torch.randn(8, 4))
+            od.zero_grad()
+            d_loss = bce(D(real), torch.ones(8, 1)) + bce(D(fake.detach()), torch.zeros(8, 1))
+            d_loss.backward()
+            od.step()
+            og.zero_grad()
+            g_loss = bce(D(fake), torch.ones(8, 1))
+            g_loss.backward()
+            og.step()
+            d_losses.append(d_loss.item())
+            g_losses.append(g_loss.detach())
+    assert g.findings == []
+
+
+def _rss():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_growth(fixed, steps=3000, warm=300):
+    """RSS growth of the demo's loop (unguarded) between step `warm` and the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    total_loss, base = 0.0, 0
+    for step in range(steps):
+        if step == warm:
+            base = _rss()
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total_loss += loss.item() if fixed else loss
+    return _rss() - base
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc for RSS")
+def test_retained_graph_memory_grows_and_item_keeps_it_flat():
+    _rss_growth(True, steps=400)  # warm up allocator and kernels
+    flat = _rss_growth(True)
+    grows = _rss_growth(False)
+    assert grows > 4 * 2 ** 20, grows  # about 10 KB per step of graph nodes
+    assert flat < grows / 5, (flat, grows)
+
+
+# --------------------------------------------------------------------------- missing-zero-grad
+
+def test_missing_zero_grad_demo_and_twin():
+    g = missing_zero_grad.train(live=False)
+    assert kinds(g) == ["missing-zero-grad"]
+    f = g.findings[0]
+    assert f.where == "SGD" and f.step == 1 and f.severity == "warning"
+    assert f.source == line_of(missing_zero_grad, "optimizer.step()")
+    assert "no zero_grad() after step 0" in f.message and "0.weight" in f.message
+    assert f.details["parameters"] == 4 and "optimizer.zero_grad()" in f.hint
+    assert missing_zero_grad.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_missing_zero_grad_only_once_before_the_loop():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    data = batches()
+    with guard(model, opt, live=False) as g:
+        opt.zero_grad()
+        for step in range(6):
+            x, y = data[step % 4]
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    assert kinds(g) == ["missing-zero-grad"]
+    assert g.findings[0].step == 1 and g.findings[0].count == 5
+
+
+def test_missing_zero_grad_for_the_generator_of_a_gan():
+    G, D = nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    od, og = torch.optim.Adam(D.parameters(), 1e-3), torch.optim.Adam(G.parameters(), 1e-3)
+    with guard([D, G], [od, og], live=False) as g:
+        for _ in range(5):
+            fake = G(torch.randn(8, 4))
+            D.zero_grad()  # Module.zero_grad
+            (D(torch.randn(8, 6)).mean() - D(fake.detach()).mean()).backward()
+            od.step()
+            D(fake).mean().backward()  # the bug: G's gradients are never zeroed
+            og.step()
+    assert kinds(g) == ["missing-zero-grad"]
+    f = g.findings[0]
+    assert f.where == "Adam[1]" and f.step >= 1 and "weight" in f.message
+
+
+def _accumulate(zero, micro=3, steps=5):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = batches()
+    with guard(model, opt, checks="all", live=False) as g:
+        for step in range(steps):
+            if zero == "before":
+                opt.zero_grad()
+            for x, y in data[:micro]:
+                (F.mse_loss(model(x), y) / micro).backward()
+            opt.step()
+            if zero == "after":
+                opt.zero_grad(set_to_none=False)
+            elif zero == "model":
+                model.zero_grad()
+            elif zero == "none":
+                for p in model.parameters():
+                    p.grad = None
+            elif zero == "inplace":
+                for p in model.parameters():
+                    p.grad.zero_()
+            elif zero == "data":
+                for p in model.parameters():
+                    p.grad.data.zero_()
+    return g
+
+
+@pytest.mark.parametrize("zero", ["before", "after", "model", "none", "inplace", "data"])
+def test_zeroing_and_deliberate_accumulation_are_clean(zero):
+    assert _accumulate(zero).findings == []
+
+
+def test_lbfgs_closure_is_clean():
+    model = mlp()
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    x, y = batches(1)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(3):
+            opt.step(closure)
+    assert g.findings == []
+
+
+# --------------------------------------------------------------------------- eval-without-no-grad
+
+def test_eval_without_no_grad_demo_and_twin():
+    g = eval_without_no_grad.train(live=False)
+    assert kinds(g) == ["eval-without-no-grad"]
+    f = g.findings[0]
+    assert f.where == "Sequential" and f.severity == "warning" and f.step == 4
+    assert f.source == line_of(eval_without_no_grad, "correct += (model(x)")
+    assert f.message.startswith(f"3 forward passes of Sequential at {f.source}")
+    assert "torch.no_grad()" in f.hint and "inference_mode" in f.hint
+    assert eval_without_no_grad.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_eval_without_no_grad_reports_memory_held_by_accumulated_val_loss():
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with guard(model, opt, live=False) as g:
+        for epoch in range(2):
+            for x, y in data:
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            val_loss = 0
+            for x, y in data:
+                val_loss = val_loss + F.mse_loss(model(x), y)  # graphs stay alive
+    assert kinds(g) == ["eval-without-no-grad"]
+    f = g.findings[0]
+    assert f.details["graphs_alive"] == 4 and f.details["saved_bytes"] > 4 * 8 * 64 * 4
+    assert "saved activations" in f.message
+
+
+def test_eval_without_no_grad_at_the_end_of_training():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with guard(model, opt, live=False) as g:
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        preds = [model(x) for x, _ in data]  # final evaluation, graphs never used
+    assert kinds(g) == ["eval-without-no-grad"] and g.findings[0].details["forwards"] == 4
+
+
+def test_eval_without_no_grad_clean_patterns():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with guard(model, opt, checks="all", live=False) as g:
+        for step in range(4):
+            opt.zero_grad()
+            a, b = model(data[0][0]), model(data[1][0])  # two forwards ...
+            b.pow(2).mean().backward()  # ... back-propagated one after the other in the same step
+            a.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            z1, z2 = model(data[2][0]), model(data[3][0])  # several forwards, one loss
+            (F.mse_loss(z1, z2.detach() * 0) + z2.pow(2).mean()).backward()
+            opt.step()
+    assert g.findings == []
+    # inference only (no backward anywhere): not judged
+    with guard(model, live=False) as g:
+        for x, _ in data:
+            model(x)
+    assert g.findings == []
+
+
+def test_eval_without_no_grad_clean_gradient_penalty_via_autograd_grad():
+    D = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(D.parameters(), 1e-3)
+    with guard(D, opt, checks="all", live=False) as g:
+        for _ in range(4):
+            real = torch.randn(8, 6)
+            interp = real.clone().requires_grad_(True)
+            out = D(interp)
+            grad, = torch.autograd.grad(out.sum(), interp, create_graph=True)
+            loss = -D(real).mean() + ((grad.norm(dim=1) - 1) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == []
+
+
+# --------------------------------------------------------------------------- eval-in-train-mode
+
+def test_eval_in_train_mode_demo_and_twin():
+    g = eval_in_train_mode.train(live=False)
+    assert kinds(g) == ["eval-in-train-mode"]
+    f = g.findings[0]
+    assert f.where == "Sequential" and f.step == 4
+    assert f.source == line_of(eval_in_train_mode, "val_loss = sum(")
+    assert "1 (BatchNorm1d), 3 (Dropout)" in f.message and "torch.no_grad()" in f.message
+    assert "running statistics" in f.message and "model.eval()" in f.hint
+    assert f.details["modules"] == ["1", "3"]
+    assert eval_in_train_mode.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_eval_in_train_mode_under_inference_mode_before_training():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = batches(1)[0]
+    with guard(model, opt, live=False) as g:
+        with torch.inference_mode():
+            model(x)  # baseline evaluation before training, still in train mode
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    assert kinds(g) == ["eval-in-train-mode"]
+    f = g.findings[0]
+    assert f.step == 0 and "torch.inference_mode()" in f.message and "1 (Dropout)" in f.message
+
+
+def test_eval_in_train_mode_clean_patterns():
+    x, y = batches(1)[0]
+    # no dropout/BN: train mode makes no difference
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            with torch.no_grad():
+                model(x)
+    assert g.findings == []
+    # an EMA teacher with BatchNorm kept in train mode, only ever run under no_grad; a silenced module
+    student = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    teacher = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    noisy = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 1))
+    noisy[1].guard_train_mode_ok = True  # MC dropout on purpose
+    opt = torch.optim.SGD(list(student.parameters()) + list(noisy.parameters()), lr=0.01)
+    with guard(None, opt, checks="all", live=False) as g:
+        for _ in range(3):
+            with torch.no_grad():
+                target = teacher(x)
+                mc = torch.stack([noisy(x) for _ in range(3)]).mean(0)
+            opt.zero_grad()
+            (F.mse_loss(student(x), target) + F.mse_loss(noisy(x), mc)).backward()
+            opt.step()
+    assert g.findings == []
+
+
+# --------------------------------------------------------------------------- cost and nesting
+
+LOOP = ["loss-graph", "eval-without-no-grad", "eval-in-train-mode", "missing-zero-grad"]
+
+
+def test_loop_checks_do_not_sync_per_module_or_loss_call():
+    from tests.test_model_data_nosync import SYNCING, Record
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = batches(1)[0]
+    with guard(model, opt, checks=LOOP, live=False):
+        for _ in range(3):
+            with Record() as rec:
+                out = model(x)
+                loss = F.mse_loss(out, y)
+                with torch.no_grad():
+                    model(x)
+            assert not SYNCING & set(rec.names), rec.names
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def test_nested_guards_each_see_the_retained_graph():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with guard(model, opt, checks=["loss-graph"], live=False) as outer:
+        with guard(model, opt, checks=["loss-graph"], live=False) as inner:
+            running = 0
+            for step in range(8):
+                x, y = data[step % 4]
+                loss = F.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                running = running + loss
+    assert [f.where for f in outer.findings] == ["running"] and [f.where for f in inner.findings] == ["running"]
