@@ -468,3 +468,28 @@ def test_nested_guards_each_see_the_retained_graph():
                 opt.step()
                 running = running + loss
     assert [f.where for f in outer.findings] == ["running"] and [f.where for f in inner.findings] == ["running"]
+
+
+def test_global_guard_without_optimizer_catches_all_three():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 1))
+    crit = nn.MSELoss()
+    data = batches()
+    with guard(live=False) as g:  # no model, no optimizer: every backward() is a step
+        total = 0
+        for step in range(8):
+            x, y = data[step % 4]
+            loss = crit(model(x), y)
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+            total = total + loss
+        with torch.no_grad():
+            model(x)
+        val = [crit(model(x), y).item() for x, y in data[:3]]
+    by_kind = {f.kind: f for f in g.findings}
+    assert sorted(by_kind) == ["eval-in-train-mode", "eval-without-no-grad", "loss-graph-retained"]
+    assert by_kind["loss-graph-retained"].where == "total"
+    ev = by_kind["eval-without-no-grad"]
+    assert ev.where == "Sequential" and ev.message.startswith("3 forward passes of Sequential")

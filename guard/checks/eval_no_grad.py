@@ -179,7 +179,7 @@ class EvalWithoutNoGrad(Check):
         by_source: Dict[Optional[str], int] = {}
         for r in unused:
             by_source[r.source] = by_source.get(r.source, 0) + 1
-        same = [r for r in unused if r.source == first.source]
+        same = [r for r in unused if r.source == first.source and r.path == first.path]
         alive = [t for r in same for t in (o() for o in r.outs) if t is not None]
         holder = None
         if not alive and any(r.alive() for r in same):
