@@ -57,6 +57,8 @@ def install(environ: Optional[dict] = None) -> bool:
     cfg = _config_module()
     try:
         opts = cfg.env_options(environ)
+        if opts is not None:  # env_options leaves the report path to guard(); check it now, not at import torch
+            cfg.parse_report(opts.get("report"), f"{cfg.ENV_PREFIX}_REPORT")
     except cfg.ConfigError as exc:
         _fail(str(exc))
         return False

@@ -1,0 +1,140 @@
+"""TORCH_GUARD=...: the installed .pth line starts a global guard in an unmodified script."""
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+BUGGY = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x = torch.randn(16, 4)
+    if step == 2:
+        x[0, 0] = float("nan")  # dirty data
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("trained", step + 1, "steps")
+"""
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_GUARD")}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _run(args, cwd, **env):
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(**env), capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture
+def buggy(tmp_path):
+    (tmp_path / "train.py").write_text(BUGGY)
+    return tmp_path
+
+
+def test_pth_is_installed_next_to_the_package():
+    site = sysconfig.get_paths()["purelib"]
+    line = open(os.path.join(site, "torch_guard_autostart.pth")).read()
+    assert line.startswith("import ") and line.count("\n") <= 1
+    assert "TORCH_GUARD" in line  # does nothing unless the variable is set
+
+
+def test_unmodified_script_gets_a_dump_with_the_finding(buggy):
+    r = _run(["train.py"], buggy, TORCH_GUARD="record")
+    assert r.returncode == 0, r.stderr
+    assert "trained 4 steps" in r.stdout
+    assert r.stderr == ""  # record mode is silent
+    # default report path: guard-report.json in the working directory
+    dump = json.loads((buggy / "guard-report.json").read_text())
+    assert dump["schema"] == "guard-report/1"
+    assert dump["config"]["mode"] == "record"
+    assert dump["steps"] == 4
+    first = dump["findings"][0]
+    assert (first["kind"], first["where"], first["step"]) == ("nonfinite-input", "input", 2)
+    assert first["source"].endswith("train.py:11")
+
+
+def test_report_path_from_the_environment(buggy):
+    r = _run(["train.py"], buggy, TORCH_GUARD="warn", TORCH_GUARD_REPORT=str(buggy / "out.html"), TORCH_GUARD_LIVE="1")
+    assert r.returncode == 0, r.stderr
+    assert "nonfinite-input" in r.stderr  # live
+    assert "<svg" in (buggy / "out.html").read_text()
+    assert not (buggy / "guard-report.json").exists()
+
+
+def test_raise_mode_stops_the_script_at_the_first_error(buggy):
+    r = _run(["train.py"], buggy, TORCH_GUARD="raise", TORCH_GUARD_LIVE="0")
+    assert r.returncode == 1
+    assert "GuardError" in r.stderr and "nonfinite-input" in r.stderr
+    assert "trained" not in r.stdout
+
+
+CHECK_IMPORTS = ("import sys, torch; "
+                 "print(sorted(m for m in sys.modules if m == 'guard' or m.startswith(('guard.', '_torch_guard'))))")
+
+
+def test_without_the_variable_guard_is_not_imported(tmp_path):
+    r = _run(["-c", CHECK_IMPORTS], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    r = _run(["-c", CHECK_IMPORTS], tmp_path, TORCH_GUARD="0")
+    assert r.stdout.strip() == "[]"
+    assert not (tmp_path / "guard-report.json").exists()
+
+
+def test_with_the_variable_nothing_heavy_until_torch_is_imported(tmp_path):
+    code = ("import sys; print('torch' in sys.modules, 'guard' in sys.modules, "
+            "sorted(m for m in sys.modules if m.startswith('_torch_guard')))")
+    r = _run(["-c", code], tmp_path, TORCH_GUARD="1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False False ['_torch_guard_autostart', '_torch_guard_config']"
+    # A process that imports torch but runs nothing (a compile worker, a helper) leaves no empty dump.
+    r = _run(["-c", "import torch, sys; print(sys.modules['_torch_guard_autostart'].active() is not None)"],
+             tmp_path, TORCH_GUARD="1")
+    assert r.stdout.strip() == "True", r.stderr
+    assert not (tmp_path / "guard-report.json").exists()
+
+
+def test_runs_once_even_if_the_pth_line_is_processed_twice(tmp_path):
+    site = sysconfig.get_paths()["purelib"]
+    code = (f"line = open({os.path.join(site, 'torch_guard_autostart.pth')!r}).read(); exec(line); exec(line)\n"
+            "import sys\n"
+            "print(sum(type(f).__name__ == '_TorchFinder' for f in sys.meta_path))\n"
+            "import torch\n"
+            "from guard.hooks import _exit_callbacks\n"
+            "print(sum(type(f).__name__ == '_TorchFinder' for f in sys.meta_path), len(_exit_callbacks))\n")
+    r = _run(["-c", code], tmp_path, TORCH_GUARD="record")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "0", "1"]
+
+
+@pytest.mark.parametrize("var,value,needs_torch", [
+    ("TORCH_GUARD", "bogus", False),
+    ("TORCH_GUARD_REPORT", " ", False),
+    ("TORCH_GUARD_LIVE", "maybe", False),
+    ("TORCH_GUARD_EVERY", "0", False),
+    ("TORCH_GUARD_SNOOP", "perhaps", False),
+    ("TORCH_GUARD_CHECKS", "no-such-check", True),
+])
+def test_bad_value_stops_at_start_with_one_line(tmp_path, var, value, needs_torch):
+    env = {"TORCH_GUARD": "1", var: value}
+    script = "import torch\nprint('ran')\n" if needs_torch else "print('ran')\n"
+    (tmp_path / "s.py").write_text(script)
+    r = _run(["s.py"], tmp_path, **env)
+    assert r.returncode == 2
+    assert "ran" not in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"guard: {var}") and repr(value) in lines[0] and "allowed" in lines[0]
+    assert "Traceback" not in r.stderr
