@@ -493,3 +493,18 @@ def test_global_guard_without_optimizer_catches_all_three():
     assert by_kind["loss-graph-retained"].where == "total"
     ev = by_kind["eval-without-no-grad"]
     assert ev.where == "Sequential" and ev.message.startswith("3 forward passes of Sequential")
+
+
+def test_eval_in_train_mode_leaves_swa_update_bn_alone():
+    from torch.optim.swa_utils import update_bn
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with guard(model, opt, checks="all", live=False) as g:
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        update_bn([x for x, _ in data], model)  # recomputes BatchNorm statistics under no_grad, in train mode
+    assert g.findings == []

@@ -9,7 +9,8 @@ mode, that is an evaluation forward in train mode.
 Threshold (to leave deliberate uses alone): it fires only for a model that is
 also trained under the guard, i.e. that has had a grad-enabled forward (before or
 after). A momentum/EMA teacher or a DQN target network that only ever runs under
-``no_grad`` is never reported. To silence it for one module, set
+``no_grad`` is never reported, nor are model calls made by ``torch.optim``
+(``swa_utils.update_bn`` recomputes BatchNorm statistics in train mode). To silence it for one module, set
 ``module.guard_train_mode_ok = True`` on the model or on the Dropout/BatchNorm
 module; to silence it everywhere, ``checks=["default", "-eval-in-train-mode"]``.
 
@@ -18,6 +19,9 @@ Dropout/BatchNorm modules is computed once per model; nothing per inner module.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import weakref
 from typing import List, Optional, Tuple
 
@@ -43,6 +47,24 @@ def _sensitive(model: nn.Module) -> List[Tuple[str, weakref.ref]]:
             if getattr(m, "track_running_stats", True):
                 out.append((name or type(m).__name__, weakref.ref(m)))
     return out
+
+
+_TORCH_OPTIM = os.path.dirname(os.path.abspath(torch.optim.__file__)) + os.sep  # swa_utils.update_bn
+_GUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_MODULE_FILES = (os.path.abspath(nn.modules.module.__file__),)
+_CONTEXTLIB = os.path.abspath(contextlib.__file__)
+
+
+def _called_by_torch() -> bool:
+    """Whether the model call came from ``torch.optim`` (BatchNorm recalibration) rather than from the user."""
+    f = sys._getframe(2)
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if fn.startswith(_GUARD_DIR) or fn in _MODULE_FILES or fn == _CONTEXTLIB:
+            f = f.f_back
+            continue
+        return fn.startswith(_TORCH_OPTIM)
+    return False
 
 
 class EvalInTrainMode(Check):
@@ -79,6 +101,8 @@ class EvalInTrainMode(Check):
                     and not getattr(m, OPT_OUT, False)]
         if not training:
             return
+        if _called_by_torch():
+            return  # e.g. torch.optim.swa_utils.update_bn recomputes BatchNorm statistics in train mode on purpose
         info = (self.g.step, self.g.root_source, [n for n, _ in training], [type(m).__name__ for _, m in training],
                 torch.is_inference_mode_enabled())
         if module in self._trained:
