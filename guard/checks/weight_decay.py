@@ -105,11 +105,15 @@ class WeightDecayWithoutGrad(Check):
         sids = [id(p) for p in suspects]
 
         def collect():
-            vals = [t.detach().reshape(()).float() for t in gnorms + pnorms]
-            devs = {v.device for v in vals}
-            if len(devs) > 1:
-                vals = [v.cpu() for v in vals]  # rare (model split across devices): still one read per step
-            return [(torch.stack(vals), lambda values: self._update(oref, cands, sids, values, step, source))]
+            vals = gnorms + pnorms
+            first = vals[0]
+            if not all(v.device == first.device and v.dtype == first.dtype for v in vals):
+                # rare (mixed dtypes, or a model split across devices): still one read per step
+                vals = [v.detach().reshape(()).float().cpu() for v in vals]
+            stacked = torch.stack(vals)  # one op: the norms are 0-dim already
+            if stacked.dtype != torch.float32:
+                stacked = stacked.float()
+            return [(stacked, lambda values: self._update(oref, cands, sids, values, step, source))]
 
         self.g.stage_batch(collect)
 
