@@ -1,0 +1,302 @@
+"""Cryptic PyTorch errors: add the cause, the module/step and the fix to the exception, re-raise it unchanged.
+
+On ``exception(exc)`` (an exception escaping the guarded block or the wrapped
+model's call) a known error gets one note (``BaseException.add_note``, printed
+with the traceback) and an ``explained-error`` finding; the exception object
+and its type stay the same, so ``except`` clauses still work.
+
+Which module: forward hooks keep a stack of the module paths being run; when a
+module's forward raises, the innermost path is remembered for that exception.
+In-place errors: while the check is on, a ``saved_tensors_hooks`` pair tags
+every tensor autograd saves with the module whose forward saved it and its
+version. PyTorch skips its own version check for tensors packed by hooks, so
+the unpack hook does that check itself, with the same message plus the module.
+The packed form holds a ``detach()``-ed alias (same storage and version
+counter) so that saved outputs do not form a reference cycle with their
+``grad_fn``; autograd re-attaches the graph metadata on unpack.
+"""
+from __future__ import annotations
+
+import gc
+import re
+import signal
+import threading
+import traceback
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .._frames import _short, _skipped
+from .base import Check
+from .state_dict import NOTE_PREFIX, add_guard_note
+
+KIND = "explained-error"
+_DP_RE = re.compile(r"'(DataParallel|DistributedDataParallel)' object has no attribute '([A-Za-z_][\w]*)'")
+_DEV_RE = re.compile(r"found at least two devices, ([\w:]+) and ([\w:]+)")
+_DEV2_RE = re.compile(r"Tensor on device ([\w:]+) is not on the expected device ([\w:]+)")
+_SIZE_RE = re.compile(r"got input size (torch\.Size\(\[[^\]]*\]\))")
+_TOP_TENSORS = 5
+
+
+class _TaggedSaves:
+    """``saved_tensors_hooks`` that tag saved tensors with (module path, version); thread-safe exit."""
+
+    def __init__(self, check: "ExplainErrors"):
+        self.check = check
+        self.cm = torch.autograd.graph.saved_tensors_hooks(check._pack, check._unpack)
+        self.thread = threading.get_ident()
+
+    def __enter__(self) -> "_TaggedSaves":
+        self.cm.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        # The hooks stack is thread-local: popping from another thread (atexit, SIGTERM) would pop the wrong one.
+        if threading.get_ident() == self.thread:
+            try:
+                self.cm.__exit__(None, None, None)
+            except Exception:
+                pass
+        return False
+
+
+def _user_line(exc: BaseException) -> Optional[str]:
+    """``file:line`` of the innermost user frame in the exception's traceback."""
+    try:
+        frames = traceback.extract_tb(exc.__traceback__)
+    except Exception:
+        return None
+    for fr in reversed(frames):
+        if not _skipped(fr.filename):
+            return f"{_short(fr.filename)}:{fr.lineno}"
+    return None
+
+
+def _worker_signals(exc: BaseException) -> List[int]:
+    """Signals that killed the DataLoader's workers, read from the iterator in the traceback's frames."""
+    tb = exc.__traceback__
+    while tb is not None:
+        it = tb.tb_frame.f_locals.get("self")
+        if type(it).__name__ == "_MultiProcessingDataLoaderIter":
+            codes = [getattr(w, "exitcode", None) for w in getattr(it, "_workers", ())]
+            return sorted({-c for c in codes if isinstance(c, int) and c < 0})
+        tb = tb.tb_next
+    return []
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB" if n < 2 ** 30 else f"{n / 2 ** 30:.2f} GiB"
+
+
+class ExplainErrors(Check):
+    name = "explain"
+    kinds = (KIND,)
+    description = "adds the cause, module, step and fix to cryptic PyTorch errors (in-place, device, OOM, shm, ...)"
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._thread = threading.get_ident()
+        self._stack: List[str] = []
+        self._failed: Dict[int, str] = {}  # id(exception) -> innermost module path whose forward raised
+        self._inplace: Optional[Dict[str, Any]] = None
+        self._batch: Optional[List[int]] = None
+
+    def contexts(self) -> tuple:
+        return (_TaggedSaves(self),)
+
+    # ------------------------------------------------------------------ saved tensors
+    def _pack(self, t: torch.Tensor) -> Any:
+        stack = self._stack
+        try:
+            return (t.detach(), t._version, stack[-1] if stack else None)
+        except Exception:  # e.g. no version counter: keep PyTorch's own handling for this tensor
+            return t.detach()
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is not tuple:
+            return packed
+        t, version, path = packed
+        now = t._version
+        if now != version:
+            self._inplace = {"module": path, "shape": list(t.shape), "dtype": str(t.dtype),
+                             "saved_version": version, "version": now, "step": self.g.step}
+            by = f"saved by module `{path}`" if path else "saved outside any module call"
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.type()} {list(t.shape)}], {by}, is at version {now}; expected version {version} instead. "
+                "Hint: enable anomaly detection to find the operation that failed to compute its gradient, with "
+                "torch.autograd.set_detect_anomaly(True).")
+        return t
+
+    # ------------------------------------------------------------------ module stack
+    def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if threading.get_ident() != self._thread:
+            return
+        self._stack.append(path)
+        if is_root:
+            for a in args:
+                if isinstance(a, torch.Tensor) and not a.is_nested:
+                    self._batch = list(a.shape)
+                    break
+
+    def on_forward(self, module, path, args, kwargs, output, is_root):
+        if threading.get_ident() != self._thread:
+            return
+        if self._stack:
+            self._stack.pop()
+        if output is None:
+            import sys
+
+            exc = sys.exc_info()[1]  # post-hooks run inside nn.Module's `except` when forward raised
+            if exc is not None and id(exc) not in self._failed:
+                if len(self._failed) > 64:
+                    self._failed.clear()
+                self._failed[id(exc)] = path
+
+    # ------------------------------------------------------------------ explaining
+    def on_exception(self, exc):
+        from ..findings import GuardError
+
+        if isinstance(exc, (GuardError, KeyboardInterrupt, SystemExit, GeneratorExit)):
+            return
+        if any(isinstance(n, str) and n.startswith(NOTE_PREFIX) for n in getattr(exc, "__notes__", ()) or ()):
+            return  # another check or a nested guard explained it already
+        module = self._failed.pop(id(exc), None)
+        res = self._classify(exc, module)
+        if res is None:
+            return
+        where, cause, fix, details = res
+        step = self.g.step
+        add_guard_note(exc, f"{NOTE_PREFIX}{cause} (step {step})\n  fix: {fix}")
+        details.setdefault("error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        self.emit(KIND, where, cause, fix, step=step, source=_user_line(exc), details=details)
+
+    def _mtype(self, path: Optional[str]) -> str:
+        info = self.g.modules.get(path) if path else None
+        return f" ({info['type']})" if info else ""
+
+    def _classify(self, exc: BaseException, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+        text = str(exc)
+        low = text.lower()
+        if isinstance(exc, RuntimeError) and "modified by an inplace operation" in text:
+            info, self._inplace = self._inplace, None
+            path = (info or {}).get("module")
+            details = dict(info or {})
+            if path:
+                cause = (f"a tensor that `{path}`{self._mtype(path)} saved for backward "
+                         f"({info['shape']}, {info['dtype']}) was modified in place before backward() "
+                         f"(version {info['version']}, saved at {info['saved_version']})")
+            else:
+                cause = "a tensor saved for backward was modified in place before backward() needed it"
+            fix = ("Make the later in-place op out-of-place (x = x + y instead of x += y, x.add_() -> x.add(), "
+                   "nn.ReLU(inplace=False), no x[idx] = ... on it), or .clone() the tensor before changing it.")
+            return path or "backward", cause, fix, details
+        if isinstance(exc, RuntimeError) and "backward through the graph a second time" in text:
+            cause = ("backward() ran through a graph whose saved tensors were freed by an earlier backward(): "
+                     "something from an earlier step is still attached to this step's graph (a hidden state or "
+                     "running total carried across iterations, e.g. total_loss += loss or an RNN hidden state)")
+            fix = ("Detach what you carry across steps (hidden = hidden.detach(), total_loss += loss.item()); "
+                   "pass retain_graph=True only when you really back-propagate twice through the same graph.")
+            return "backward", cause, fix, {}
+        if isinstance(exc, RuntimeError) and ("Expected all tensors to be on the same device" in text
+                                              or "is not on the expected device" in text):
+            m = _DEV_RE.search(text) or _DEV2_RE.search(text)
+            devs = list(m.groups()) if m else []
+            where = module or "model"
+            cause = ("tensors on different devices met in one operation"
+                     + (f" in `{module}`{self._mtype(module)}" if module else "")
+                     + (f" ({devs[0]} and {devs[1]})" if devs else ""))
+            fix = ("Move the model and every input to one device: model = model.to(device); x = x.to(device). "
+                   "Tensor.cuda()/.to() return a copy - reassign it (x = x.cuda()); nn.Module.to() moves in place. "
+                   "Create new tensors with device=x.device.")
+            return where, cause, fix, {"devices": devs}
+        if isinstance(exc, ValueError) and "Expected more than 1 value per channel when training" in text:
+            m = _SIZE_RE.search(text)
+            where = module or "batchnorm"
+            cause = ((f"`{module}`{self._mtype(module)}" if module else "a BatchNorm layer")
+                     + " in training mode got one value per channel"
+                     + (f" (input size {m.group(1)})" if m else "") + ": a batch of 1 has no batch statistics")
+            fix = ("Use drop_last=True in the DataLoader (the last batch has 1 sample) or a batch size > 1; "
+                   "call model.eval() for single-sample inference; GroupNorm/LayerNorm work with batch size 1.")
+            return where, cause, fix, {"input_size": m.group(1) if m else None}
+        oom = isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or (
+            isinstance(exc, RuntimeError) and ("out of memory" in low or "can't allocate memory" in low))
+        if oom:
+            return self._oom(exc, module)
+        if isinstance(exc, RuntimeError) and "dataloader worker" in low and (
+                "shared memory" in low or "exited unexpectedly" in low or "killed by signal" in low):
+            sigs = _worker_signals(exc)
+            bus = "shared memory" in low or "bus error" in low or getattr(signal, "SIGBUS", -1) in sigs
+            if bus:
+                cause = ("a DataLoader worker died with a bus error: the workers ran out of shared memory "
+                         "(/dev/shm) passing batches to the main process (common in Docker, whose default "
+                         "/dev/shm is 64 MB)")
+                fix = ("Use fewer workers (num_workers=0 to confirm) or smaller batches, or give the container a "
+                       "larger /dev/shm (docker run --shm-size=8g or --ipc=host).")
+            elif signal.SIGKILL in sigs:
+                cause = "a DataLoader worker was killed (SIGKILL): usually the kernel's OOM killer, out of host RAM"
+                fix = ("Use fewer workers or smaller batches, avoid copying large Python lists/arrays into each "
+                       "worker, or add host memory; num_workers=0 shows the underlying error if there is one.")
+            else:
+                return None
+            return "DataLoader", cause, fix, {"worker_signals": sigs}
+        if isinstance(exc, AttributeError):
+            m = _DP_RE.search(text)
+            if m:
+                wrapper, name = m.groups()
+                known = any(hasattr(mod, name) for mod in self.g.models)
+                cause = (f"{wrapper} wraps the model: its submodules and attributes live on .module, so "
+                         f"`.{name}` is not found on the wrapper")
+                fix = (f"Use model.module.{name} (or keep a reference to the unwrapped model); the same applies "
+                       f"to state_dict() keys, which gain a 'module.' prefix.")
+                return wrapper, cause, fix, {"attribute": name, "found_on_module": known}
+        return None
+
+    def _oom(self, exc: BaseException, module: Optional[str]) -> Tuple[str, str, str, Dict[str, Any]]:
+        names: Dict[int, str] = {}
+        tensors: List[Tuple[str, torch.Tensor]] = []
+        try:
+            for n, p in self.g.named_parameters():
+                tensors.append((n, p))
+                if p.grad is not None:
+                    tensors.append((n + ".grad", p.grad))
+            for o in self.g.optimizers:
+                for p, st in o.state.items():
+                    pn = self.g.param_name(p)
+                    for k, v in st.items():
+                        if isinstance(v, torch.Tensor):
+                            tensors.append((f"optimizer state {pn}[{k}]", v))
+            for n, t in tensors:
+                names.setdefault(id(t), n)
+            plain = (torch.Tensor, nn.Parameter)
+            for obj in gc.get_objects():  # once, at the failure: other live tensors (activations kept, caches)
+                if type(obj) in plain and id(obj) not in names:
+                    tensors.append(("tensor", obj))
+        except Exception:
+            pass
+        seen, big = set(), []
+        for n, t in tensors:
+            try:
+                if t.device.type == "meta" or t.is_sparse:
+                    continue
+                key = (t.device, t.untyped_storage().data_ptr())
+                if key in seen:
+                    continue
+                seen.add(key)
+                big.append((t.untyped_storage().nbytes(), n, list(t.shape), str(t.dtype), str(t.device)))
+            except Exception:
+                continue
+        big.sort(key=lambda b: -b[0])
+        top = [{"name": n, "shape": s, "dtype": d, "device": dev, "bytes": b} for b, n, s, d, dev in big[:_TOP_TENSORS]]
+        bs = self._batch[0] if self._batch else None
+        listed = ", ".join(f"{t['name']} {t['shape']} {_mib(t['bytes'])}" for t in top[:3])
+        where = module or "memory"
+        cause = ("out of memory" + (f" in `{module}`{self._mtype(module)}" if module else "")
+                 + (f" with batch size {bs} (input {self._batch})" if bs is not None else "")
+                 + (f"; largest live tensors: {listed}" if listed else ""))
+        fix = ("Lower the batch size (accumulate gradients over several smaller batches to keep the effective "
+               "size), use mixed precision (torch.autocast with bfloat16/float16), gradient checkpointing "
+               "(torch.utils.checkpoint), run evaluation under torch.no_grad(), and do not keep graphs alive "
+               "across steps (total_loss += loss.item()).")
+        return where, cause, fix, {"batch_shape": self._batch, "largest_tensors": top}

@@ -1,0 +1,221 @@
+"""explained-error: real failing snippets get a note (cause, module, step, fix); the exception is unchanged."""
+import gc
+import os
+import signal
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from guard import guard
+
+
+def _notes(exc):
+    return "\n".join(getattr(exc, "__notes__", []))
+
+
+def _explained(g):
+    return [f for f in g.findings if f.kind == "explained-error"]
+
+
+class InplaceNet(nn.Module):
+    def __init__(self, fixed=False):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.Sigmoid()  # saves its output for backward
+        self.out = nn.Linear(4, 1)
+        self.fixed = fixed
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        if self.fixed:
+            h = h + 1
+        else:
+            h += 1  # modifies the tensor Sigmoid saved
+        return self.out(h)
+
+
+def test_inplace_on_saved_tensor_names_the_module():
+    model = InplaceNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, opt, checks="all", live=False) as g:
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+    exc = ei.value
+    assert type(exc) is RuntimeError and "modified by an inplace operation" in str(exc)
+    note = _notes(exc)
+    assert "`act` (Sigmoid)" in note and "step 0" in note and ".clone()" in note
+    (f,) = _explained(g)
+    assert f.where == "act" and f.step == 0 and f.details["saved_version"] == 0 and f.details["version"] == 1
+    assert f.source and "test_explain.py" in f.source
+    # without a guard PyTorch raises the same kind of error (the hooks kept its check)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        InplaceNet()(torch.randn(3, 4)).sum().backward()
+
+
+def test_inplace_clean_twin_same_grads_double_backward_and_no_leak():
+    torch.manual_seed(0)
+    model = InplaceNet(fixed=True)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def grads():
+        model.zero_grad()
+        x.grad = None
+        y = model(x).sum()
+        (gx,) = torch.autograd.grad(y, x, create_graph=True)  # gradient penalty style
+        (gx.pow(2).sum() + y).backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    plain = grads()
+    with guard(model, checks="all", live=False) as g:
+        guarded = grads()
+    assert all(torch.allclose(a, b) for a, b in zip(plain, guarded))
+    assert g.findings == []
+    with guard(model, checks=["explain"], live=False):
+        out = model(x)
+        ref = weakref.ref(out)
+        del out
+        gc.collect()
+        assert ref() is None  # saved outputs do not form cycles with their grad_fn
+
+
+def test_backward_twice_through_carried_hidden_state():
+    cell = nn.RNNCell(4, 4)
+    opt = torch.optim.SGD(cell.parameters(), lr=0.01)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(cell, opt, checks="all", live=False) as g:
+            h = torch.zeros(2, 4)
+            for _ in range(3):
+                h = cell(torch.randn(2, 4), h)  # not detached: step 1 backprops into step 0's freed graph
+                opt.zero_grad()
+                h.sum().backward()
+                opt.step()
+    assert "backward through the graph a second time" in str(ei.value)
+    assert "hidden = hidden.detach()" in _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "backward" and f.step == 1
+
+
+def test_device_mismatch_explained_with_module():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, checks=["explain"], live=False) as g:
+            model(torch.randn(2, 4, device="meta"))  # the weights stay on the CPU
+    note = _notes(ei.value)
+    assert "`0` (Linear)" in note and "x = x.to(device)" in note
+    (f,) = _explained(g)
+    assert f.where == "0" and set(f.details["devices"]) == {"cpu", "meta"}
+
+
+def test_fake_cuda_device_mismatch_message():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, checks=["explain"], live=False) as g:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                model(torch.empty(2, 4, device="cuda:0"))
+    assert "Expected all tensors to be on the same device" in str(ei.value)
+    assert "(cuda:0 and cpu)" in _notes(ei.value)
+    assert _explained(g)[0].where == "Linear"
+
+
+def test_batchnorm_single_sample_value_error_type_kept():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError) as ei:
+        with guard(model, checks=["explain"], mode="raise", live=False) as g:
+            model(torch.randn(1, 4))
+    assert type(ei.value) is ValueError
+    note = _notes(ei.value)
+    assert "`1` (BatchNorm1d)" in note and "drop_last=True" in note
+    assert _explained(g)[0].where == "1"
+
+
+def test_cpu_out_of_memory_names_batch_and_largest_tensors():
+    """A real allocation failure on the CPU: a layer asks for far more memory than the machine has."""
+    class Tile(nn.Module):
+        def forward(self, x):
+            return x.repeat(2 ** 36, 1)  # 2**36 * 32 rows of 4096 floats
+
+    model = nn.Sequential(nn.Linear(64, 4096), Tile())
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, checks="all", live=False) as g:
+            model(torch.randn(32, 64))
+    assert "can't allocate memory" in str(ei.value)
+    note = _notes(ei.value)
+    assert "`1` (Tile)" in note and "batch size 32" in note and "0.weight" in note and "torch.autocast" in note
+    (f,) = _explained(g)
+    assert f.where == "1" and "0.weight" in [t["name"] for t in f.details["largest_tensors"]]
+
+
+def test_cuda_oom_error_type_simulated():
+    """Simulated: a module raises torch.OutOfMemoryError as the CUDA allocator would (no GPU here)."""
+    class Alloc(nn.Module):
+        def forward(self, x):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    model = nn.Sequential(nn.Linear(4, 4), Alloc())
+    with pytest.raises(torch.OutOfMemoryError) as ei:
+        with guard(model, checks=["explain"], live=False) as g:
+            model(torch.randn(16, 4))
+    assert "batch size 16" in _notes(ei.value)
+    assert _explained(g)[0].where == "1"
+
+
+class _BusErrorData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        os.kill(os.getpid(), signal.SIGBUS)  # what a worker gets when /dev/shm is full (simulated cause)
+        return torch.zeros(2)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGBUS"), reason="POSIX only")
+def test_dataloader_worker_bus_error_shm():
+    loader = torch.utils.data.DataLoader(_BusErrorData(), batch_size=2, num_workers=1, timeout=20)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(checks=["explain"], live=False) as g:
+            for _ in loader:
+                pass
+    note = _notes(ei.value)
+    assert "/dev/shm" in note and "num_workers" in note, str(ei.value)
+    assert _explained(g)[0].where == "DataLoader"
+
+
+def test_dataparallel_attribute_error_hints_module():
+    net = nn.Sequential()
+    net.add_module("head", nn.Linear(4, 2))
+    dp = nn.DataParallel(net)
+    with pytest.raises(AttributeError) as ei:
+        with guard(dp, checks="all", live=False) as g:
+            dp.head.weight  # noqa: B018
+    assert "model.module.head" in _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "DataParallel" and f.details["found_on_module"] is True
+
+
+def test_wrapped_model_call_is_explained_once():
+    import guard as gp
+
+    wrapped = gp.wrap(nn.BatchNorm1d(3), checks=["explain"], live=False)
+    with pytest.raises(ValueError) as ei:
+        wrapped(torch.randn(1, 3))
+    wrapped.guard.close()
+    assert _notes(ei.value).count("guard:") == 1
+    assert len(_explained(wrapped.guard)) == 1
+
+
+def test_unknown_errors_untouched_and_hooks_removed():
+    model = nn.Linear(4, 4)
+    with pytest.raises(KeyError) as ei:
+        with guard(model, checks="all", live=False) as g:
+            model(torch.randn(2, 4))
+            raise KeyError("mine")
+    assert not getattr(ei.value, "__notes__", None) and g.findings == []
+    # the saved-tensor hooks are gone: PyTorch's own check works again
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
