@@ -17,7 +17,11 @@ KNOWN = {
                             "whenever residual signs balance; Adam's momentum then 'moves a parameter without "
                             "gradient' although nothing is wrong",
 }
-CLEAN = [n for n in healthy.NAMES if n not in KNOWN]
+# Healthy but deliberately given an info-level advice (no warning or error): script -> the only kinds allowed.
+INFO_ONLY = {
+    "unit_range_images": {"input-not-normalized"},  # [0, 1] images into a conv: "Normalize()" advice, by design
+}
+CLEAN = [n for n in healthy.NAMES if n not in KNOWN and n not in INFO_ONLY]
 
 
 def run(name, **opts):
@@ -41,7 +45,14 @@ def test_healthy_script_has_no_findings(name):
     assert [(f.kind, f.where, f.message) for f in g.findings] == []
     assert g.internal_errors == []
     assert g.step > 0 and not g.active
-    assert secs < 2.0
+    assert secs < 4.0  # each takes < 2 s on an idle core (0.01-0.8 s measured); slack for a loaded machine
+
+
+@pytest.mark.parametrize("name", sorted(INFO_ONLY))
+def test_healthy_script_gets_at_most_info_advice(name):
+    g, _, _ = run(name)
+    assert {f.kind for f in g.findings} <= INFO_ONLY[name]
+    assert all(f.severity == "info" for f in g.findings) and g.internal_errors == []
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN))
