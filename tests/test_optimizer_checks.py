@@ -486,3 +486,20 @@ def test_skipped_steps_keep_the_sampling_period():
     assert [(e["step"], e["skipped"]) for e in g.timeline] == [(0, False), (2, False), (3, True), (4, False),
                                                                 (6, False)]
     assert g.findings == []
+
+
+def test_freezing_mid_run_with_zero_grads_kept_is_caught_by_a_global_guard():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-3)
+    with guard(live=False) as g:  # no model given: every module call and optimizer is watched
+        for step in range(7):
+            if step == 2:
+                for p in model.layer1.parameters():
+                    p.requires_grad = False  # freeze; their old grads stay as zero tensors
+            opt.zero_grad(set_to_none=False)
+            nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 2, (16,))).backward()
+            opt.step()
+    f = only(g, "weight-decay-without-grad")
+    assert f.where == "layer1" and f.step == 2 and f.details["norm_change_pct"] < 0
+    assert kinds(g) == ["weight-decay-without-grad"]
