@@ -182,7 +182,7 @@ def _code_range(code: types.CodeType) -> Tuple[int, int]:
     return code.co_firstlineno, max(lines) if lines else code.co_firstlineno
 
 
-def _update_source(name: str, frame: Any, owner: Any, parent: Any) -> Optional[str]:
+def _update_source(name: str, frame: Any, parent: Any) -> Optional[str]:
     """``file:line`` where the holder is updated: its frame's function, the file, or the owner's class."""
     _, target = _last_part(name)
     places: List[Tuple[str, int, int]] = []
@@ -290,7 +290,7 @@ class LossGraph(Check):
                                    "scan_ms": round(scan_ms, 2)}
         if holders:
             name, frame, steps, ts = holders[0]
-            src = _update_source(name, frame, None, _parent_of(name, frame))
+            src = _update_source(name, frame, _parent_of(name, frame))
             n = len(steps)
             nodes, saved = graph_size(ts)
             details.update(holder=name, holder_source=src, steps=n, graph_nodes=nodes,

@@ -22,7 +22,7 @@ while no ``zero_grad()`` was seen since the last step.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
