@@ -26,7 +26,6 @@ scale into their fused step (``_step_supports_amp_scaling``) always step; their
 """
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Dict, List, Optional
 

@@ -25,7 +25,7 @@ import math
 import weakref
 from collections import deque
 from statistics import median
-from typing import Any, Dict, Optional
+from typing import Optional
 
 import torch
 
