@@ -184,7 +184,7 @@ class AmpScaler(Check):
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         self.emit("nonfinite-grad", where,
                   f"GradScaler skipped optimizer.step() {run.count} steps in a row since step {run.since} and its "
-                  f"scale collapsed to {scale:.3g}: the gradients are NaN/Inf at every scale"
+                  f"scale fell to {scale:.3g}: the gradients are NaN/Inf at every scale"
                   + (f" ({shown})" if shown else "") + ", so the model is not training",
                   "This is not an fp16 overflow the scaler can fix: the backward itself makes NaN/Inf (sqrt/log/pow "
                   "at 0, division by zero, a NaN in the data or the loss). Run a step without the scaler (or under "
