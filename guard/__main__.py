@@ -137,7 +137,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     except BaseException:
         # Like python itself: the traceback (with guard's exception notes), status 1; drop runpy's frames.
         etype, exc, tb = sys.exc_info()
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
+        ours = (__file__, runpy.__file__, "<frozen runpy>")
+        while tb is not None and tb.tb_frame.f_code.co_filename in ours:
             tb = tb.tb_next
         traceback.print_exception(etype, exc, tb)
         code = 1
@@ -217,30 +218,39 @@ def cmd_report(argv: Sequence[str]) -> int:
             raise UsageError(f"guard report: cannot write {html_out!r}: {exc.strerror or exc}") from None
         print(f"guard: wrote {path}")
         return 0
-    from rich.console import Console
-
-    render_terminal(report, Console(highlight=False))
+    render_terminal(report, _console())
     return 0
 
 
 # --------------------------------------------------------------------------- checks
 
+def _console():
+    """rich console on stdout; wide when piped (logs), the terminal's width otherwise."""
+    from rich.console import Console
+
+    try:
+        tty = sys.stdout.isatty()
+    except Exception:
+        tty = False
+    return Console(highlight=False, width=None if tty else 140)
+
+
 def cmd_checks(argv: Sequence[str]) -> int:
     if argv:
         raise UsageError(f"guard checks: takes no arguments (got {' '.join(argv)!r})")
-    from rich.console import Console
     from rich.table import Table
 
     from .checks import registry
     from .findings import KINDS
 
     table = Table(title="guard checks", title_justify="left", show_lines=True)
-    for col in ("check", "default", "kinds (severity)", "what it catches"):
-        table.add_column(col, overflow="fold")
+    for col in ("check", "default", "kinds (severity)"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("what it catches", overflow="fold")
     for name, cls in sorted(registry().items()):
         kinds = "\n".join(f"{k} ({KINDS[k][0]})" for k in cls.kinds if k in KINDS)
         table.add_row(name, "on" if cls.default else "off", kinds, cls.description or "")
-    Console(highlight=False).print(table)
+    _console().print(table)
     print('select with checks=... / --checks / TORCH_GUARD_CHECKS: "default", "all", names or kinds, "-name" removes')
     return 0
 
@@ -261,6 +271,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(f"guard: unknown command {cmd!r}; allowed: {', '.join(COMMANDS)}")
     try:
         return COMMANDS[cmd](rest)
+    except BrokenPipeError:  # `python -m guard checks | head`: the reader left, not an error of ours
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
     except UsageError as exc:
         if str(exc) == "help":
             sys.stdout.write(USAGE)

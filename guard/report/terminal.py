@@ -101,16 +101,11 @@ def render_terminal(report: Dict[str, Any], console: Any) -> None:
     console.print(Panel(head, title="guard report", title_align="left", expand=False))
     merged = bool(env.get("ranks"))
     if findings:
-        table = Table(show_lines=True, title="findings", title_justify="left")
-        for col in ("severity", "kind", "where", "step", "count") + (("rank",) if merged else ()) + ("what / fix",):
-            table.add_column(col, overflow="fold")
+        table = Table(title="findings", title_justify="left")
+        for col in ("severity", "kind", "where", "steps", "count") + (("rank",) if merged else ()):
+            table.add_column(col)
         for f in findings:
             colour = _COLOURS.get(f.get("severity"), "white")
-            body = Text(str(f.get("message", "")))
-            body.append("\nfix: ", style="bold")
-            body.append(str(f.get("hint", "")))
-            if f.get("source"):
-                body.append(f"\nat {f['source']}", style="dim")
             step = str(f.get("step"))
             if f.get("last_step") not in (None, f.get("step")):
                 step += f"–{f['last_step']}"
@@ -118,8 +113,21 @@ def render_terminal(report: Dict[str, Any], console: Any) -> None:
                    str(f.get("count", 1))]
             if merged:
                 row.append(str(f.get("details", {}).get("rank", "")))
-            table.add_row(*row, body)
+            table.add_row(*row)
         console.print(table)
+        for f in findings:  # the full text, so nothing is cut to fit a column
+            colour = _COLOURS.get(f.get("severity"), "white")
+            body = Text()
+            body.append(f"{f.get('severity', '').upper()} ", style=f"bold {colour}")
+            body.append(f"{f.get('kind')} · {f.get('where')} · step {f.get('step')}")
+            if merged and "rank" in f.get("details", {}):
+                body.append(f" · rank {f['details']['rank']}")
+            body.append(f"\n  {f.get('message', '')}\n")
+            body.append("  fix: ", style="bold")
+            body.append(str(f.get("hint", "")))
+            if f.get("source"):
+                body.append(f"\n  at {f['source']}", style="dim")
+            console.print(body)
     else:
         console.print("[green]no findings[/green]")
     timeline = report.get("timeline", [])
