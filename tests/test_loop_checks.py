@@ -508,3 +508,25 @@ def test_eval_in_train_mode_leaves_swa_update_bn_alone():
             opt.step()
         update_bn([x for x, _ in data], model)  # recomputes BatchNorm statistics under no_grad, in train mode
     assert g.findings == []
+
+
+def test_loss_graph_raise_mode_stops_at_backward_and_bounded_window_is_reported():
+    from collections import deque
+
+    from guard import GuardError
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    window = deque(maxlen=50)
+    with pytest.raises(GuardError) as info:
+        with guard(model, opt, mode="raise", live=False):
+            for step in range(20):
+                x, y = data[step % 4]
+                loss = F.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                window.append(loss)
+    f = info.value.finding
+    assert f.kind == "loss-graph-retained" and f.where == "window" and f.details["detected_at_step"] == 5
