@@ -219,3 +219,79 @@ def test_unknown_errors_untouched_and_hooks_removed():
     assert not getattr(ei.value, "__notes__", None) and g.findings == []
     # the saved-tensor hooks are gone: PyTorch's own check works again
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+# ---------------------------------------------------------------------- torchsnooper traces on demand
+class LogLayer(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        z = torch.log(y)  # NaN for negative inputs
+        return z
+
+
+class LoopLayer(nn.Module):
+    def forward(self, x):
+        for _ in range(300):
+            x = x + 0
+        return torch.log(x)
+
+
+def _train_log_model(steps=3, layer=None, **opts):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), layer or LogLayer(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with guard(model, opt, **opts) as g:
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+    return g, model
+
+
+def _nonfinite_output(g):
+    (f,) = [f for f in g.findings if f.kind == "nonfinite-output"]
+    return f
+
+
+def test_snoop_traces_the_module_line_that_made_nan(capsys):
+    pytest.importorskip("torchsnooper", reason="torchsnooper needs setuptools<82 (make setup pins it)")
+    g, model = _train_log_model(snoop=True, live=True)
+    f = _nonfinite_output(g)
+    assert f.where == "1" and f.step == 0 and f.details["trace_step"] == 1
+    trace = "\n".join(f.details["trace"])
+    assert "z = torch.log(y)" in trace and "has_nan" in trace
+    assert f.details["trace_first_nonfinite"].startswith("line ")
+    assert "torch.log(y)" in f.details["trace_first_nonfinite"]
+    err = capsys.readouterr().err
+    assert err.count("torchsnooper trace of `1`") == 1 and "first NaN/Inf: line" in err
+    assert "forward" not in vars(model[1])  # the one-call instance attribute is gone
+
+
+def test_snoop_env_var_and_cap(monkeypatch):
+    pytest.importorskip("torchsnooper", reason="torchsnooper needs setuptools<82 (make setup pins it)")
+    from guard.checks import snoop
+
+    monkeypatch.setenv("TORCH_GUARD_SNOOP", "1")
+    g, model = _train_log_model(layer=LoopLayer(), live=False)
+    trace = _nonfinite_output(g).details["trace"]
+    assert len(trace) == snoop.MAX_LINES + 1 and "capped" in trace[-1]
+
+
+def test_snoop_off_by_default_no_trace():
+    g, model = _train_log_model(live=False)
+    assert "trace" not in _nonfinite_output(g).details
+
+
+def test_snoop_without_torchsnooper_says_so_once_and_carries_on(monkeypatch, capsys):
+    import sys
+
+    from guard.checks import snoop
+
+    monkeypatch.setitem(sys.modules, "torchsnooper", None)  # simulated: the import fails
+    monkeypatch.setattr(snoop, "_said", set())
+    for _ in range(2):
+        g, _m = _train_log_model(snoop=True, live=False)
+        assert "trace" not in _nonfinite_output(g).details and g.step == 3
+    err = capsys.readouterr().err
+    assert err.count("torchsnooper cannot be imported") == 1
+    assert len([ln for ln in err.splitlines() if "torchsnooper" in ln]) == 1

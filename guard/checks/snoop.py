@@ -1,0 +1,155 @@
+"""torchsnooper on demand: trace the next forward of the module that produced NaN/Inf.
+
+Off unless ``snoop=True`` or ``TORCH_GUARD_SNOOP=1`` (tracing every line is slow).
+When a ``nonfinite-output`` finding appears (checked once per step), the next
+call of that module runs its ``forward`` under ``torchsnooper.snoop()``: the
+module gets an instance attribute ``forward`` for exactly one call, set and
+removed through the guard's Installer (so it is gone on close too). The
+line-by-line trace (shapes, dtypes, devices, NaN flags) is stored in the
+finding's ``details["trace"]`` (capped) and, when live output is on, a
+collapsed form (the first line whose result holds NaN/Inf) is printed.
+
+torchsnooper 0.8 imports ``pkg_resources``, which setuptools >= 82 no longer
+ships; ``make setup`` pins ``setuptools<82``. Without an importable
+torchsnooper guard says so once, in one line, and carries on without traces.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import warnings
+import weakref
+from typing import Any, List, Optional, Set
+
+from ..config import ConfigError, parse_bool
+from .base import Check
+
+KIND = "nonfinite-output"
+MAX_LINES = 200
+MAX_CHARS = 240
+_said: Set[str] = set()  # one line per process per problem
+_NAN = re.compile(r"has_(nan|inf)")
+
+
+def _say_once(key: str, line: str) -> None:
+    if key in _said:
+        return
+    _said.add(key)
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def load_torchsnooper() -> Any:
+    """The torchsnooper module, or None after saying once why it cannot be imported."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pkg_resources' own deprecation warning
+            import torchsnooper  # type: ignore[import-not-found]
+        return torchsnooper
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        extra = " (setuptools >= 82 dropped it: pip install 'setuptools<82')" if "pkg_resources" in why else ""
+        _say_once("import", f"guard: snoop is on but torchsnooper cannot be imported ({why}){extra}; "
+                            f"continuing without traces")
+        return None
+
+
+def collapse(trace: List[str]) -> Optional[str]:
+    """The first traced source line whose result holds NaN/Inf, with that value (None if none did)."""
+    last_line = None
+    for ln in trace:
+        s = ln.strip()
+        if " line " in f" {s} " and not s.startswith(("New var", "Modified var", "Starting var", "Return value")):
+            num, _, code = s.split("line", 1)[-1].strip().partition(" ")
+            last_line = f"line {num}: {code.strip()}"
+        elif _NAN.search(s):
+            return f"{last_line} -> {s.split('.. ', 1)[-1]}" if last_line else s
+    return None
+
+
+class SnoopTrace(Check):
+    name = "snoop"
+    kinds = (KIND,)
+    description = "snoop=True: torchsnooper trace of the next forward of a module that produced NaN/Inf"
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        on = bool(guard.config.snoop)
+        env = os.environ.get("TORCH_GUARD_SNOOP")
+        if not on and env is not None:
+            try:
+                on = parse_bool(env, "TORCH_GUARD_SNOOP")
+            except ConfigError as exc:
+                _say_once("env", f"{exc}; snoop stays off")
+        self._on = on
+        self._ts: Any = None
+        self._done: Set[str] = set()  # `where`s already armed or traced
+        self._seen = 0
+
+    def on_start(self):
+        if self._on:
+            self._ts = load_torchsnooper()
+            self._on = self._ts is not None
+
+    def on_resolved(self):
+        if not self._on:
+            return
+        findings = self.g.findings
+        if len(findings) == self._seen:
+            return
+        new, self._seen = findings[self._seen:], len(findings)
+        for f in new:
+            if f.kind == KIND and f.where not in self._done:
+                self._done.add(f.where)
+                module = self._module_at(f.where)
+                if module is not None:
+                    self._arm(module, f.where)
+
+    def _module_at(self, path: str) -> Any:
+        roots = self.g.models or list(getattr(self.g, "_roots", ()))  # global mode: the roots seen
+        for root in roots:
+            for mod in root.modules():
+                if self.g.path_of(mod) == path:
+                    return mod
+        return None
+
+    def _arm(self, module: Any, where: str) -> None:
+        fwd = getattr(type(module), "forward", None)
+        if getattr(fwd, "__code__", None) is None:
+            return  # not a Python function (scripted, C++): nothing to trace line by line
+        lines: List[str] = []
+
+        def write(s: str) -> None:
+            for ln in s.splitlines():
+                if len(lines) < MAX_LINES:
+                    lines.append(ln[:MAX_CHARS])
+                elif len(lines) == MAX_LINES:
+                    lines.append(f"... trace capped at {MAX_LINES} lines")
+
+        snooped = self._ts.snoop(output=write, normalize=True, color=False, max_variable_length=120)(fwd)
+        ref = weakref.ref(module)
+        check = self
+        handle: List[Any] = []
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            handle[0].remove()  # exactly one traced call
+            mod = ref()
+            try:
+                return snooped(mod, *args, **kwargs)
+            finally:
+                check._store(where, lines)
+
+        # Through the Installer: removed after the call, or on close if the module never runs again.
+        handle.append(self.g._installer.attr(module, "forward", forward))
+
+    def _store(self, where: str, lines: List[str]) -> None:
+        short = collapse(lines)
+        self.g.update_details(KIND, where, trace=list(lines), trace_step=self.g.step, trace_first_nonfinite=short)
+        if self.g.config.live and self.g.config.mode != "record":
+            _say_once(f"trace:{id(self.g)}:{where}",
+                      f"guard: torchsnooper trace of `{where}` at step {self.g.step} ({len(lines)} lines in "
+                      f"details.trace)" + (f"; first NaN/Inf: {short}" if short else "; no NaN/Inf this time"))
