@@ -73,8 +73,10 @@ def collapse(trace: List[str]) -> Optional[str]:
 
 class SnoopTrace(Check):
     name = "snoop"
-    kinds = (KIND,)
-    description = "snoop=True: torchsnooper trace of the next forward of a module that produced NaN/Inf"
+    default = False  # off unless snoop=True
+    kinds = ()  # emits nothing: adds a trace to nonfinite-output findings; switched by snoop=, not checks=
+    description = ("option snoop=True / TORCH_GUARD_SNOOP=1 (not checks=): torchsnooper trace of the next forward "
+                   "of a module that produced NaN/Inf")
 
     def __init__(self, guard):
         super().__init__(guard)
