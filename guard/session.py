@@ -225,8 +225,7 @@ class Guard:
     # ------------------------------------------------------------------ checks & routing
     def _build_checks(self) -> None:
         kinds = self.config.kinds
-        # A check without kinds emits nothing itself (a helper such as snoop): it follows its own option.
-        self.checks = [cls(self) for cls in self._registry.values() if set(cls.kinds) & kinds or not cls.kinds]
+        self.checks = [cls(self) for cls in self._registry.values() if set(cls.kinds) & kinds]
         self._rebuild_handlers()
 
     def _rebuild_handlers(self) -> None:

@@ -73,8 +73,10 @@ def collapse(trace: List[str]) -> Optional[str]:
 
 class SnoopTrace(Check):
     name = "snoop"
-    default = False  # off unless snoop=True
-    kinds = ()  # emits nothing: adds a trace to nonfinite-output findings; switched by snoop=, not checks=
+    default = False  # listed "off": it acts only with snoop=True
+    # Emits nothing itself; it adds a trace to nonfinite-output findings, so it is built whenever that kind is on.
+    # Switch it with snoop=, not checks= ("-snoop" would remove the nonfinite-output kind).
+    kinds = (KIND,)
     description = ("option snoop=True / TORCH_GUARD_SNOOP=1 (not checks=): torchsnooper trace of the next forward "
                    "of a module that produced NaN/Inf")
 
