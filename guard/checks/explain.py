@@ -37,6 +37,7 @@ _DEV_RE = re.compile(r"found at least two devices, ([\w:]+) and ([\w:]+)")
 _DEV2_RE = re.compile(r"Tensor on device ([\w:]+) is not on the expected device ([\w:]+)")
 _SIZE_RE = re.compile(r"got input size (torch\.Size\(\[[^\]]*\]\))")
 _TOP_TENSORS = 5
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 class _TaggedSaves:
@@ -131,7 +132,7 @@ class ExplainErrors(Check):
 
     # ------------------------------------------------------------------ module stack
     def on_forward_pre(self, module, path, args, kwargs, is_root):
-        if threading.get_ident() != self._thread:
+        if _compiling() or threading.get_ident() != self._thread:  # Dynamo traces hooks: stay out of graphs
             return
         self._stack.append(path)
         if is_root:
@@ -141,7 +142,7 @@ class ExplainErrors(Check):
                     break
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
-        if threading.get_ident() != self._thread:
+        if _compiling() or threading.get_ident() != self._thread:
             return
         if self._stack:
             self._stack.pop()
