@@ -213,6 +213,7 @@ class Installer:
 
     def __init__(self) -> None:
         self._stack = ExitStack()
+        self._graph_handles: List[Any] = []
 
     def _keep(self, handle: Any) -> Any:
         self._stack.callback(handle.remove)
@@ -274,6 +275,18 @@ class Installer:
 
         return self._keep(_Handle(restore))
 
+    def graph_prehook(self, node: Any, fn: Callable) -> None:
+        """A pre-hook on an autograd graph node (``grad_fn``): it dies with the graph, or is removed on close."""
+        handles = self._graph_handles
+        if len(handles) >= 1024:  # drop handles whose graph is gone, keep the list bounded
+            handles[:] = [h for h in handles if h.hooks_dict_ref() is not None]
+        handles.append(node.register_prehook(fn))
+
+    def _remove_graph_hooks(self) -> None:
+        handles, self._graph_handles = self._graph_handles, []
+        for h in handles:
+            h.remove()
+
     def process_exit(self, obj: Any) -> None:
         self._keep(_watch_process_exit(obj))
 
@@ -282,4 +295,7 @@ class Installer:
 
     def close(self) -> None:
         stack, self._stack = self._stack, ExitStack()
-        stack.close()
+        try:
+            stack.close()
+        finally:
+            self._remove_graph_hooks()

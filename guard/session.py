@@ -516,6 +516,10 @@ class Guard:
     def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
         return self._primary is not None and self._primary() is optimizer
 
+    def graph_prehook(self, node: Any, fn: Callable) -> None:
+        """Register ``fn`` as a pre-hook of autograd node `node` through the installer (removed on close)."""
+        self._installer.graph_prehook(node, fn)
+
     def source(self) -> Optional[str]:
         """``file:line`` of the user's code that is running now."""
         return user_source(2)

@@ -2,7 +2,8 @@
 
 Each grad-enabled call of a guarded root model whose outputs require grad tags
 its output nodes: a sentinel in ``grad_fn.metadata`` (it lives exactly as long
-as the graph) and a node pre-hook that marks the forward as used when any
+as the graph) and a node pre-hook (installed by the guard's installer, removed at
+exit at the latest) that marks the forward as used when any
 ``backward()`` or ``torch.autograd.grad`` executes that node, whoever calls it
 (a second ``backward()`` in the same step, a GAN's generator loss after the
 discriminator's step). The hook belongs to the graph, not to the model, and goes
@@ -99,7 +100,7 @@ class EvalWithoutNoGrad(Check):
                 continue  # an output passed through unchanged from an earlier tagged forward
             tag = _Tag(rec)
             md[self._key] = tag
-            t.grad_fn.register_prehook(rec)  # runs when any backward/autograd.grad executes this node
+            self.g.graph_prehook(t.grad_fn, rec)  # runs when any backward/autograd.grad executes this node
             rec.tags.append(weakref.ref(tag))
             rec.outs.append(weakref.ref(t))
         if rec.tags:
