@@ -649,3 +649,43 @@ def test_good_environment_values_parse():
     assert g.config.mode == "raise" and g.config.every == 4 and g.config.live is False
     assert "input-not-normalized" not in g.config.kinds and g.config.report == "r.json"
     assert env_options({}) is None and env_options({"TORCH_GUARD": "0"}) is None
+
+
+# ---------------------------------------------------------------- wrap and nesting
+
+@pytest.mark.parametrize("name", ["grad_accumulation", "eval_no_grad", "multi_task"])
+def test_nested_global_and_model_guards_on_healthy_scripts(name):
+    before = global_state()
+    with guard(checks="all", live=False) as outer:
+        inner, _ = healthy.load(name).train(checks="all", live=False)
+    assert outer.findings == [] and inner.findings == []
+    assert outer.internal_errors == [] and inner.internal_errors == []
+    # A global guard started before any optimizer exists counts backward() calls as steps until it sees
+    # one step (so with gradient accumulation its step numbers run ahead of the model guard's).
+    assert outer.step >= inner.step > 0
+    assert global_state() == before and guard_hooks.active_patches() == [] and saved_tensor_hooks() is None
+
+
+def test_wrap_keeps_numerics_and_cleans_up():
+    def run(use_wrap):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        net = guard_pkg.wrap(model, opt, checks="all", live=False) if use_wrap else model
+        for _ in range(4):
+            loss = net(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if use_wrap:
+            assert net.state_dict().keys() == model.state_dict().keys()
+            net.guard.close()
+            return net.guard, fingerprint(model, opt), model
+        return None, fingerprint(model, opt), model
+
+    before = global_state()
+    _, plain, _ = run(False)
+    g, wrapped, model = run(True)
+    assert_same(plain, wrapped)
+    assert g.findings == [] and g.internal_errors == [] and g.step == 4
+    assert global_state() == before and module_hook_counts(model) == [(0, 0)] * 5
