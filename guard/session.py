@@ -632,7 +632,7 @@ class Guard:
         """An outermost model call starts: remember where it came from."""
         tls = self._tls
         tls.root_source = user_source(3)
-        tls.saw_forward = True
+        tls.forwards = getattr(tls, "forwards", 0) + 1
         if self._backward_pending:
             self._advance_backward_step()
 
@@ -763,6 +763,7 @@ class Guard:
             self._contain(None, exc)
 
     def _end_step(self) -> None:
+        self._tls.forwards = 0  # forwards combined into one loss leave a surplus; a step settles it
         if self.step == 0 and self._models and not self.modules and not self._scripted and "torch._dynamo" in sys.modules:
             self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs through "
                         "a torch.compile'd wrapper (compiled code skips module hooks), guard that compiled module "
@@ -779,7 +780,7 @@ class Guard:
 
     def _mw_backward(self, call: Callable, args: tuple, kwargs: dict) -> Any:
         tls = self._tls
-        if not self._active or getattr(tls, "in_backward", False) or (self._models and not self._scripted and not getattr(tls, "saw_forward", False)):
+        if not self._active or getattr(tls, "in_backward", False) or (self._models and not self._scripted and not getattr(tls, "forwards", 0)):
             return call(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
         tls.in_backward = True
@@ -809,8 +810,9 @@ class Guard:
             return result
         finally:
             tls.in_backward = False
-            # A model guard owns the next backward only if its model ran forward since this one.
-            tls.saw_forward = False
+            # A model guard owns a backward only while its model has forwards not yet back-propagated
+            # in this thread (two forwards, two backwards: both are ours; another model's: not).
+            tls.forwards = max(0, getattr(tls, "forwards", 0) - 1)
 
     def _stage_loss(self, tensors: Any) -> None:
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
