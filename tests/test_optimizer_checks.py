@@ -503,3 +503,40 @@ def test_freezing_mid_run_with_zero_grads_kept_is_caught_by_a_global_guard():
     f = only(g, "weight-decay-without-grad")
     assert f.where == "layer1" and f.step == 2 and f.details["norm_change_pct"] < 0
     assert kinds(g) == ["weight-decay-without-grad"]
+
+
+def test_exact_zero_gradient_by_cancellation_is_not_reported():
+    """L1 loss: the output bias's gradient is exactly 0 whenever residual signs balance; it is in the graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-4)
+    zero, longest = 0, 0
+    with guard(model, opt, live=False, checks="all") as g:
+        for _ in range(200):
+            x, y = torch.randn(16, 4), torch.randn(16, 1)
+            opt.zero_grad()
+            nn.functional.l1_loss(model(x), y).backward()
+            zero = zero + 1 if model[2].bias.grad.abs().sum() == 0 else 0
+            longest = max(longest, zero)
+            opt.step()
+    assert longest >= 3  # the precondition: exact zeros for several steps in a row
+    assert g.findings == [], g.findings
+
+
+def test_one_backward_two_optimizers_both_checked():
+    torch.manual_seed(0)
+    model = Net()
+    opt_a = torch.optim.SGD(model.layer1.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(list(model.layer4.parameters()) + list(model.fc.parameters()), lr=0.1,
+                            weight_decay=0.01)
+    with guard(model, [opt_a, opt_b], live=False) as g:
+        for step in range(7):
+            opt_a.zero_grad(set_to_none=False)
+            opt_b.zero_grad(set_to_none=False)
+            out = model(torch.randn(16, 8), deep=step < 1)
+            nn.functional.cross_entropy(out, torch.randint(0, 2, (16,))).backward()
+            opt_a.step()
+            opt_b.step()  # steps after the main optimizer ended the step
+    f = only(g, "weight-decay-without-grad")
+    # (a second optimizer steps after the main one advanced the step counter: iteration 1 is step 2)
+    assert f.where == "layer4" and f.details["optimizer"] == "SGD" and f.step == 2

@@ -11,7 +11,10 @@ it), so those are not candidates; an all-zero gradient moves it in all of them
 when ``weight_decay > 0``, and in SGD+momentum/Adam/AdamW even with
 ``weight_decay=0`` once optimizer state exists. Rather than trusting a table,
 the check reports only parameters whose norm really changed while their
-gradient stayed zero.
+gradient stayed zero, and that were not in the step's autograd graph at all
+(a parameter that was, with an exactly-zero gradient, is a cancellation: an L1
+loss's output bias when as many residuals lie above as below). The graph is
+walked only while there are zero-gradient suspects.
 
 Cost per sampled step: the per-parameter gradient norms are the shared fused
 ``g.grad_norms(opt)``, stacked and read with the step's other staged values (one
@@ -35,7 +38,8 @@ STEPS = 3  # consecutive sampled steps with a zero gradient before reporting (no
 
 
 class _Track:
-    __slots__ = ("ref", "first_step", "count", "first_norm", "last_norm", "group", "why", "wd", "reported")
+    __slots__ = ("ref", "first_step", "count", "first_norm", "last_norm", "group", "why", "wd", "reported",
+                 "unreached")
 
     def __init__(self, p: torch.Tensor, step: int, group: int, why: str, wd: float):
         self.ref = weakref.ref(p)
@@ -43,6 +47,7 @@ class _Track:
         self.first_norm: Optional[float] = None  # weights measured from the 2nd zero-gradient step on
         self.last_norm: Optional[float] = None
         self.group, self.why, self.wd, self.reported = group, why, wd, False
+        self.unreached = False  # seen outside a backward graph of its step at least once
 
 
 def _norms(ts: List[_Track]) -> Tuple[float, float, float]:
@@ -50,6 +55,37 @@ def _norms(ts: List[_Track]) -> Tuple[float, float, float]:
     first = sum((t.first_norm or 0.0) ** 2 for t in ts) ** 0.5
     now = sum((t.last_norm or 0.0) ** 2 for t in ts) ** 0.5
     return first, now, ((now - first) / first * 100 if first else 0.0)
+
+
+MAX_NODES = 200_000
+
+
+def _reached_params(roots: List[torch.Tensor], want: set) -> set:
+    """Ids in `want` of the leaf tensors the autograd graphs of `roots` accumulate into."""
+    found: set = set()
+    seen: set = set()
+    stack = []
+    for t in roots:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad and id(t) in want:
+            found.add(id(t))
+    while stack and len(seen) < MAX_NODES:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad
+        if var is not None:
+            if id(var) in want:
+                found.add(id(var))
+            continue
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    if stack:  # graph too large to walk: assume every suspect was reached (no report, no false alarm)
+        return set(want)
+    return found
 
 
 def _has_momentum_state(state: Any) -> bool:
@@ -69,8 +105,25 @@ class WeightDecayWithoutGrad(Check):
         self._tracks: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Dict[int, _Track]]" = (
             weakref.WeakKeyDictionary())
         self._reported: Dict[Tuple[int, str], List[_Track]] = {}  # (id(opt), where) -> its tracks
+        self._suspects: set = set()  # ids of parameters whose gradient was zero at the last resolved step
+        self._reached: set = set()  # suspects the backward graph(s) of this step lead to
+        self._walked = False  # a backward since the last round was looked at
+        self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
+
+    # Was the parameter in this step's graph at all? An all-zero gradient of a parameter that was
+    # (an L1 loss's output bias when residual signs balance, say) is a legitimate cancellation, not
+    # "no signal". Walked only while there are suspects, so a healthy run pays nothing.
+    def on_backward(self, tensors, kwargs):
+        if self._stepped:  # the first backward after a step: a new round of graphs
+            self._reached, self._walked, self._stepped = set(), False, False
+        if not self._suspects or not self.g.sampling:
+            return
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
+        self._walked = True
+        self._reached |= _reached_params([t for t in ts if isinstance(t, torch.Tensor)], self._suspects)
 
     def on_step_pre(self, optimizer):
+        self._stepped = True
         if not self.g.sampling:
             return
         gn = self.g.grad_norms(optimizer)
@@ -103,6 +156,9 @@ class WeightDecayWithoutGrad(Check):
         step, source = self.g.step, self.g.source()
         oref = weakref.ref(optimizer)
         sids = [id(p) for p in suspects]
+        # Suspects checked against this step's graph: reached ones had a real (cancelled) gradient.
+        checked = {i for i in sids if i not in self._reached} if self._walked else set()
+        reached = {i for i in sids if i in self._reached}
 
         def collect():
             vals = gnorms + pnorms
@@ -113,11 +169,13 @@ class WeightDecayWithoutGrad(Check):
             stacked = torch.stack(vals)  # one op: the norms are 0-dim already
             if stacked.dtype != torch.float32:
                 stacked = stacked.float()
-            return [(stacked, lambda values: self._update(oref, cands, sids, values, step, source))]
+            return [(stacked, lambda values: self._update(oref, cands, sids, values, step, source,
+                                                                  checked, reached))]
 
         self.g.stage_batch(collect)
 
-    def _update(self, oref, cands, sids, values: List[float], step: int, source: Optional[str]) -> None:
+    def _update(self, oref, cands, sids, values: List[float], step: int, source: Optional[str],
+                checked: set, reached: set) -> None:
         opt = oref()
         if opt is None:
             return
@@ -126,12 +184,14 @@ class WeightDecayWithoutGrad(Check):
         tracks = self._tracks.setdefault(opt, {})
         live: Dict[int, _Track] = {}
         for (p, _, gi, why, wd), gval in zip(cands, values[:n]):
-            if gval != 0.0:
+            if gval != 0.0 or id(p) in reached:
                 continue
             t = tracks.get(id(p))
             if t is None or t.ref() is not p:
                 t = _Track(p, step, gi, why, wd)
             t.count += 1
+            if id(p) in checked:
+                t.unreached = True
             t.group, t.why, t.wd = gi, why, wd
             pval = pnorm.get(id(p))
             if pval is not None:
@@ -140,8 +200,9 @@ class WeightDecayWithoutGrad(Check):
                 t.last_norm = pval
             live[id(p)] = t
         self._tracks[opt] = live  # a step with signal (or not a candidate) breaks the run
-        due = [t for t in live.values() if not t.reported and t.count >= STEPS and t.first_norm is not None
-               and t.last_norm != t.first_norm]
+        self._suspects = {i for o, tr in self._tracks.items() for i in tr}
+        due = [t for t in live.values() if not t.reported and t.unreached and t.count >= STEPS
+               and t.first_norm is not None and t.last_norm != t.first_norm]
         if due:
             self._report(opt, due, source)
         for (oid, where), ts in list(self._reported.items()):
