@@ -295,3 +295,18 @@ def test_snoop_without_torchsnooper_says_so_once_and_carries_on(monkeypatch, cap
     err = capsys.readouterr().err
     assert err.count("torchsnooper cannot be imported") == 1
     assert len([ln for ln in err.splitlines() if "torchsnooper" in ln]) == 1
+
+
+# ---------------------------------------------------------------------- demos
+@pytest.mark.parametrize("name, kind, where", [
+    ("inplace_saved", "explained-error", "0.gate"),
+    ("state_dict_prefix", "state-dict-mismatch", "Sequential"),
+])
+def test_demos_buggy_and_clean_twin(name, kind, where, capsys):
+    import importlib
+
+    demo = importlib.import_module(f"demos.{name}")
+    g = demo.train(checks="all", live=False)
+    assert [(f.kind, f.where) for f in g.findings] == [(kind, where)]
+    assert "guard: " in capsys.readouterr().out  # the note is shown with the crash
+    assert demo.train(fixed=True, checks="all", live=False).findings == []
