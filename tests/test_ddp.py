@@ -1,0 +1,158 @@
+"""DistributedDataParallel: 2 CPU ranks (gloo, torch.multiprocessing.spawn), one dump per rank.
+
+The ranks run in a subprocess (a small script that spawns them), so pytest's process stays
+single-process and the dumps can be merged with ``python -m guard report``.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r'''
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from guard import guard
+
+
+class Poison(nn.Module):
+    """Identity, or log() when armed: NaN from finite (negative) inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return x.log() if self.armed else x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 8)
+        self.act = Poison()
+        self.branch = nn.Linear(8, 8)  # used in a first phase only
+        self.head = nn.Linear(8, 1)
+        self.use_branch = True
+
+    def forward(self, x):
+        h = self.act(self.enc(x))
+        if self.use_branch:
+            h = self.branch(h)
+        return self.head(h)
+
+
+def worker(rank, world, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "store"), rank=rank, world_size=world)
+    # 1. a NaN planted on rank 1 only (its module 'act' at step 2)
+    torch.manual_seed(0)
+    net = Net()
+    net.use_branch = False
+    del net.branch  # every parameter is used: plain DDP
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, mode="record", live=True, report=os.path.join(out, "report.json")) as g:
+        for step in range(4):
+            net.act.armed = rank == 1 and step == 2
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    # 2. weight decay keeps shrinking a branch that stopped getting gradients (DDP, unused parameters)
+    torch.manual_seed(0)
+    net = Net()
+    model = DDP(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    with guard(model, opt, mode="record", live=False, report=os.path.join(out, "wd.json")):
+        for step in range(8):
+            net.use_branch = step < 2
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, sys.argv[1]), nprocs=2)
+'''
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_GUARD")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    (out / "train_ddp.py").write_text(SCRIPT)
+    r = subprocess.run([sys.executable, str(out / "train_ddp.py"), str(out)], cwd=out, env=_env(),
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out, r
+
+
+def _load(path):
+    return json.loads(path.read_text())
+
+
+def test_one_dump_per_rank_with_rank_in_environment(ranks):
+    out, _ = ranks
+    assert not (out / "report.json").exists()
+    for rank in (0, 1):
+        dump = _load(out / f"report.rank{rank}.json")
+        assert dump["environment"]["rank"] == rank and dump["environment"]["world_size"] == 2
+        assert dump["steps"] == 4
+
+
+def test_nan_on_rank_1_only_is_reported_by_rank_1_at_its_module(ranks):
+    out, _ = ranks
+    r1 = _load(out / "report.rank1.json")["findings"]
+    origin = [f for f in r1 if f["kind"] == "nonfinite-output"]
+    assert [(f["where"], f["step"], f["details"]["rank"]) for f in origin] == [("act", 2, 1)]
+    # rank 0 computed nothing non-finite itself; it only received NaN gradients through all-reduce
+    r0 = _load(out / "report.rank0.json")["findings"]
+    assert not [f for f in r0 if f["kind"] in ("nonfinite-output", "nonfinite-input", "nonfinite-loss")]
+    assert all(f["details"]["rank"] == 0 for f in r0)
+    # module paths are the user's, without DDP's "module." prefix
+    for rep in (out / "report.rank0.json", out / "report.rank1.json"):
+        paths = [m["path"] for m in _load(rep)["modules"]]
+        assert "enc" in paths and "act" in paths and not any(p.startswith("module") for p in paths)
+
+
+def test_only_rank_0_prints_live(ranks):
+    _, r = ranks
+    assert "nonfinite-grad" in r.stderr  # rank 0's own finding, printed live
+    assert "nonfinite-output" not in r.stderr  # rank 1's stays in its dump
+
+
+def test_weight_decay_on_parameters_ddp_left_without_gradient(ranks):
+    out, _ = ranks
+    for rank in (0, 1):
+        findings = _load(out / f"wd.rank{rank}.json")["findings"]
+        wd = [f for f in findings if f["kind"] == "weight-decay-without-grad"]
+        assert len(wd) == 1, findings
+        assert wd[0]["where"].startswith("branch") and wd[0]["details"]["rank"] == rank
+
+
+def test_cli_report_merges_the_ranks(ranks):
+    out, _ = ranks
+    files = sorted(str(p) for p in out.glob("report.rank*.json"))
+    r = subprocess.run([sys.executable, "-m", "guard", "report", *files], cwd=out, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "merged ranks [0, 1]" in r.stdout
+    assert "nonfinite-output · act · step 2 · rank 1" in r.stdout
+    assert "rank 0" in r.stdout
