@@ -616,6 +616,9 @@ class Guard:
             self._dispatch_forward_pre(module, args, {}, depth == 0)
 
     def _adopt_root(self, module: nn.Module) -> None:
+        if isinstance(module, _DP_TYPES):  # paths as in the user's model, without DDP's "module."
+            self._paths_weak[module] = type(module).__name__
+            module = module.module
         if isinstance(module, _DP_TYPES) or type(module).__name__ == "OptimizedModule":
             if type(module).__name__ == "OptimizedModule":
                 self._compiled_notice(module)

@@ -79,6 +79,20 @@ def worker(rank, world, out):
             opt.zero_grad(set_to_none=False)
             loss.backward()
             opt.step()
+    # 3. a global guard (no model given, as TORCH_GUARD / python -m guard run use): same paths
+    torch.manual_seed(0)
+    net = Net()
+    net.use_branch = False
+    del net.branch
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(mode="record", live=False, report=os.path.join(out, "global.json")):
+        for step in range(3):
+            net.act.armed = rank == 1 and step == 1
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -145,6 +159,15 @@ def test_weight_decay_on_parameters_ddp_left_without_gradient(ranks):
         wd = [f for f in findings if f["kind"] == "weight-decay-without-grad"]
         assert len(wd) == 1, findings
         assert wd[0]["where"].startswith("branch") and wd[0]["details"]["rank"] == rank
+
+
+def test_global_guard_under_ddp_uses_the_models_paths(ranks):
+    out, _ = ranks
+    r1 = _load(out / "global.rank1.json")
+    origin = [f for f in r1["findings"] if f["kind"] == "nonfinite-output"]
+    assert [(f["where"], f["step"], f["details"]["rank"]) for f in origin] == [("act", 1, 1)]
+    paths = {m["path"] for m in r1["modules"]}
+    assert {"enc", "act", "head"} <= paths and not any(p.startswith("module") for p in paths)
 
 
 def test_cli_report_merges_the_ranks(ranks):
