@@ -46,7 +46,8 @@ class _Run:
 class AmpScaler(Check):
     name = "amp-scaler"
     kinds = ("nonfinite-grad",)
-    description = "GradScaler-skipped steps are expected (timeline); a scale collapsing on NaN/Inf grads is not"
+    description = ("GradScaler-skipped steps are no error (marked in the timeline); a scale collapsing on NaN/Inf "
+                   "grads is a nonfinite-grad warning")
     patches = {"scaler_scale": "torch.amp.GradScaler.scale", "scaler_unscale": "torch.amp.GradScaler.unscale_",
                "scaler_step": "torch.amp.GradScaler.step", "scaler_update": "torch.amp.GradScaler.update"}
 

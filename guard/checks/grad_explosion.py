@@ -59,7 +59,7 @@ def _nice(x: float) -> str:
 class GradExplosion(Check):
     name = "grad-explosion"
     kinds = ("grad-explosion",)
-    description = "total gradient norm far above its running median; all-zero gradients (training stopped)"
+    description = "total gradient norm far above its running median; all-zero gradients (training stopped, info)"
 
     def __init__(self, guard):
         super().__init__(guard)
