@@ -39,3 +39,9 @@ guard.Guard = Guard  # type: ignore[attr-defined]
 guard.explain_state_dict = explain_state_dict  # type: ignore[attr-defined]
 
 __all__ = ["guard", "wrap", "Guard", "Finding", "GuardError", "ConfigError", "GuardInternalWarning", "explain_state_dict"]
+
+# TORCH_GUARD: when `import guard` is what imported torch, the environment's guard starts now.
+_autostart = __import__("sys").modules.get("_torch_guard_autostart")
+if _autostart is not None:
+    _autostart.start_pending()
+del _autostart

@@ -20,6 +20,7 @@ MODULE_NAME = "_torch_guard_autostart"
 
 _guard: Any = None  # the started guard (held strongly: the exit hook holds guards weakly)
 _finder: Optional["_TorchFinder"] = None
+_pending = False  # torch is imported but guard itself was still importing
 
 
 def _config_module():
@@ -122,6 +123,20 @@ class _StartAfterLoader:
         except Exception:
             pass
         self._loader.exec_module(module)
+        pkg = sys.modules.get("guard")
+        if pkg is not None and getattr(getattr(pkg, "__spec__", None), "_initializing", False):
+            # `import guard` is importing torch: guard/__init__.py calls start_pending() once it is complete.
+            global _pending
+            _pending = True
+            return
+        start()
+
+
+def start_pending() -> None:
+    """Called at the end of guard/__init__.py: start the guard whose start waited for guard itself."""
+    global _pending
+    if _pending:
+        _pending = False
         start()
 
 

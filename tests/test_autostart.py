@@ -73,6 +73,15 @@ def test_report_path_from_the_environment(buggy):
     assert not (buggy / "guard-report.json").exists()
 
 
+def test_guard_imported_before_torch(buggy):
+    # `import guard` imports torch itself: the environment's guard starts once guard is complete.
+    (buggy / "first.py").write_text("import guard\n" + BUGGY)
+    r = _run(["first.py"], buggy, TORCH_GUARD="record")
+    assert r.returncode == 0, r.stderr
+    dump = json.loads((buggy / "guard-report.json").read_text())
+    assert [f["kind"] for f in dump["findings"]] == ["nonfinite-input"]
+
+
 def test_raise_mode_stops_the_script_at_the_first_error(buggy):
     r = _run(["train.py"], buggy, TORCH_GUARD="raise", TORCH_GUARD_LIVE="0")
     assert r.returncode == 1

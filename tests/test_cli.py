@@ -33,9 +33,9 @@ sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]) if "--exit" in sys.argv els
 """
 
 
-def _run(args, cwd):
+def _run(args, cwd, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_GUARD")}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1", **extra)
     return subprocess.run([sys.executable, "-m", "guard", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -68,6 +68,13 @@ def test_run_fail_on_and_crash(proj):
     assert "RuntimeError: boom" in crash.stderr and "Traceback" in crash.stderr
     assert "runpy" not in crash.stderr  # guard's own frames are not the user's problem
     assert json.loads((proj / "c.json").read_text())["steps"] == 3  # dumped on the exception path too
+
+
+def test_run_replaces_the_environments_guard(proj):
+    r = _run(["run", "--mode", "record", "--report", "cli.json", "train.py", "--dirty"], proj, TORCH_GUARD="1")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads((proj / "cli.json").read_text())["findings"]) == 1
+    assert not (proj / "guard-report.json").exists()  # one guard, not two
 
 
 def test_run_module_with_dash_m(proj):
