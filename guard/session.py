@@ -568,9 +568,6 @@ class Guard:
         if not self._optimizers:
             inst.optimizer_hooks(None, self._hook_step_pre, self._hook_step_post)
         inst.patch("torch.autograd.backward", self._mw_backward)
-        for check in self.checks:
-            for cm in check.contexts():
-                inst.context(cm)
         for ev, target in self._patch_targets().items():
             inst.patch(target, self._make_patch_middleware(ev))
         inst.process_exit(self)

@@ -310,3 +310,17 @@ def test_demos_buggy_and_clean_twin(name, kind, where, capsys):
     assert [(f.kind, f.where) for f in g.findings] == [(kind, where)]
     assert "guard: " in capsys.readouterr().out  # the note is shown with the crash
     assert demo.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_torch_func_transforms_still_work_under_the_guard():
+    """torch.func refuses saved-tensor hooks: guard pushes them only around model calls, never inside a transform."""
+    from torch.func import functional_call, grad
+
+    model = nn.Linear(3, 1)
+    params = dict(model.named_parameters())
+    x = torch.randn(4, 3)
+    with guard(model, checks="all", live=False) as g:
+        g1 = grad(lambda p: functional_call(model, p, (x,)).sum())(params)
+        g2 = torch.func.grad(lambda t: t.sin().pow(2).sum())(x)
+    assert torch.allclose(g1["weight"], x.sum(0, keepdim=True)) and g2.shape == x.shape
+    assert g.findings == []

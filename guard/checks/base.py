@@ -52,10 +52,6 @@ class Check:
             names |= {ev, ev + "_done", ev + "_error"}
         return tuple(sorted(e for e in names if callable(getattr(cls, "on_" + e, None))))
 
-    def contexts(self) -> tuple:
-        """Context managers to hold open while the guard is active (entered and exited by the Installer)."""
-        return ()
-
     def emit(self, kind: str, where: str, message: str, hint: str, **kw) -> None:
         """Report a finding (de-duplicated by kind and where)."""
         self.g.emit(kind, where, message, hint, check=self, **kw)

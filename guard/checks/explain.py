@@ -7,9 +7,10 @@ and its type stay the same, so ``except`` clauses still work.
 
 Which module: forward hooks keep a stack of the module paths being run; when a
 module's forward raises, the innermost path is remembered for that exception.
-In-place errors: while the check is on, a ``saved_tensors_hooks`` pair tags
-every tensor autograd saves with the module whose forward saved it and its
-version. PyTorch skips its own version check for tensors packed by hooks, so
+In-place errors: while the check is on, a ``saved_tensors_hooks`` pair is
+pushed for the duration of each outermost model call (never inside torch.func
+transforms, which refuse such hooks) and tags every tensor autograd saves there
+with the module whose forward saved it and its version. PyTorch skips its own version check for tensors packed by hooks, so
 the unpack hook does that check itself, with the same message plus the module.
 The packed form holds a ``detach()``-ed alias (same storage and version
 counter) so that saved outputs do not form a reference cycle with their
@@ -37,29 +38,8 @@ _DEV_RE = re.compile(r"found at least two devices, ([\w:]+) and ([\w:]+)")
 _DEV2_RE = re.compile(r"Tensor on device ([\w:]+) is not on the expected device ([\w:]+)")
 _SIZE_RE = re.compile(r"got input size (torch\.Size\(\[[^\]]*\]\))")
 _TOP_TENSORS = 5
+_hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-
-
-class _TaggedSaves:
-    """``saved_tensors_hooks`` that tag saved tensors with (module path, version); thread-safe exit."""
-
-    def __init__(self, check: "ExplainErrors"):
-        self.check = check
-        self.cm = torch.autograd.graph.saved_tensors_hooks(check._pack, check._unpack)
-        self.thread = threading.get_ident()
-
-    def __enter__(self) -> "_TaggedSaves":
-        self.cm.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        # The hooks stack is thread-local: popping from another thread (atexit, SIGTERM) would pop the wrong one.
-        if threading.get_ident() == self.thread:
-            try:
-                self.cm.__exit__(None, None, None)
-            except Exception:
-                pass
-        return False
 
 
 def _user_line(exc: BaseException) -> Optional[str]:
@@ -102,9 +82,7 @@ class ExplainErrors(Check):
         self._failed: Dict[int, str] = {}  # id(exception) -> innermost module path whose forward raised
         self._inplace: Optional[Dict[str, Any]] = None
         self._batch: Optional[List[int]] = None
-
-    def contexts(self) -> tuple:
-        return (_TaggedSaves(self),)
+        self._pushed: List[Any] = []  # one entry per root call: its saved_tensors_hooks context, or None
 
     # ------------------------------------------------------------------ saved tensors
     def _pack(self, t: torch.Tensor) -> Any:
@@ -140,12 +118,22 @@ class ExplainErrors(Check):
                 if isinstance(a, torch.Tensor) and not a.is_nested:
                     self._batch = list(a.shape)
                     break
+            # Hooks only around model calls, and only where allowed (torch.func transforms refuse them).
+            cm = None
+            if _hooks_enabled():
+                cm = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                cm.__enter__()
+            self._pushed.append(cm)
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if _compiling() or threading.get_ident() != self._thread:
             return
         if self._stack:
             self._stack.pop()
+        if is_root and self._pushed:
+            cm = self._pushed.pop()
+            if cm is not None:
+                cm.__exit__(None, None, None)
         if output is None:
             import sys
 
