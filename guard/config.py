@@ -148,6 +148,14 @@ def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: A
                 **extras: Any) -> Config:
     """Validate guard() arguments into a `Config`; `origin` maps an argument to where it came from."""
     o = dict(origin or {})
+    if extras:  # a typo such as chekcs="all" must not silently run the defaults
+        import difflib
+
+        name = sorted(extras)[0]
+        known = ("checks", "mode", "report", "live", "every", "snoop")
+        near = difflib.get_close_matches(name, known, n=1)
+        raise ConfigError(f"guard: unknown option {name}={extras[name]!r}" + (f" (did you mean {near[0]}?)" if near else "")
+                          + f"; allowed: model, optimizer, {', '.join(known)}")
     spec = tuple(checks.split(",")) if isinstance(checks, str) else tuple(checks) if isinstance(checks, Iterable) else checks
     kinds = resolve_checks(checks, registry, o.get("checks", "checks"))
     if not isinstance(snoop, bool):

@@ -588,6 +588,8 @@ def one_line(exc_info, *needles):
     ({"live": 2}, ["live=2", "True, False"]),
     ({"report": 7}, ["report=7", "file path"]),
     ({"snoop": "perhaps"}, ["snoop='perhaps'", "0, 1"]),
+    ({"chekcs": "all"}, ["unknown option chekcs='all'", "did you mean checks?", "mode, report"]),
+    ({"verbose": True}, ["unknown option verbose=True", "checks, mode"]),
 ])
 def test_more_bad_guard_arguments_give_one_clear_line(kwargs, needles):
     with pytest.raises(ConfigError) as info:
@@ -615,6 +617,7 @@ def test_non_modules_and_non_optimizers_name_the_type(model, optimizer, needles)
     ((nn.Linear(1, 1),), {"mode": "loud"}, ["mode='loud'", "warn, raise, record"]),
     ((nn.Linear(1, 1),), {"checks": ["nope"]}, ["'nope'"]),
     ((nn.Linear(1, 1),), {"every": 0}, ["every=0"]),
+    ((nn.Linear(1, 1),), {"moed": "raise"}, ["unknown option moed='raise'", "did you mean mode?"]),
 ])
 def test_bad_wrap_arguments_give_one_clear_line(args, kwargs, needles):
     before = global_state()
