@@ -692,3 +692,28 @@ def test_wrap_keeps_numerics_and_cleans_up():
     assert_same(plain, wrapped)
     assert g.findings == [] and g.internal_errors == [] and g.step == 4
     assert global_state() == before and module_hook_counts(model) == [(0, 0)] * 5
+
+
+def test_model_with_full_backward_hooks_and_input_rewriting_pre_hooks():
+    def run(use_guard):
+        torch.manual_seed(0)
+        model = mlp()
+        grads_seen = []
+        model[0].register_full_backward_hook(lambda m, gin, gout: grads_seen.append(gout[0].norm()))
+        model[2].register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 0.5,), kwargs), with_kwargs=True)
+        model.register_full_backward_pre_hook(lambda m, gout: (gout[0] * 2,))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        ctx = guard(model, opt, checks="all", live=False) if use_guard else contextlib.nullcontext()
+        with ctx as g:
+            for _ in range(3):
+                loss = model(torch.randn(4, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return g, fingerprint(model), torch.stack(grads_seen)
+
+    _, plain, seen0 = run(False)
+    g, guarded, seen1 = run(True)
+    assert_same(plain, guarded)
+    assert torch.equal(seen0, seen1)  # the user's backward hooks saw the same gradients
+    assert g.findings == [] and g.internal_errors == []
