@@ -43,6 +43,11 @@ def _config_module():
 def _fail(message: str) -> None:
     """Stop the program with one line and exit status 2 (no traceback)."""
     try:
+        for stream in (sys.stdout, sys.stderr):  # os._exit skips the flush of what the program printed
+            try:
+                stream.flush()
+            except Exception:
+                pass
         sys.stderr.write(message.rstrip("\n") + "\n")
         sys.stderr.flush()
     finally:
