@@ -544,6 +544,8 @@ class Guard:
                 if type(inner).__name__ == "OptimizedModule":
                     self._compiled_notice(inner)
                 for path, mod in inner.named_modules():
+                    if path.startswith("_orig_mod") and type(inner).__name__ == "OptimizedModule":
+                        path = path[len("_orig_mod."):]  # the user's names, not torch.compile's wrapper
                     self._paths_by_id[id(mod)] = path or type(mod).__name__
                 self._roots.add(inner)
                 self._root_ids.add(id(inner))

@@ -69,7 +69,8 @@ def screenable(t: torch.Tensor) -> bool:
         and t.dtype in _SCREEN_DTYPES
         and t.layout is torch.strided
         and not t.is_nested  # nested tensors report a strided layout but have no sizes/sum
-        and not torch._C._functorch.is_functorch_wrapped_tensor(t)  # vmap/grad values must not escape the transform
+        # vmap/grad-wrapped values must not escape their transform (Dynamo cannot trace the test: skip it there)
+        and (torch.compiler.is_compiling() or not torch._C._functorch.is_functorch_wrapped_tensor(t))
         and not t.is_meta
         and t.numel() > 0
     )

@@ -717,3 +717,28 @@ def test_model_with_full_backward_hooks_and_input_rewriting_pre_hooks():
     assert_same(plain, guarded)
     assert torch.equal(seen0, seen1)  # the user's backward hooks saw the same gradients
     assert g.findings == [] and g.internal_errors == []
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_guard_started_before_the_first_compiled_call(scope):
+    """Hooks present at compile time are traced into the graph: training must still run, same numbers."""
+    def run(use_guard):
+        torch._dynamo.reset()
+        model = mlp()
+        compiled = torch.compile(model, backend="eager")
+        ctx = guard(*((compiled,) if scope == "model" else ()), checks="all", live=False) if use_guard \
+            else contextlib.nullcontext()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's own "global hooks fire an extra time" warning
+            with ctx as g:
+                _train(compiled, params_of=model, steps=3, nan_at=None)
+        return g, fingerprint(model)
+
+    _, plain = run(False)
+    g, guarded = run(True)
+    torch._dynamo.reset()
+    assert_same(plain, guarded)
+    assert g.findings == [] and g.internal_errors == [] and g.step == 3
+    assert len(g.notices) == 1
+    if scope == "model":
+        assert {"0", "2"} <= set(g.modules) and not any("_orig_mod" in p for p in g.modules)
