@@ -147,3 +147,23 @@ def test_bad_value_stops_at_start_with_one_line(tmp_path, var, value, needs_torc
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(f"guard: {var}") and repr(value) in lines[0] and "allowed" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_sigterm_still_writes_the_dump(buggy):
+    import signal
+
+    (buggy / "long.py").write_text(BUGGY + "import time\nprint('waiting', flush=True)\ntime.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "long.py"], cwd=buggy, env=_env(TORCH_GUARD="record"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if "waiting" in line:
+                break
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == -signal.SIGTERM  # still "killed by SIGTERM" for the caller
+    dump = json.loads((buggy / "guard-report.json").read_text())
+    assert [f["kind"] for f in dump["findings"]] == ["nonfinite-input"] and dump["steps"] == 4
