@@ -571,7 +571,10 @@ class Guard:
             inst.optimizer_hooks(None, self._hook_step_pre, self._hook_step_post)
         inst.patch("torch.autograd.backward", self._mw_backward)
         for ev, target in self._patch_targets().items():
-            inst.patch(target, self._make_patch_middleware(ev))
+            try:
+                inst.patch(target, self._make_patch_middleware(ev))
+            except (AttributeError, ImportError, ValueError):
+                pass  # a target this torch version lacks (private hooks points): the check does without
         inst.process_exit(self)
 
     def _patch_targets(self) -> Dict[str, str]:

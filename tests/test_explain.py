@@ -324,3 +324,27 @@ def test_torch_func_transforms_still_work_under_the_guard():
         g2 = torch.func.grad(lambda t: t.sin().pow(2).sum())(x)
     assert torch.allclose(g1["weight"], x.sum(0, keepdim=True)) and g2.shape == x.shape
     assert g.findings == []
+
+
+def test_torch_func_inside_the_models_forward_runs_under_the_default_guard():
+    class UsesFunc(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            g = torch.func.grad(lambda z: (z.sin() * z).sum())(x)
+            jac = torch.func.jacrev(lambda z: z.cos())(x[0])
+            return self.lin(x + g) + jac.sum()
+
+    torch.manual_seed(0)
+    model = UsesFunc()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            loss = model(torch.randn(2, 3)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # nothing left pushed
+    assert g.findings == [] and g.internal_errors == [] and g.step == 3

@@ -75,8 +75,15 @@ class ExplainErrors(Check):
     kinds = (KIND,)
     description = "adds the cause, module, step and fix to cryptic PyTorch errors (in-place, device, OOM, shm, ...)"
 
+    # torch.func refuses to run while saved-tensor hooks are active; these are its entry points.
+    patches = {
+        "functorch_vjp": "torch._functorch.eager_transforms._vjp_with_argnums",
+        "functorch_grad": "torch._functorch.eager_transforms.grad_and_value_impl",
+    }
+
     def __init__(self, guard):
         super().__init__(guard)
+        self._suspended: List[bool] = []
         self._thread = threading.get_ident()
         self._stack: List[str] = []
         self._failed: Dict[int, str] = {}  # id(exception) -> innermost module path whose forward raised
@@ -107,6 +114,35 @@ class ExplainErrors(Check):
                 "Hint: enable anomaly detection to find the operation that failed to compute its gradient, with "
                 "torch.autograd.set_detect_anomaly(True).")
         return t
+
+    # ------------------------------------------------------------------ torch.func inside a model call
+    def _suspend(self) -> None:
+        """Lift our saved-tensor hooks for a torch.func transform (which refuses any), if they are on top."""
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        ours = False
+        if self._pushed and self._pushed[-1] is not None and top is not None:
+            hooks = top(False)
+            ours = hooks is not None and getattr(hooks[0], "__self__", None) is self
+        if ours:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._suspended.append(ours)
+
+    def _resume(self) -> None:
+        if self._suspended and self._suspended.pop():
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+
+    def on_functorch_vjp(self, args, kwargs):
+        self._suspend()
+
+    def on_functorch_vjp_done(self, args, kwargs, result):
+        self._resume()
+
+    def on_functorch_vjp_error(self, args, kwargs, exc):
+        self._resume()
+
+    on_functorch_grad = on_functorch_vjp
+    on_functorch_grad_done = on_functorch_vjp_done
+    on_functorch_grad_error = on_functorch_vjp_error
 
     # ------------------------------------------------------------------ module stack
     def on_forward_pre(self, module, path, args, kwargs, is_root):
