@@ -86,9 +86,17 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(s)
 
 
+def distinct_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` without its broadcast (stride-0) dimensions: an ``expand``ed view's distinct values."""
+    st = t.stride()
+    if 0 in st:
+        return t[tuple(0 if k == 0 else slice(None) for k in st)]
+    return t
+
+
 def nonfinite_counts(t: torch.Tensor) -> dict:
-    """Exact counts of NaN, +Inf, -Inf (syncs; only for a tensor already flagged)."""
-    d = t.detach()
+    """Exact counts of NaN, +Inf, -Inf (syncs; only for a tensor already flagged; expanded views count once)."""
+    d = distinct_view(t.detach())
     if d.is_complex():
         d = torch.view_as_real(d)
     return {
@@ -101,7 +109,7 @@ def nonfinite_counts(t: torch.Tensor) -> dict:
 
 def finite_stats(t: torch.Tensor) -> dict:
     """min/max/mean/std of the finite values (syncs; for a finding's details)."""
-    d = t.detach()
+    d = distinct_view(t.detach())
     if d.is_complex():
         d = d.abs()
     d = d.float()

@@ -181,3 +181,16 @@ def test_half_precision_sums_do_not_false_alarm():
         with torch.no_grad():
             model(torch.full((512, 64), 30.0, dtype=torch.bfloat16))  # outputs sum beyond bf16's exact range
     assert g.findings == []
+
+
+def test_expanded_views_are_screened_by_their_distinct_values():
+    class Head(nn.Module):
+        def forward(self, x):
+            return x[:4] * 2
+
+    x = torch.tensor([1.0, float("nan"), 3.0]).expand(2 ** 40, 3)  # 3e12 elements, 3 distinct values
+    model = Head()
+    with guard(model, live=False) as g:
+        model(x)
+    f = only(g, "nonfinite-input")
+    assert f.details["counts"]["args[0]"]["nan"] == 1 and g.internal_errors == []
