@@ -189,6 +189,15 @@ def _auto_guard_class():
     class AutoGuard(Guard):
         """A global guard that writes its report only if the process did anything guard saw."""
 
+        _rank_seen = False
+
+        def _end_step(self) -> None:
+            if not self._rank_seen:  # remember the rank while the process group lives (dumps are written at exit)
+                from guard._dist import rank_info
+
+                self._rank_seen = rank_info() is not None
+            super()._end_step()
+
         def _finish(self) -> None:
             if not (self.step or self._findings or self.modules or self.timeline or self.internal_errors):
                 import dataclasses

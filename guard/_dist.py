@@ -8,19 +8,25 @@ import os
 import sys
 from typing import Optional, Tuple
 
+_last: Optional[Tuple[int, int]] = None  # the rank seen while a process group was alive
+
 
 def rank_info() -> Optional[Tuple[int, int]]:
     """``(rank, world_size)`` when this process is one rank of several, else None.
 
-    Reads an initialized default process group, or torchrun's ``RANK``/``WORLD_SIZE``
-    (still set at interpreter exit, after ``destroy_process_group()``).
+    Reads an initialized default process group (remembered once seen, for dumps written at
+    exit after ``destroy_process_group()``), or torchrun's ``RANK``/``WORLD_SIZE``.
     """
+    global _last
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
+            _last = (dist.get_rank(), dist.get_world_size())
+            return _last
     except Exception:
         pass
+    if _last is not None:  # the group was destroyed before exit: this process was still that rank
+        return _last
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except (KeyError, ValueError):

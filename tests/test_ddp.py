@@ -179,3 +179,52 @@ def test_cli_report_merges_the_ranks(ranks):
     assert "merged ranks [0, 1]" in r.stdout
     assert "nonfinite-output · act · step 2 · rank 1" in r.stdout
     assert "rank 0" in r.stdout
+
+
+PLAIN = r'''
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def worker(rank, world, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "store2"), rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(3):
+        x = torch.randn(8, 4)
+        if rank == 1 and step == 1:
+            x[0, 0] = float("nan")
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    dist.destroy_process_group()  # before exit, when the dumps are written
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, sys.argv[1]), nprocs=2)
+'''
+
+
+def test_torch_guard_env_with_spawned_ranks(tmp_path):
+    (tmp_path / "plain.py").write_text(PLAIN)
+    env = _env()
+    env.update(TORCH_GUARD="record", TORCH_GUARD_REPORT=str(tmp_path / "auto.json"))
+    r = subprocess.run([sys.executable, "plain.py", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    r1 = _load(tmp_path / "auto.rank1.json")
+    assert (r1["environment"]["rank"], r1["environment"]["world_size"]) == (1, 2)
+    assert r1["findings"][0]["details"]["rank"] == 1
+    assert [(f["kind"], f["where"], f["step"]) for f in r1["findings"]][:1] == [("nonfinite-input", "input", 1)]
+    r0 = _load(tmp_path / "auto.rank0.json")
+    assert not [f for f in r0["findings"] if f["kind"] == "nonfinite-input"]
+    assert not (tmp_path / "auto.json").exists()  # the launcher process ran no model: no dump of its own

@@ -35,6 +35,12 @@ def environment() -> Dict[str, Any]:
             env["world_size"] = dist.get_world_size()
     except Exception:
         pass
+    if "rank" not in env:  # a dump written at exit, after destroy_process_group(): the rank seen before
+        from .._dist import rank_info
+
+        info = rank_info()
+        if info is not None:
+            env["rank"], env["world_size"] = info
     return env
 
 
