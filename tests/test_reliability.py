@@ -742,3 +742,38 @@ def test_guard_started_before_the_first_compiled_call(scope):
     assert len(g.notices) == 1
     if scope == "model":
         assert {"0", "2"} <= set(g.modules) and not any("_orig_mod" in p for p in g.modules)
+
+
+class AnyArgs(nn.Module):
+    """Accepts whatever it is called with (no args, kwargs only, strings, None, lists of tensors, masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.z = nn.Parameter(torch.randn(4))
+
+    def forward(self, *args, **kwargs):
+        x = kwargs.get("x")
+        if x is None:
+            x = next((a for a in args if isinstance(a, (torch.Tensor, list))), None)
+        if x is None:
+            x = self.z.unsqueeze(0)
+        if isinstance(x, list):
+            x = torch.stack(x)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_models_called_with_any_arguments(scope):
+    model = AnyArgs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    calls = [((), {}), (("mode", 3, None), {}), ((), {"x": torch.randn(2, 4), "flag": True}),
+             (([torch.randn(4), torch.randn(4)],), {}), ((torch.randn(2, 4), "s", {"k": torch.randn(1)}), {}),
+             ((torch.randn(2, 4),), {"mask": torch.ones(2, dtype=torch.bool), "lengths": [2, 1]})]
+    with guard(*((model, opt) if scope == "model" else ()), checks="all", live=False) as g:
+        for args, kwargs in calls:
+            loss = model(*args, **kwargs).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == [] and g.step == len(calls)
