@@ -65,11 +65,12 @@ def _format(findings: List[Any]) -> str:
     return "\n".join(lines)
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)  # old-style wrapper: works with pytest 7 as well as 8+
 def pytest_runtest_call(item: Any):
     settings = _settings(item)
     if settings is None or "torch_guard" in getattr(item, "fixturenames", ()):
-        return (yield)
+        yield
+        return
     checks, fail_on = settings
     from guard import guard
     from guard.config import ConfigError
@@ -80,15 +81,20 @@ def pytest_runtest_call(item: Any):
         raise pytest.UsageError(str(exc)) from None
     g.start()
     try:
-        result = yield
+        outcome = yield
     finally:
         g.close()
-        if g.findings:
-            item.add_report_section("call", "torch-guard", _format(g.findings))
+    if g.findings:
+        item.add_report_section("call", "torch-guard", _format(g.findings))
     bad = [f for f in g.findings if _RANK[f.severity] <= _RANK[fail_on]]
-    if bad:
-        pytest.fail(f"guard: {len(bad)} finding(s) of severity {fail_on} or worse:\n{_format(bad)}", pytrace=False)
-    return result
+    if bad and outcome.excinfo is None:
+        try:
+            pytest.fail(f"guard: {len(bad)} finding(s) of severity {fail_on} or worse:\n{_format(bad)}", pytrace=False)
+        except pytest.fail.Exception as exc:
+            if hasattr(outcome, "force_exception"):
+                outcome.force_exception(exc)
+            else:  # pluggy < 1.1
+                outcome._excinfo = (type(exc), exc, exc.__traceback__)
 
 
 @pytest.fixture
