@@ -721,9 +721,24 @@ class Guard:
                 if all(r() is not opt for r in self._seen_optimizers):
                     self._seen_optimizers.append(weakref.ref(opt))
                 if self._primary is None or self._primary() is None:
+                    if self._primary is None and self.step:
+                        self._renumber_to_first_step()
                     self._primary = weakref.ref(opt)
                     self._backward_pending = False
         return known
+
+    def _renumber_to_first_step(self) -> None:
+        """The first optimizer step arrives after several backward() calls (gradient accumulation
+        under a global guard): they were all part of step 0, not steps of their own."""
+        import dataclasses
+
+        self.step = 0
+        self.sampling = True
+        self._findings = {k: dataclasses.replace(f, step=0, last_step=0) for k, f in self._findings.items()}
+        merged: Dict[str, Any] = {"step": 0}
+        for entry in self.timeline:
+            merged.update({k: v for k, v in entry.items() if k != "step"})
+        self.timeline = [merged] if len(merged) > 1 else []
 
     def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self._active or not self._watches_optimizer(opt):

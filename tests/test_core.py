@@ -250,3 +250,23 @@ def test_registry_kinds_are_in_the_vocabulary():
         assert cls.kinds, name
         for kind in cls.kinds:
             assert kind in KINDS, (name, kind)
+
+
+def test_global_guard_with_accumulation_before_the_first_step_counts_optimizer_steps():
+    model = nn.Linear(3, 1)
+    with guard(live=False) as g:  # the optimizer is created after the guard started: unknown until it steps
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for s in range(4):
+            for micro in range(2):
+                x = torch.randn(2, 3)
+                if s == 0 and micro == 1:
+                    x[0, 0] = float("nan")
+                model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model.weight.nan_to_num_(0.0)
+                model.bias.nan_to_num_(0.0)
+    assert g.step == 4
+    assert [e["step"] for e in g.timeline] == [0, 1, 2, 3]
+    assert g.findings[0].kind == "nonfinite-input" and g.findings[0].step == 0
