@@ -236,6 +236,9 @@ class Guard:
         self._handlers = handlers
         self._h_forward_pre = handlers.get("forward_pre", [])
         self._h_forward = handlers.get("forward", [])
+        # Per module, the handlers of checks that watch it in non-root calls (Check.watches).
+        self._pre_for: Dict[int, Tuple[Any, list]] = {}
+        self._post_for: Dict[int, Tuple[Any, list]] = {}
 
     def handles(self, event: str) -> bool:
         return bool(self._handlers.get(event))
@@ -556,8 +559,8 @@ class Guard:
                 for mod in dict.fromkeys(m for _, m in inner.named_modules()):
                     if isinstance(mod, torch.jit.ScriptModule):
                         continue  # register_forward_*hook raises on ScriptModules
-                    pre = self._hook_pre if (every_pre or mod is inner) else None
-                    inst.module_hooks(mod, pre, self._hook_post)
+                    wanted = mod is inner or (every_pre and self._nonroot(self._pre_for, self._h_forward_pre, mod))
+                    inst.module_hooks(mod, self._hook_pre if wanted else None, self._hook_post)
         else:
             inst.global_module_hooks(self._hook_pre_global, self._hook_post_global)
         if self._optimizers:
@@ -648,9 +651,29 @@ class Guard:
         if self._h_forward_pre and self._active:
             self._dispatch_forward_pre(module, args, kwargs or {}, is_root)
 
+    def _nonroot(self, cache: Dict[int, Tuple[Any, list]], handlers: list, module: nn.Module) -> list:
+        """`handlers` of the checks that watch `module` in a non-root call, decided once per module."""
+        ent = cache.get(id(module))
+        if ent is not None and ent[0]() is module:
+            return ent[1]
+        chosen = []
+        for check, fn in handlers:
+            try:
+                if check.watches(module):
+                    chosen.append((check, fn))
+            except Exception as exc:
+                self._contain(check, exc)
+        if len(cache) > 100_000:
+            cache.clear()
+        cache[id(module)] = (weakref.ref(module), chosen)
+        return chosen
+
     def _dispatch_forward_pre(self, module: nn.Module, args: tuple, kwargs: dict, is_root: bool) -> None:
+        handlers = self._h_forward_pre if is_root else self._nonroot(self._pre_for, self._h_forward_pre, module)
+        if not handlers:
+            return
         path = self.path_of(module)
-        for check, fn in self._h_forward_pre:
+        for check, fn in handlers:
             try:
                 fn(module, path, args, kwargs, is_root)
             except GuardError:
@@ -674,10 +697,11 @@ class Guard:
             return
         if id(module) not in self._modules_seen:
             self._record_module(module, output)
-        if not self._h_forward:
+        handlers = self._h_forward if is_root else self._nonroot(self._post_for, self._h_forward, module)
+        if not handlers:
             return
         path = self.path_of(module)
-        for check, fn in self._h_forward:
+        for check, fn in handlers:
             try:
                 fn(module, path, args, kwargs, output, is_root)
             except GuardError:

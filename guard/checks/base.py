@@ -52,6 +52,14 @@ class Check:
             names |= {ev, ev + "_done", ev + "_error"}
         return tuple(sorted(e for e in names if callable(getattr(cls, "on_" + e, None))))
 
+    def watches(self, module) -> bool:
+        """Whether this check's forward handlers want `module`'s non-root calls (asked once per module).
+
+        Root calls always reach every check. Narrowing this (to BatchNorm layers, to modules with
+        parameters, ...) takes the check off the hot path of every other layer.
+        """
+        return True
+
     def emit(self, kind: str, where: str, message: str, hint: str, **kw) -> None:
         """Report a finding (de-duplicated by kind and where)."""
         self.g.emit(kind, where, message, hint, check=self, **kw)

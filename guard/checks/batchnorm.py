@@ -45,6 +45,9 @@ class BatchNormBatch(Check):
     description = "BatchNorm fed one value per channel in training (caught first, and predicted from the DataLoader)"
     patches = {"dataloader_iter": "torch.utils.data.DataLoader.__iter__"}
 
+    def watches(self, module) -> bool:
+        return isinstance(module, _BatchNorm)  # other layers only matter as the root call
+
     def __init__(self, guard):
         super().__init__(guard)
         self._bn: Dict[type, bool] = {}  # module type -> is a BatchNorm

@@ -113,6 +113,9 @@ class DeviceMismatch(Check):
     description = "inputs vs module parameters, optimizer state vs parameters, loss operands on different devices"
     patches = {f"dev_{n}": f"torch.nn.functional.{n}" for n in LOSSES}
 
+    def watches(self, module) -> bool:
+        return bool(module._parameters or module._buffers)  # only a module's own tensors are compared
+
     def __init__(self, guard):
         super().__init__(guard)
         # module type -> strict: a torch.nn built-in, whose every tensor input must match

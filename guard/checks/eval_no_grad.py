@@ -79,6 +79,9 @@ class EvalWithoutNoGrad(Check):
     description = "model forwards that build graphs never back-propagated (evaluation outside no_grad)"
     patches = {"autograd_grad": "torch.autograd.grad"}
 
+    def watches(self, module) -> bool:
+        return False  # judged per model call: root calls
+
     def __init__(self, guard):
         super().__init__(guard)
         self._key = f"{KEY}.{id(self)}"  # per guard: nested guards keep their own marks

@@ -72,6 +72,9 @@ class EvalInTrainMode(Check):
     kinds = ("eval-in-train-mode",)
     description = "no_grad/inference_mode forward while dropout/BatchNorm modules are in training mode"
 
+    def watches(self, module) -> bool:
+        return False  # judged per model call: root calls
+
     def __init__(self, guard):
         super().__init__(guard)
         self._mods: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()

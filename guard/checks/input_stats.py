@@ -51,6 +51,9 @@ class InputStats(Check):
     kinds = ("input-not-normalized",)
     description = "image-like model inputs far from normalized (0-255 pixels, or [0, 1] into a conv net)"
 
+    def watches(self, module) -> bool:
+        return False  # model inputs only: root calls
+
     def __init__(self, guard):
         super().__init__(guard)
         self._off = False

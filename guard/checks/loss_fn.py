@@ -76,6 +76,9 @@ class LossMisuse(Check):
                "nll_loss": "torch.nn.functional.nll_loss",
                "binary_cross_entropy": "torch.nn.functional.binary_cross_entropy"}
 
+    def watches(self, module) -> bool:
+        return isinstance(module, nn.Sigmoid)  # remembers sigmoid outputs for sigmoid-before-bce
+
     def __init__(self, guard):
         super().__init__(guard)
         kinds = guard.config.kinds
