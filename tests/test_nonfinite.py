@@ -194,3 +194,28 @@ def test_expanded_views_are_screened_by_their_distinct_values():
         model(x)
     f = only(g, "nonfinite-input")
     assert f.details["counts"]["args[0]"]["nan"] == 1 and g.internal_errors == []
+
+
+def test_nan_weights_loaded_into_a_standard_layer_are_named():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")  # a bad checkpoint: no optimizer step made it
+    with guard(model, live=False) as g:
+        model(torch.randn(3, 4)).sum().backward()
+    f = only(g, "nonfinite-output")
+    assert "2.weight" in f.details["nonfinite_params"] and "2.weight" in f.message
+
+
+def test_half_precision_standard_layers_are_screened_themselves():
+    class Scale(nn.Module):
+        def forward(self, x):
+            return x * 1000.0
+
+    model = nn.Sequential(nn.Linear(8, 8), Scale(), nn.Linear(8, 8)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[2].weight.fill_(3e36)  # finite bf16 weights; the product overflows inside the layer
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    with guard(model, live=False) as g:
+        with torch.no_grad():
+            model(x)
+    assert only(g, "nonfinite-output").where == "2"

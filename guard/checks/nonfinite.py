@@ -46,6 +46,19 @@ _PASSTHROUGH = tuple(getattr(nn, n) for n in (
 ) if hasattr(nn, n))
 
 
+# Standard layers that cannot make NaN/Inf from finite inputs and finite weights unless float32
+# overflows (|values| ~ 1e38, where the weights blow up first and nonfinite-param reports them).
+# In float32/float64 they inherit their input's flag too; half-precision outputs are always screened
+# (65504 overflows for real under AMP). Weights are checked after every optimizer step.
+_SAFE_WIDE = tuple(getattr(nn, n) for n in (
+    "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm", "GroupNorm", "InstanceNorm1d",
+    "InstanceNorm2d", "InstanceNorm3d", "LocalResponseNorm", "Embedding", "EmbeddingBag", "AvgPool1d", "AvgPool2d",
+    "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
+) if hasattr(nn, n))
+_WIDE = (torch.float32, torch.float64)
+
+
 def _tensors(obj: Any, prefix: str) -> List[Tuple[str, torch.Tensor]]:
     """Tensors in `obj` with their names; a fast path for the one-tensor case (not yet filtered)."""
     if isinstance(obj, torch.Tensor):
@@ -136,7 +149,8 @@ class NonFinite(Check):
         cls = type(module)
         passthrough = self._passthrough.get(cls)
         if passthrough is None:
-            passthrough = self._passthrough[cls] = issubclass(cls, _PASSTHROUGH)
+            passthrough = self._passthrough[cls] = (
+                True if issubclass(cls, _PASSTHROUGH) else "wide" if issubclass(cls, _SAFE_WIDE) else False)
         tensors = self._tensors
         # Fast path: one tensor in, one tensor out (most layers).
         if (not kwargs and type(args) is tuple and len(args) == 1 and isinstance(args[0], torch.Tensor)
@@ -148,7 +162,7 @@ class NonFinite(Check):
             else:
                 src = self._screen(x, False)
             inputs = [("args[0]", src)] if src is not None else []
-            if passthrough and not is_root:
+            if passthrough and not is_root and (passthrough is True or output.dtype in _WIDE):
                 hit = tensors.get(id(output))
                 if hit is None or hit[0]() is not output:
                     if src is None:
@@ -159,7 +173,7 @@ class NonFinite(Check):
             out = self._screen(output, False)
             outputs = [("output", out)] if out is not None else []
         else:
-            inputs, outputs = self._screen_structures(args, kwargs, output, passthrough and not is_root)
+            inputs, outputs = self._screen_structures(args, kwargs, output, passthrough is True and not is_root)
             if outputs is None:
                 return
         self._calls.append(_Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module,
