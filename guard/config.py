@@ -44,10 +44,6 @@ class Config:
         }
 
 
-def _where(origin: str) -> str:
-    return origin
-
-
 def parse_mode(value: Any, origin: str = "mode") -> str:
     if isinstance(value, str) and value.lower() in MODES:
         return value.lower()

@@ -76,16 +76,6 @@ def screenable(t: torch.Tensor) -> bool:
     )
 
 
-def finite_flag(t: torch.Tensor) -> torch.Tensor:
-    """0-dim bool on t's device: False if t holds any NaN/Inf (sum screen, no host sync)."""
-    d = t.detach()
-    if d.dtype in (torch.float16, torch.bfloat16):
-        s = d.sum(dtype=torch.float32)
-    else:
-        s = d.sum()
-    return torch.isfinite(s)
-
-
 def distinct_view(t: torch.Tensor) -> torch.Tensor:
     """`t` without its broadcast (stride-0) dimensions: an ``expand``ed view's distinct values."""
     st = t.stride()
