@@ -512,6 +512,10 @@ class Guard:
             self._grad_norms[key] = gn
         return gn
 
+    def forget_grad_norms(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Drop this step's cached norms (the gradients changed in place, e.g. ``GradScaler.unscale_``)."""
+        self._grad_norms.pop(id(optimizer), None)
+
     @property
     def has_optimizer(self) -> bool:
         return self._primary is not None

@@ -92,11 +92,10 @@ class AmpScaler(Check):
     # scaler.unscale_(optimizer): gradients changed in place -------------------------------
     def on_scaler_unscale_done(self, args, kwargs, result):
         opt = args[1] if len(args) > 1 else kwargs.get("optimizer")
-        cache = getattr(self.g, "_grad_norms", None)
-        if opt is not None and isinstance(cache, dict):
+        if opt is not None:
             # Norms taken before unscale_ (e.g. by a check at backward time) are of scaled grads:
             # drop them so every gradient check at step time sees the unscaled ones.
-            cache.pop(id(opt), None)
+            self.g.forget_grad_norms(opt)
 
     # scaler.step(optimizer) -------------------------------------------------------------
     def on_scaler_step(self, args, kwargs):
