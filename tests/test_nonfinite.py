@@ -219,3 +219,22 @@ def test_half_precision_standard_layers_are_screened_themselves():
         with torch.no_grad():
             model(x)
     assert only(g, "nonfinite-output").where == "2"
+
+
+def test_weights_poisoned_by_an_earlier_nan_do_not_blame_later_layers():
+    class Act(nn.Module):  # a custom layer after a standard one
+        def forward(self, x):
+            return torch.tanh(x) * 2
+
+    model = nn.Sequential(nn.Linear(4, 4), Act(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for s in range(4):
+            x = torch.randn(2, 4)
+            if s == 1:
+                x[0, 0] = float("nan")  # NaN grads -> NaN weights after this step
+            loss = model(x).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 1)]

@@ -293,6 +293,10 @@ class NonFinite(Check):
                   details={"module": call.type, "arguments": args, "counts": counts})
 
     def _report_output(self, call: _Call, bad: set, refs: Dict[int, weakref.ref]) -> bool:
+        if self._bad_param_names:
+            # Weights are already NaN/Inf (found after an optimizer step): every later NaN output is
+            # their consequence, and standard layers with such weights passed their input's flag on.
+            return True
         module = call.module()
         bad_params: List[str] = []
         if module is not None:
