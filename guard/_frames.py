@@ -53,4 +53,4 @@ def _short(path: str) -> str:
         rel = os.path.relpath(path)
     except ValueError:
         return path
-    return path if rel.startswith(".." + os.sep + "..") else rel
+    return path if rel.startswith("..") else rel  # outside the working directory: the full path reads better
