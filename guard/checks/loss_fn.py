@@ -68,6 +68,11 @@ def _bad_targets(t: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Te
     return ((t < 0) | (t >= n_classes)) & (t != ignore_index)
 
 
+# Probabilities into CrossEntropy are a property of the code, not of a batch: look on the first
+# steps and then every PROB_EVERY-th one, not on every loss call.
+PROB_STEPS = 5
+PROB_EVERY = 50
+
 class LossMisuse(Check):
     name = "loss-fn"
     kinds = ("softmax-before-cross-entropy", "sigmoid-before-bce", "target-out-of-range")
@@ -115,7 +120,8 @@ class LossMisuse(Check):
         if self._want_tgt and isinstance(t, torch.Tensor) and _checkable(t) and not t.is_floating_point() \
                 and t.device.type not in SYNC_RAISING:
             self._copy_targets(fn, x, t, _arg(args, kwargs, 4, "ignore_index", -100))
-        if self._want_prob and self.g.sampling:
+        step = self.g.step
+        if self._want_prob and self.g.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0):
             rows, cd = _rows(x)
             info = (fn, list(x.shape), type(x.grad_fn).__name__ if x.grad_fn is not None else None,
                     self.g.step, self.g.source())
