@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from torch import nn
 
 from .config import ConfigError

@@ -163,12 +163,7 @@ class NonFinite(Check):
                 src = self._screen(x, False)
             inputs = [("args[0]", src)] if src is not None else []
             if passthrough and not is_root and (passthrough is True or output.dtype in _WIDE):
-                hit = tensors.get(id(output))
-                if hit is None or hit[0]() is not output:
-                    if src is None:
-                        self._screen(output, False)
-                    elif screenable(output):
-                        self._remember(output, src)
+                self._inherit(output, src)
                 return
             out = self._screen(output, False)
             outputs = [("output", out)] if out is not None else []
@@ -178,6 +173,16 @@ class NonFinite(Check):
                 return
         self._calls.append(_Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module,
                                  inputs, outputs))
+
+    def _inherit(self, t: torch.Tensor, src: Optional[int]) -> None:
+        """A pass-through layer's output shares its input's flag; screened itself only without one."""
+        hit = self._tensors.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return  # the same tensor object (in-place layer, container): already known
+        if src is None:
+            self._screen(t, False)
+        elif screenable(t):
+            self._remember(t, src)
 
     def _screen_structures(self, args, kwargs, output, passthrough):
         screen = self._screen
@@ -190,13 +195,7 @@ class NonFinite(Check):
             # Cannot originate NaN/Inf: outputs share the input's flag (no extra reduction).
             src = inputs[0][1] if inputs else None
             for _, t in outs:
-                hit = self._tensors.get(id(t))
-                if hit is not None and hit[0]() is t:
-                    continue
-                if src is None:
-                    screen(t, False)
-                elif screenable(t):
-                    self._remember(t, src)
+                self._inherit(t, src)
             return inputs, None
         return inputs, [(n, i) for n, i in ((n, screen(t, False)) for n, t in outs) if i is not None]
 
