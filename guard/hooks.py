@@ -220,12 +220,18 @@ class Installer:
         return handle
 
     # module hooks -----------------------------------------------------------
-    def module_hooks(self, module: nn.Module, pre: Optional[Callable], post: Optional[Callable]) -> None:
-        """Forward pre-hook ``pre(module, args, kwargs)`` and always-called ``post(module, args, kwargs, out)``."""
+    def module_hooks(self, module: nn.Module, pre: Optional[Callable], post: Optional[Callable]) -> List[Any]:
+        """Forward pre-hook ``pre(module, args, kwargs)`` and always-called ``post(module, args, kwargs, out)``.
+
+        Returns the handles: removing one early (a module nothing watches any more) is safe, close()
+        removes whatever is left.
+        """
+        handles = []
         if pre is not None:
-            self._keep(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(self._keep(module.register_forward_pre_hook(pre, with_kwargs=True)))
         if post is not None:
-            self._keep(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+            handles.append(self._keep(module.register_forward_hook(post, with_kwargs=True, always_call=True)))
+        return handles
 
     def global_module_hooks(self, pre: Optional[Callable], post: Optional[Callable]) -> None:
         """Hooks on every ``nn.Module`` call in the process: ``pre(module, args)``, ``post(module, args, kwargs, out)``."""

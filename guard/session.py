@@ -123,6 +123,9 @@ class Guard:
         self.report_path: Optional[str] = None
         self.report_error: Optional[str] = None
         self._installer = _hooks.Installer()
+        self._mod_handles: Dict[int, Tuple[Any, Any]] = {}  # id(module) -> (pre, post) hook handles (model mode)
+        self._pre_for: Dict[int, Tuple[Any, list]] = {}
+        self._post_for: Dict[int, Tuple[Any, list]] = {}
 
     # ------------------------------------------------------------------ public API
     @property
@@ -236,9 +239,12 @@ class Guard:
         self._handlers = handlers
         self._h_forward_pre = handlers.get("forward_pre", [])
         self._h_forward = handlers.get("forward", [])
-        # Per module, the handlers of checks that watch it in non-root calls (Check.watches).
-        self._pre_for: Dict[int, Tuple[Any, list]] = {}
-        self._post_for: Dict[int, Tuple[Any, list]] = {}
+        # Per module, the handlers of checks that watch it in non-root calls (Check.watches), narrowed
+        # after its first call to those that keep it (Check.steady). A check switched off leaves them.
+        active = set(map(id, self.checks))
+        for name in ("_pre_for", "_post_for"):
+            cache = getattr(self, name, None) or {}
+            setattr(self, name, {k: (ref, [h for h in hs if id(h[0]) in active]) for k, (ref, hs) in cache.items()})
 
     def handles(self, event: str) -> bool:
         return bool(self._handlers.get(event))
@@ -467,6 +473,13 @@ class Guard:
                 p = type(module).__name__
         return p
 
+    def known_path(self, module: Any) -> Optional[str]:
+        """The path of a module of the watched model(s) (or seen under a global guard), else None."""
+        if not isinstance(module, nn.Module):
+            return None
+        p = self._paths_by_id.get(id(module))
+        return p if p is not None else self._paths_weak.get(module)
+
     def param_name(self, param: torch.Tensor) -> str:
         """A parameter's qualified name in the watched model(s), or a positional fallback."""
         name = self._param_names.get(id(param))
@@ -523,6 +536,10 @@ class Guard:
     def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
         return self._primary is not None and self._primary() is optimizer
 
+    def grad_hook(self, param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+        """Call ``fn(param)`` each time backward accumulates into `param`'s gradient, until close."""
+        self._installer.grad_hook(param, fn)
+
     def graph_prehook(self, node: Any, fn: Callable) -> None:
         """Register ``fn`` as a pre-hook of autograd node `node` through the installer (removed on close)."""
         self._installer.graph_prehook(node, fn)
@@ -564,7 +581,9 @@ class Guard:
                     if isinstance(mod, torch.jit.ScriptModule):
                         continue  # register_forward_*hook raises on ScriptModules
                     wanted = mod is inner or (every_pre and self._nonroot(self._pre_for, self._h_forward_pre, mod))
-                    inst.module_hooks(mod, self._hook_pre if wanted else None, self._hook_post)
+                    handles = inst.module_hooks(mod, self._hook_pre if wanted else None, self._hook_post)
+                    if mod is not inner and id(mod) not in self._mod_handles:
+                        self._mod_handles[id(mod)] = (handles[0] if wanted else None, handles[-1])
         else:
             inst.global_module_hooks(self._hook_pre_global, self._hook_post_global)
         if self._optimizers:
@@ -699,19 +718,49 @@ class Guard:
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any, is_root: bool) -> None:
         if not self._active:
             return
-        if id(module) not in self._modules_seen:
+        first = id(module) not in self._modules_seen
+        if first:
             self._record_module(module, output)
         handlers = self._h_forward if is_root else self._nonroot(self._post_for, self._h_forward, module)
-        if not handlers:
+        if handlers:
+            path = self.path_of(module)
+            for check, fn in handlers:
+                try:
+                    fn(module, path, args, kwargs, output, is_root)
+                except GuardError:
+                    raise
+                except Exception as exc:
+                    self._contain(check, exc)
+        if first and not is_root and output is not None:
+            self._settle(module, output)
+
+    def _settle(self, module: nn.Module, output: Any) -> None:
+        """A layer's first call is done: later calls reach only the checks that keep it (Check.steady).
+
+        In model mode a layer no check keeps loses its hooks, so it runs at torch's hook-free speed.
+        """
+        key = id(module)
+        keeps = []
+        for cache in (self._pre_for, self._post_for):
+            ent = cache.get(key)
+            kept = []
+            if ent is not None and ent[0]() is module:
+                for check, fn in ent[1]:
+                    try:
+                        if check.steady(module, output):
+                            kept.append((check, fn))
+                    except Exception as exc:
+                        self._contain(check, exc)
+                cache[key] = (ent[0], kept)
+            keeps.append(bool(kept))
+        handles = self._mod_handles.get(key)
+        if handles is None or key in self._root_ids:
             return
-        path = self.path_of(module)
-        for check, fn in handlers:
-            try:
-                fn(module, path, args, kwargs, output, is_root)
-            except GuardError:
-                raise
-            except Exception as exc:
-                self._contain(check, exc)
+        pre, post = handles
+        if pre is not None and not keeps[0]:
+            pre.remove()
+        if not keeps[1]:
+            post.remove()
 
     def _record_module(self, module: nn.Module, output: Any) -> None:
         try:

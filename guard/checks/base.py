@@ -60,6 +60,15 @@ class Check:
         """
         return True
 
+    def steady(self, module, output) -> bool:
+        """After `module`'s first (non-root) call returned `output`: keep watching its later calls?
+
+        Asked once per module, only of checks that watch it. A module no check keeps loses its hooks,
+        so that layers with nothing left to check cost nothing per call (the module table, the device
+        comparison and the like need one call of each layer).
+        """
+        return True
+
     def emit(self, kind: str, where: str, message: str, hint: str, **kw) -> None:
         """Report a finding (de-duplicated by kind and where)."""
         self.g.emit(kind, where, message, hint, check=self, **kw)

@@ -116,6 +116,12 @@ class DeviceMismatch(Check):
     def watches(self, module) -> bool:
         return bool(module._parameters or module._buffers)  # only a module's own tensors are compared
 
+    def steady(self, module, output) -> bool:
+        # Each layer's first call is compared (where a `.cuda()`-not-reassigned shows). Later calls pay
+        # nothing: a mismatch appearing then (a new batch left on the CPU) raises in PyTorch, and the
+        # explain check adds the cause and fix to that error.
+        return False
+
     def __init__(self, guard):
         super().__init__(guard)
         # module type -> strict: a torch.nn built-in, whose every tensor input must match

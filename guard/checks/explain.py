@@ -5,22 +5,27 @@ model's call) a known error gets one note (``BaseException.add_note``, printed
 with the traceback) and an ``explained-error`` finding; the exception object
 and its type stay the same, so ``except`` clauses still work.
 
-Which module: forward hooks keep a stack of the module paths being run; when a
-module's forward raises, the innermost path is remembered for that exception.
-In-place errors: while the check is on, a ``saved_tensors_hooks`` pair is
-pushed for the duration of each outermost model call (never inside torch.func
-transforms, which refuse such hooks) and tags every tensor autograd saves there
-with the module whose forward saved it and its version. PyTorch skips its own version check for tensors packed by hooks, so
-the unpack hook does that check itself, with the same message plus the module.
-The packed form holds a ``detach()``-ed alias (same storage and version
-counter) so that saved outputs do not form a reference cycle with their
-``grad_fn``; autograd re-attaches the graph metadata on unpack.
+Which module: the innermost ``nn.Module`` call in the exception's traceback (read
+once, on the error path; nothing is kept per module call).
+In-place errors: during the first `TAG_STEPS` steps a ``saved_tensors_hooks``
+pair is pushed for the duration of each outermost model call (never inside
+torch.func transforms, which refuse such hooks) and tags every tensor autograd
+saves there with the module whose forward saved it and its version. PyTorch
+skips its own version check for tensors packed by hooks, so the unpack hook does
+that check itself, with the same message plus the module. The packed form holds
+a ``detach()``-ed alias (same storage and version counter) so that saved outputs
+do not form a reference cycle with their ``grad_fn``; autograd re-attaches the
+graph metadata on unpack. An in-place error is a property of the code path, met
+on the first backward that takes it, so later steps run without the hooks (they
+cost two Python calls per saved tensor); an error after that is still explained,
+without the saving module.
 """
 from __future__ import annotations
 
 import gc
 import re
 import signal
+import sys
 import threading
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
@@ -38,6 +43,9 @@ _DEV_RE = re.compile(r"found at least two devices, ([\w:]+) and ([\w:]+)")
 _DEV2_RE = re.compile(r"Tensor on device ([\w:]+) is not on the expected device ([\w:]+)")
 _SIZE_RE = re.compile(r"got input size (torch\.Size\(\[[^\]]*\]\))")
 _TOP_TENSORS = 5
+TAG_STEPS = 2  # steps whose saved tensors are tagged with the module that saved them
+_CALL_IMPL = nn.Module._call_impl.__code__
+_MAX_FRAMES = 64
 _hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
@@ -85,17 +93,26 @@ class ExplainErrors(Check):
         super().__init__(guard)
         self._suspended: List[bool] = []
         self._thread = threading.get_ident()
-        self._stack: List[str] = []
-        self._failed: Dict[int, str] = {}  # id(exception) -> innermost module path whose forward raised
         self._inplace: Optional[Dict[str, Any]] = None
         self._batch: Optional[List[int]] = None
         self._pushed: List[Any] = []  # one entry per root call: its saved_tensors_hooks context, or None
 
     # ------------------------------------------------------------------ saved tensors
+    def _module_of_frame(self, frame: Any) -> Optional[str]:
+        """Path of the innermost module call at or above `frame` (a ``Module._call_impl`` frame's self)."""
+        n = 0
+        while frame is not None and n < _MAX_FRAMES:
+            if frame.f_code is _CALL_IMPL:
+                path = self.g.known_path(frame.f_locals.get("self"))
+                if path is not None:
+                    return path
+            frame = frame.f_back
+            n += 1
+        return None
+
     def _pack(self, t: torch.Tensor) -> Any:
-        stack = self._stack
         try:
-            return (t.detach(), t._version, stack[-1] if stack else None)
+            return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)))
         except Exception:  # e.g. no version counter: keep PyTorch's own handling for this tensor
             return t.detach()
 
@@ -144,40 +161,43 @@ class ExplainErrors(Check):
     on_functorch_grad_done = on_functorch_vjp_done
     on_functorch_grad_error = on_functorch_vjp_error
 
-    # ------------------------------------------------------------------ module stack
+    # ------------------------------------------------------------------ model calls
+    def watches(self, module) -> bool:
+        return False  # outermost model calls only
+
     def on_forward_pre(self, module, path, args, kwargs, is_root):
-        if _compiling() or threading.get_ident() != self._thread:  # Dynamo traces hooks: stay out of graphs
+        if not is_root or _compiling() or threading.get_ident() != self._thread:  # Dynamo traces hooks
             return
-        self._stack.append(path)
-        if is_root:
-            for a in args:
-                if isinstance(a, torch.Tensor) and not a.is_nested:
-                    self._batch = list(a.shape)
-                    break
-            # Hooks only around model calls, and only where allowed (torch.func transforms refuse them).
-            cm = None
-            if _hooks_enabled():
-                cm = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-                cm.__enter__()
-            self._pushed.append(cm)
+        for a in args:
+            if isinstance(a, torch.Tensor) and not a.is_nested:
+                self._batch = list(a.shape)
+                break
+        # Hooks only around model calls, and only where allowed (torch.func transforms refuse them).
+        cm = None
+        if self.g.step < TAG_STEPS and _hooks_enabled():
+            cm = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            cm.__enter__()
+        self._pushed.append(cm)
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
-        if _compiling() or threading.get_ident() != self._thread:
+        if not is_root or _compiling() or threading.get_ident() != self._thread:
             return
-        if self._stack:
-            self._stack.pop()
-        if is_root and self._pushed:
+        if self._pushed:
             cm = self._pushed.pop()
             if cm is not None:
                 cm.__exit__(None, None, None)
-        if output is None:
-            import sys
 
-            exc = sys.exc_info()[1]  # post-hooks run inside nn.Module's `except` when forward raised
-            if exc is not None and id(exc) not in self._failed:
-                if len(self._failed) > 64:
-                    self._failed.clear()
-                self._failed[id(exc)] = path
+    def _failing_module(self, exc: BaseException) -> Optional[str]:
+        """Path of the innermost watched module whose call the exception came through."""
+        path = None
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is _CALL_IMPL:
+                p = self.g.known_path(tb.tb_frame.f_locals.get("self"))
+                if p is not None:
+                    path = p
+            tb = tb.tb_next
+        return path
 
     # ------------------------------------------------------------------ explaining
     def on_exception(self, exc):
@@ -187,7 +207,10 @@ class ExplainErrors(Check):
             return
         if any(isinstance(n, str) and n.startswith(NOTE_PREFIX) for n in getattr(exc, "__notes__", ()) or ()):
             return  # another check or a nested guard explained it already
-        module = self._failed.pop(id(exc), None)
+        try:
+            module = self._failing_module(exc)
+        except Exception:
+            module = None
         res = self._classify(exc, module)
         if res is None:
             return

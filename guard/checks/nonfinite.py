@@ -75,6 +75,16 @@ class NonFinite(Check):
     kinds = ("nonfinite-input", "nonfinite-output", "nonfinite-loss", "nonfinite-grad", "nonfinite-param")
     description = "NaN/Inf in inputs, module outputs (module of origin), loss, gradients and parameters"
 
+    def steady(self, module, output) -> bool:
+        """Layers that cannot make NaN/Inf (pass-through, and standard layers computing in fp32/fp64) are
+        not screened one by one after their first call: the next screened module screens what they made."""
+        cls = type(module)
+        if issubclass(cls, _PASSTHROUGH):
+            return False
+        if issubclass(cls, _SAFE_WIDE):
+            return any(t.dtype not in _WIDE for _, t in _tensors(output, "output"))
+        return True
+
     def __init__(self, guard):
         super().__init__(guard)
         self._new_window()
@@ -82,6 +92,7 @@ class NonFinite(Check):
         self._bad_grad_steps: set = set()
         self._passthrough: Dict[type, bool] = {}
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
+        self._update: Optional[Tuple[int, Optional[str]]] = None  # (step, source line) of the last update
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -91,7 +102,6 @@ class NonFinite(Check):
         self._calls: List[_Call] = []
         self._losses: List[Tuple[int, Optional[str], int]] = []
         self._grads: List[Tuple[int, Any, int, Optional[str]]] = []
-        self._params: List[Tuple[int, List[torch.Tensor], int, Optional[str]]] = []
 
     # staging ---------------------------------------------------------------
     def _flag(self, t: torch.Tensor) -> int:
@@ -221,17 +231,31 @@ class NonFinite(Check):
         for total in gn.totals.values():
             self._grads.append((self._flag(total), gn, self.g.step, self.g.source()))
 
+    # Weights are not reduced after every step: NaN/Inf weights make the next forward's outputs (and
+    # loss) non-finite, and only then, at that resolution, are the weights looked at, before any module
+    # is blamed. The step and line of the last update are kept to say when they went bad.
     def on_step_post(self, optimizer):
-        if not self.g.sampling:
-            return
-        params = [p for grp in optimizer.param_groups for p in grp["params"] if p.grad is not None]
-        params = [p for p in params if screenable(p)]
+        self._update = (self.g.step, self.g.source())
+
+    def on_exit(self):
+        """At the end the weights are looked at once: the last update may have broken them."""
+        self._check_params()
+
+    def _check_params(self) -> bool:
+        """NaN/Inf weights after an update: True when that was just reported (later findings are its effects)."""
+        if self._update is None:
+            return False
+        step, source = self._update
+        params = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"] if screenable(p)]
         if not params:
-            return
+            return False
         with torch.no_grad():
-            _, totals = fused_norms(params)
-        for total in totals.values():
-            self._params.append((self._flag(total), params, self.g.step, self.g.source()))
+            norms, _ = fused_norms([p.detach() for p in params])
+            ok = torch.isfinite(torch.stack([n.reshape(()).float().cpu() for n in norms])).tolist()
+        group = [p for p, good in zip(params, ok) if not good]
+        if not group:
+            return False
+        return self._report_params(group, step, source, caused=step in self._bad_grad_steps)
 
     def _capture(self, module, args, kwargs, output) -> None:
         """The origin's tensors were gone at resolution: record exact counts from this next call."""
@@ -244,16 +268,14 @@ class NonFinite(Check):
     # resolution -------------------------------------------------------------
     def on_resolved(self):
         bad = self._bad
-        window = (self._calls, self._losses, self._grads, self._params, self._refs)
+        window = (self._calls, self._losses, self._grads, self._refs)
         self._new_window()
         if not bad:
             return
-        calls, losses, grads, params, refs = window
+        calls, losses, grads, refs = window
         self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
-        for flag, group, step, source in params:
-            if flag in bad and self._report_params(group, step, source,
-                                                   caused=step in self._bad_grad_steps):
-                return
+        if self._check_params():
+            return
         for call in calls:
             if call.is_root and any(i in bad for _, i in call.inputs):
                 self._report_input(call, bad, refs)

@@ -13,8 +13,9 @@ when ``weight_decay > 0``, and in SGD+momentum/Adam/AdamW even with
 the check reports only parameters whose norm really changed while their
 gradient stayed zero, and that were not in the step's autograd graph at all
 (a parameter that was, with an exactly-zero gradient, is a cancellation: an L1
-loss's output bias when as many residuals lie above as below). The graph is
-walked only while there are zero-gradient suspects.
+loss's output bias when as many residuals lie above as below). Whether backward
+reached a parameter is told by a post-accumulate-grad hook, put on a parameter
+only once its gradient was zero (a suspect): a healthy run has none.
 
 Cost per sampled step: the per-parameter gradient norms are the shared fused
 ``g.grad_norms(opt)``, stacked and read with the step's other staged values (one
@@ -57,37 +58,6 @@ def _norms(ts: List[_Track]) -> Tuple[float, float, float]:
     return first, now, ((now - first) / first * 100 if first else 0.0)
 
 
-MAX_NODES = 200_000
-
-
-def _reached_params(roots: List[torch.Tensor], want: set) -> set:
-    """Ids in `want` of the leaf tensors the autograd graphs of `roots` accumulate into."""
-    found: set = set()
-    seen: set = set()
-    stack = []
-    for t in roots:
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif t.requires_grad and id(t) in want:
-            found.add(id(t))
-    while stack and len(seen) < MAX_NODES:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)  # AccumulateGrad
-        if var is not None:
-            if id(var) in want:
-                found.add(id(var))
-            continue
-        for nxt, _ in fn.next_functions:
-            if nxt is not None and nxt not in seen:
-                stack.append(nxt)
-    if stack:  # graph too large to walk: assume every suspect was reached (no report, no false alarm)
-        return set(want)
-    return found
-
-
 def _has_momentum_state(state: Any) -> bool:
     if not state:
         return False
@@ -106,21 +76,31 @@ class WeightDecayWithoutGrad(Check):
             weakref.WeakKeyDictionary())
         self._reported: Dict[Tuple[int, str], List[_Track]] = {}  # (id(opt), where) -> its tracks
         self._suspects: set = set()  # ids of parameters whose gradient was zero at the last resolved step
-        self._reached: set = set()  # suspects the backward graph(s) of this step lead to
+        self._reached: set = set()  # suspects the backward(s) of this step accumulated a gradient into
+        self._hooked: set = set()  # ids of parameters carrying our post-accumulate-grad hook
         self._walked = False  # a backward since the last round was looked at
         self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
 
     # Was the parameter in this step's graph at all? An all-zero gradient of a parameter that was
     # (an L1 loss's output bias when residual signs balance, say) is a legitimate cancellation, not
-    # "no signal". Walked only while there are suspects, so a healthy run pays nothing.
+    # "no signal". Autograd tells: its AccumulateGrad runs (our hook fires) only if backward reached it.
     def on_backward(self, tensors, kwargs):
         if self._stepped:  # the first backward after a step: a new round of graphs
             self._reached, self._walked, self._stepped = set(), False, False
-        if not self._suspects or not self.g.sampling:
-            return
-        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
-        self._walked = True
-        self._reached |= _reached_params([t for t in ts if isinstance(t, torch.Tensor)], self._suspects)
+        if self._suspects and self.g.sampling:
+            self._walked = True
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if id(param) in self._suspects:
+            self._reached.add(id(param))
+
+    def _hook_suspects(self, tracks: Dict[int, "_Track"]) -> None:
+        for key, t in tracks.items():
+            if key not in self._hooked:
+                p = t.ref()
+                if p is not None and p.requires_grad:
+                    self.g.grad_hook(p, self._accumulated)
+                    self._hooked.add(key)
 
     def on_step_pre(self, optimizer):
         self._stepped = True
@@ -201,6 +181,7 @@ class WeightDecayWithoutGrad(Check):
             live[id(p)] = t
         self._tracks[opt] = live  # a step with signal (or not a candidate) breaks the run
         self._suspects = {i for o, tr in self._tracks.items() for i in tr}
+        self._hook_suspects(live)
         due = [t for t in live.values() if not t.reported and t.unreached and t.count >= STEPS
                and t.first_norm is not None and t.last_norm != t.first_norm]
         if due:

@@ -1,23 +1,21 @@
 """Missing ``zero_grad()``: ``optimizer.step()`` applies gradients summed over earlier steps.
 
 Observed, not guessed from values: ``Optimizer.zero_grad`` and ``Module.zero_grad``
-are watched through declared patches, and at every ``optimizer.step()`` the check
-remembers each gradient tensor (weakly) with its version counter. At the first
-``backward()`` after that step, a parameter whose gradient is still the very same
-tensor, untouched since the step (same object, same ``_version``), with no
-``zero_grad()`` seen in between, is about to accumulate onto the previous step's
-gradient. Set-to-None (by ``zero_grad()`` or ``p.grad = None`` by hand) gives a
-new tensor; ``p.grad.zero_()`` bumps the version. Only ``p.grad.data.zero_()``
-(which bypasses the version counter) is indistinguishable, so the candidates'
-norms are staged (read with the step's other values, no extra sync) and only
-non-zero leftovers count. The finding is made when that optimizer steps while the
-stale gradients are still in place, so a ``zero_grad()`` any time before the
-step (GAN loops, zeroing before ``backward()``) and deliberate accumulation
-(several backwards, one step, then ``zero_grad()``) stay silent.
+are watched through declared patches. An ``optimizer.step()`` arms the check; a
+``zero_grad()`` of that optimizer disarms it (one of a module drops that
+module's parameters). At the first ``backward()`` while still armed, every
+parameter of the optimizer that still has a gradient is about to accumulate onto
+what is left there. Set-to-None (by hand too) leaves no gradient, and zeroing by
+hand (``p.grad.zero_()``, ``p.grad.data.zero_()``) leaves zeros, so the
+candidates' norms are staged (read with the step's other values, no extra sync)
+and only non-zero leftovers count. The finding is made when that optimizer steps
+while the stale gradients are still in place, so a ``zero_grad()`` any time
+before the step (GAN loops, zeroing before ``backward()``) and deliberate
+accumulation (several backwards, one step, then ``zero_grad()``) stay silent.
 
-Cost: nothing per module call; per step one pass over the optimizer's
-parameters (a weak reference and a version number each), and per backward only
-while no ``zero_grad()`` was seen since the last step.
+Cost: nothing per module call and nothing per step while ``zero_grad()`` is
+called; the parameters are looked at only at a backward that follows a step
+without it.
 """
 from __future__ import annotations
 
@@ -31,18 +29,18 @@ from .base import Check
 
 
 class _State:
-    __slots__ = ("gen", "recs", "armed", "cands", "norms", "verdict", "step_seen", "since", "backward_source")
+    __slots__ = ("gen", "zeroed", "armed", "cands", "norms", "verdict", "step_seen", "since", "backward_source")
 
     def __init__(self) -> None:
         self.gen = 0
-        self.recs: Dict[int, Tuple[weakref.ref, weakref.ref, int]] = {}
+        self.zeroed: set = set()  # ids of parameters a Module.zero_grad() cleared since the step
         self.armed = False
         self.clear()
 
     def clear(self) -> None:
         self.gen += 1
         self.armed = False
-        self.recs = {}
+        self.zeroed = set()
         self.cands: List[Tuple[weakref.ref, weakref.ref]] = []
         self.norms: Optional[List[torch.Tensor]] = None
         self.verdict: Optional[List[bool]] = None
@@ -73,9 +71,8 @@ class MissingZeroGrad(Check):
             return
         ids = {id(p) for p in args[0].parameters()}
         for st in list(self._st.values()):
-            if st.recs:
-                st.recs = {k: v for k, v in st.recs.items() if k not in ids}
-                st.armed = st.armed and bool(st.recs)
+            if st.armed:
+                st.zeroed |= ids
             if st.cands:
                 keep = [i for i, (pref, _) in enumerate(st.cands) if id(pref()) not in ids]
                 if not keep:
@@ -93,13 +90,7 @@ class MissingZeroGrad(Check):
         if st is None:
             st = self._st[optimizer] = _State()
         st.clear()
-        recs = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is not None:
-                    recs[id(p)] = (weakref.ref(p), weakref.ref(g), g._version)
-        st.recs, st.armed, st.since = recs, bool(recs), self.g.step
+        st.armed, st.since = True, self.g.step
 
     def on_backward(self, tensors, kwargs):
         for opt, st in list(self._st.items()):
@@ -110,15 +101,13 @@ class MissingZeroGrad(Check):
         """First backward since `opt` stepped without zero_grad(): which gradients are left over?"""
         st.armed = False
         cands = []
-        for pref, gref, version in st.recs.values():
-            p = pref()
-            g = p.grad if p is not None else None
-            if g is None or g is not gref() or g._version != version:
-                continue  # set to None, replaced, or touched in place (zeroed by hand) since the step
-            if g.layout is not torch.strided or g.is_meta:
-                continue
-            cands.append((pref, gref))
-        st.recs = {}
+        zeroed, st.zeroed = st.zeroed, set()
+        for group in opt.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or id(p) in zeroed or g.layout is not torch.strided or g.is_meta:
+                    continue  # set to None (skipped by every optimizer), or cleared by a Module.zero_grad()
+                cands.append((weakref.ref(p), weakref.ref(g)))
         if not cands:
             return
         with torch.no_grad():
