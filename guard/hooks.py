@@ -214,6 +214,7 @@ class Installer:
     def __init__(self) -> None:
         self._stack = ExitStack()
         self._graph_handles: List[Any] = []
+        self._grad_handles: Dict[int, _Handle] = {}
 
     def _keep(self, handle: Any) -> Any:
         self._stack.callback(handle.remove)
@@ -250,8 +251,21 @@ class Installer:
             self._keep(optimizer.register_step_pre_hook(pre))
             self._keep(optimizer.register_step_post_hook(post))
 
-    def grad_hook(self, param: torch.Tensor, fn: Callable) -> None:
-        self._keep(param.register_post_accumulate_grad_hook(fn))
+    def grad_hook(self, param: torch.Tensor, fn: Callable) -> _Handle:
+        """A post-accumulate-grad hook on `param`, until close or the handle's ``remove()``.
+
+        Kept apart from the exit stack so that hooks added and removed every step do not pile up there.
+        """
+        inner = param.register_post_accumulate_grad_hook(fn)
+        live = self._grad_handles
+
+        def remove() -> None:
+            live.pop(id(handle), None)
+            inner.remove()
+
+        handle = _Handle(remove)
+        live[id(handle)] = handle
+        return handle
 
     # patches ----------------------------------------------------------------
     def patch(self, target: str, middleware: Middleware) -> None:
@@ -305,3 +319,5 @@ class Installer:
             stack.close()
         finally:
             self._remove_graph_hooks()
+            for handle in list(self._grad_handles.values()):
+                handle.remove()

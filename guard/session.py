@@ -536,9 +536,10 @@ class Guard:
     def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
         return self._primary is not None and self._primary() is optimizer
 
-    def grad_hook(self, param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
-        """Call ``fn(param)`` each time backward accumulates into `param`'s gradient, until close."""
-        self._installer.grad_hook(param, fn)
+    def grad_hook(self, param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> Any:
+        """Call ``fn(param)`` each time backward accumulates into `param`'s gradient, until close or the
+        returned handle's ``remove()``."""
+        return self._installer.grad_hook(param, fn)
 
     def graph_prehook(self, node: Any, fn: Callable) -> None:
         """Register ``fn`` as a pre-hook of autograd node `node` through the installer (removed on close)."""

@@ -77,30 +77,37 @@ class WeightDecayWithoutGrad(Check):
         self._reported: Dict[Tuple[int, str], List[_Track]] = {}  # (id(opt), where) -> its tracks
         self._suspects: set = set()  # ids of parameters whose gradient was zero at the last resolved step
         self._reached: set = set()  # suspects the backward(s) of this step accumulated a gradient into
-        self._hooked: set = set()  # ids of parameters carrying our post-accumulate-grad hook
+        self._hooked: Dict[int, Any] = {}  # id(param) -> handle of our post-accumulate-grad hook on it
         self._walked = False  # a backward since the last round was looked at
         self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
 
     # Was the parameter in this step's graph at all? An all-zero gradient of a parameter that was
     # (an L1 loss's output bias when residual signs balance, say) is a legitimate cancellation, not
-    # "no signal". Autograd tells: its AccumulateGrad runs (our hook fires) only if backward reached it.
+    # "no signal". Autograd tells: a suspect carries a post-accumulate-grad hook, which fires only if
+    # backward reaches it (zeros written by DDP for unused parameters do not fire it).
     def on_backward(self, tensors, kwargs):
         if self._stepped:  # the first backward after a step: a new round of graphs
             self._reached, self._walked, self._stepped = set(), False, False
         if self._suspects and self.g.sampling:
             self._walked = True
 
+    def _hook_suspects(self) -> None:
+        """Hooks on parameters whose gradient was zero two sampled steps in a row (the third decides a
+        report); the others' hooks are removed: a hook costs a call per backward, and gradients that are
+        zero now and then (a layer of dead ReLUs for one batch) would add and remove them every step."""
+        hooked = self._hooked
+        for key in [k for k in hooked if k not in self._suspects]:
+            hooked.pop(key).remove()
+        for tracks in self._tracks.values():
+            for key, t in tracks.items():
+                if t.count >= STEPS - 1 and key not in hooked:
+                    p = t.ref()
+                    if p is not None and p.requires_grad:
+                        hooked[key] = self.g.grad_hook(p, self._accumulated)
+
     def _accumulated(self, param: torch.Tensor) -> None:
         if id(param) in self._suspects:
             self._reached.add(id(param))
-
-    def _hook_suspects(self, tracks: Dict[int, "_Track"]) -> None:
-        for key, t in tracks.items():
-            if key not in self._hooked:
-                p = t.ref()
-                if p is not None and p.requires_grad:
-                    self.g.grad_hook(p, self._accumulated)
-                    self._hooked.add(key)
 
     def on_step_pre(self, optimizer):
         self._stepped = True
@@ -137,7 +144,10 @@ class WeightDecayWithoutGrad(Check):
         oref = weakref.ref(optimizer)
         sids = [id(p) for p in suspects]
         # Suspects checked against this step's graph: reached ones had a real (cancelled) gradient.
-        checked = {i for i in sids if i not in self._reached} if self._walked else set()
+        # Known unreached: a hooked suspect whose hook did not fire, or one that needs no gradient (frozen).
+        hooked, reached_ids = self._hooked, self._reached
+        checked = ({id(p) for p in suspects if id(p) not in reached_ids and (id(p) in hooked or not p.requires_grad)}
+                   if self._walked else set())
         reached = {i for i in sids if i in self._reached}
 
         def collect():
@@ -181,7 +191,7 @@ class WeightDecayWithoutGrad(Check):
             live[id(p)] = t
         self._tracks[opt] = live  # a step with signal (or not a candidate) breaks the run
         self._suspects = {i for o, tr in self._tracks.items() for i in tr}
-        self._hook_suspects(live)
+        self._hook_suspects()
         due = [t for t in live.values() if not t.reported and t.unreached and t.count >= STEPS
                and t.first_norm is not None and t.last_norm != t.first_norm]
         if due:
