@@ -24,7 +24,7 @@ from .checks import registry
 from .checks.base import Check
 from .config import Config, ConfigError, make_config
 from .findings import ERROR, KINDS, Finding, GuardError, severity_of
-from .tensors import fused_norms
+from .tensors import Norms
 
 MAX_FINDINGS = 1000
 MAX_TIMELINE = 4096
@@ -53,12 +53,13 @@ def _as_list(obj: Any, what: str, typ: type, allowed: str) -> List[Any]:
 class GradNorms:
     """Per-parameter gradient norms of one step, kept on the device until the step is resolved."""
 
-    __slots__ = ("params", "norms", "totals", "_namer", "_names")
+    __slots__ = ("params", "norms", "totals", "stacked", "_namer", "_names")
 
     def __init__(self, params: List[torch.Tensor], namer: Callable[[torch.Tensor], str]):
         self.params, self._namer, self._names = params, namer, None
         with torch.no_grad():
-            self.norms, self.totals = fused_norms([p.grad for p in params])
+            n = Norms([p.grad for p in params])
+        self.norms, self.totals, self.stacked = n.norms, n.totals, n.stacked
 
     @property
     def names(self) -> List[str]:

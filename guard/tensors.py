@@ -111,30 +111,52 @@ def finite_stats(t: torch.Tensor) -> dict:
 
 
 def _group_by_device(tensors: List[torch.Tensor]) -> List[List[int]]:
-    """Indices of `tensors` grouped by (device, dtype); one group in the common case, cheaply."""
-    first = tensors[0]
-    dev, dt = first.device, first.dtype
-    if all(t.device == dev and t.dtype == dt for t in tensors):
-        return [list(range(len(tensors)))]
+    """Indices of `tensors` grouped by (device, dtype) (the slow path: mixed lists only)."""
     groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     return list(groups.values())
 
 
+class Norms:
+    """Per-tensor L2 norms of a list of tensors, kept on their devices.
+
+    ``norms[i]`` is the 0-dim norm of tensor ``i``; ``stacked`` maps each device to
+    ``(1-d float32 tensor of its norms, their indices)``; ``totals`` maps each device to the
+    joint norm of its tensors. One ``torch._foreach_norm`` and one stack per device.
+    """
+
+    __slots__ = ("norms", "stacked", "totals")
+
+    def __init__(self, tensors: List[torch.Tensor]):
+        self.norms: List[torch.Tensor] = []
+        self.stacked: Dict[torch.device, Tuple[torch.Tensor, List[int]]] = {}
+        self.totals: Dict[torch.device, torch.Tensor] = {}
+        if not tensors:
+            return
+        try:  # the common case: one device, one dtype (no per-tensor Python pass to group them)
+            norms = list(torch._foreach_norm(tensors))
+            stacked = torch.stack(norms)
+            groups = [(stacked, list(range(len(tensors))))]
+        except RuntimeError:  # mixed devices (a model split across GPUs) or dtypes
+            norms = [None] * len(tensors)  # type: ignore[list-item]
+            by_dev: Dict[torch.device, Tuple[List[torch.Tensor], List[int]]] = {}
+            for idx in _group_by_device(tensors):
+                res = torch._foreach_norm([tensors[i] for i in idx])
+                for i, n in zip(idx, res):
+                    norms[i] = n
+                ns, ids = by_dev.setdefault(res[0].device, ([], []))
+                ns.extend(n.float() for n in res)
+                ids.extend(idx)
+            groups = [(torch.stack(ns), ids) for ns, ids in by_dev.values()]
+        self.norms = norms
+        for st, ids in groups:
+            st = st if st.dtype == torch.float32 else st.float()
+            self.stacked[st.device] = (st, ids)
+            self.totals[st.device] = torch.linalg.vector_norm(st)
+
+
 def fused_norms(tensors: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Dict[torch.device, torch.Tensor]]:
-    """Per-tensor L2 norms (``torch._foreach_norm`` per device/dtype) and their total per device."""
-    norms: List[Optional[torch.Tensor]] = [None] * len(tensors)
-    totals: Dict[torch.device, torch.Tensor] = {}
-    if not tensors:
-        return [], totals
-    per_dev: Dict[torch.device, List[torch.Tensor]] = {}
-    for idx in _group_by_device(tensors):
-        res = torch._foreach_norm([tensors[i] for i in idx])
-        for i, n in zip(idx, res):
-            norms[i] = n
-        per_dev.setdefault(res[0].device, []).extend(res)
-    for dev, ns in per_dev.items():
-        stacked = torch.stack(ns)
-        totals[dev] = torch.linalg.vector_norm(stacked if stacked.dtype == torch.float32 else stacked.float())
-    return norms, totals  # type: ignore[return-value]
+    """Per-tensor L2 norms (``torch._foreach_norm``) and their joint norm per device."""
+    n = Norms(tensors)
+    return n.norms, n.totals

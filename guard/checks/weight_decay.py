@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..tensors import fused_norms
+from ..tensors import Norms
 from ._params import module_prefixes
 from .base import Check
 
@@ -92,12 +92,10 @@ class WeightDecayWithoutGrad(Check):
             self._walked = True
 
     def _hook_suspects(self) -> None:
-        """Hooks on parameters whose gradient was zero two sampled steps in a row (the third decides a
-        report); the others' hooks are removed: a hook costs a call per backward, and gradients that are
-        zero now and then (a layer of dead ReLUs for one batch) would add and remove them every step."""
+        """A hook on each parameter whose gradient was zero two sampled steps in a row (the third decides
+        a report). It stays until close: firing costs next to nothing, while adding and removing hooks for
+        gradients that are zero now and then (a layer of dead ReLUs for some batches) costs every step."""
         hooked = self._hooked
-        for key in [k for k in hooked if k not in self._suspects]:
-            hooked.pop(key).remove()
         for tracks in self._tracks.values():
             for key, t in tracks.items():
                 if t.count >= STEPS - 1 and key not in hooked:
@@ -138,8 +136,12 @@ class WeightDecayWithoutGrad(Check):
         tracks = self._tracks.get(optimizer, {})
         suspects = [c[0] for c in cands if id(c[0]) in tracks]
         with torch.no_grad():
-            pnorms, _ = fused_norms([p.detach() for p in suspects])
-        gnorms = [gn.norms[c[1]] for c in cands]
+            pn = Norms([p.detach() for p in suspects])
+        pnorms = pn.norms
+        pstack = next(iter(pn.stacked.values()))[0] if len(pn.stacked) == 1 else None
+        if pnorms and pstack is None:
+            pnorms = [n.float().cpu() for n in pnorms]  # rare: suspects on several devices
+            pstack = torch.stack(pnorms)
         step, source = self.g.step, self.g.source()
         oref = weakref.ref(optimizer)
         sids = [id(p) for p in suspects]
@@ -151,16 +153,25 @@ class WeightDecayWithoutGrad(Check):
         reached = {i for i in sids if i in self._reached}
 
         def collect():
-            vals = gnorms + pnorms
-            first = vals[0]
-            if not all(v.device == first.device and v.dtype == first.dtype for v in vals):
-                # rare (mixed dtypes, or a model split across devices): still one read per step
-                vals = [v.detach().reshape(()).float().cpu() for v in vals]
-            stacked = torch.stack(vals)  # one op: the norms are 0-dim already
-            if stacked.dtype != torch.float32:
-                stacked = stacked.float()
-            return [(stacked, lambda values: self._update(oref, cands, sids, values, step, source,
-                                                                  checked, reached))]
+            # The per-parameter gradient norms are the guard's shared stacked ones (no second stack).
+            if len(gn.stacked) == 1:
+                (gstack, gids), = gn.stacked.values()
+                parts = [gstack] + ([pstack] if pnorms else [])
+                if all(t.device == gstack.device for t in parts):
+                    n_all = gstack.numel()
+                    order = {i: k for k, i in enumerate(gids)}
+                    stacked = torch.cat(parts) if len(parts) > 1 else gstack
+
+                    def split(values):
+                        g_vals = [values[order[c[1]]] for c in cands]
+                        update(g_vals + values[n_all:])
+                    return [(stacked, split)]
+            vals = [gn.norms[c[1]] for c in cands] + pnorms
+            vals = [v.detach().reshape(()).float().cpu() for v in vals]  # rare: a model split across devices
+            return [(torch.stack(vals), update)]
+
+        def update(values):
+            self._update(oref, cands, sids, values, step, source, checked, reached)
 
         self.g.stage_batch(collect)
 
