@@ -48,9 +48,19 @@ def user_frame(depth: int = 1):
     return f
 
 
+_short_cache: dict = {}
+
+
 def _short(path: str) -> str:
+    key = (path, os.getcwd())  # relpath is slow and asked for several times a step
+    hit = _short_cache.get(key)
+    if hit is not None:
+        return hit
     try:
         rel = os.path.relpath(path)
     except ValueError:
         return path
-    return path if rel.startswith("..") else rel  # outside the working directory: the full path reads better
+    hit = path if rel.startswith("..") else rel  # outside the working directory: the full path reads better
+    if len(_short_cache) < 10000:
+        _short_cache[key] = hit
+    return hit

@@ -58,6 +58,11 @@ def _norms(ts: List[_Track]) -> Tuple[float, float, float]:
     return first, now, ((now - first) / first * 100 if first else 0.0)
 
 
+def _setting(value: Any) -> Any:
+    """A group setting as a cache key (a tensor by identity: reading it would sync)."""
+    return ("tensor", id(value)) if isinstance(value, torch.Tensor) else value
+
+
 def _has_momentum_state(state: Any) -> bool:
     if not state:
         return False
@@ -77,6 +82,7 @@ class WeightDecayWithoutGrad(Check):
         self._reported: Dict[Tuple[int, str], List[_Track]] = {}  # (id(opt), where) -> its tracks
         self._suspects: set = set()  # ids of parameters whose gradient was zero at the last resolved step
         self._reached: set = set()  # suspects the backward(s) of this step accumulated a gradient into
+        self._cands: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Any, list]]" = weakref.WeakKeyDictionary()
         self._hooked: Dict[int, Any] = {}  # id(param) -> handle of our post-accumulate-grad hook on it
         self._walked = False  # a backward since the last round was looked at
         self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
@@ -114,20 +120,7 @@ class WeightDecayWithoutGrad(Check):
         gn = self.g.grad_norms(optimizer)
         if not gn.params:
             return
-        index = {id(p): i for i, p in enumerate(gn.params)}
-        state = optimizer.state
-        cands: List[Tuple[torch.Tensor, int, int, str, float]] = []  # (param, norm index, group, why, wd)
-        for gi, group in enumerate(optimizer.param_groups):
-            wd = group.get("weight_decay", 0) or 0
-            wd = float(wd) if not isinstance(wd, torch.Tensor) else float(wd.detach().cpu())
-            for p in group["params"]:
-                i = index.get(id(p))
-                if i is None:
-                    continue  # grad None: every optimizer skips it
-                if wd > 0:
-                    cands.append((p, i, gi, "weight_decay", wd))
-                elif _has_momentum_state(state.get(p)):
-                    cands.append((p, i, gi, "momentum", wd))
+        cands = self._candidates(optimizer, gn)
         if not cands:
             self._tracks.pop(optimizer, None)
             return
@@ -175,6 +168,35 @@ class WeightDecayWithoutGrad(Check):
 
         self.g.stage_batch(collect)
 
+    def _candidates(self, optimizer, gn) -> List[Tuple[torch.Tensor, int, int, str, float]]:
+        """(param, norm index, group, why, wd) of the parameters a step would move without a gradient.
+
+        Kept per optimizer while its groups, their settings, the parameters with a gradient and the
+        size of its state stay the same (the usual case: every step alike).
+        """
+        groups = optimizer.param_groups
+        state = optimizer.state
+        key = (tuple((id(g["params"]), len(g["params"]), _setting(g.get("weight_decay"))) for g in groups),
+               tuple(map(id, gn.params)), len(state))
+        hit = self._cands.get(optimizer)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        index = {id(p): i for i, p in enumerate(gn.params)}
+        cands: List[Tuple[torch.Tensor, int, int, str, float]] = []
+        for gi, group in enumerate(groups):
+            wd = group.get("weight_decay", 0) or 0
+            wd = float(wd) if not isinstance(wd, torch.Tensor) else float(wd.detach().cpu())
+            for p in group["params"]:
+                i = index.get(id(p))
+                if i is None:
+                    continue  # grad None: every optimizer skips it
+                if wd > 0:
+                    cands.append((p, i, gi, "weight_decay", wd))
+                elif _has_momentum_state(state.get(p)):
+                    cands.append((p, i, gi, "momentum", wd))
+        self._cands[optimizer] = (key, cands)
+        return cands
+
     def _update(self, oref, cands, sids, values: List[float], step: int, source: Optional[str],
                 checked: set, reached: set) -> None:
         opt = oref()
@@ -184,8 +206,9 @@ class WeightDecayWithoutGrad(Check):
         pnorm = dict(zip(sids, values[n:]))
         tracks = self._tracks.setdefault(opt, {})
         live: Dict[int, _Track] = {}
-        for (p, _, gi, why, wd), gval in zip(cands, values[:n]):
-            if gval != 0.0 or id(p) in reached:
+        for k in [k for k, v in enumerate(values[:n]) if v == 0.0]:  # zero gradients only
+            p, _, gi, why, wd = cands[k]
+            if id(p) in reached:
                 continue
             t = tracks.get(id(p))
             if t is None or t.ref() is not p:
