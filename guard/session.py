@@ -53,13 +53,18 @@ def _as_list(obj: Any, what: str, typ: type, allowed: str) -> List[Any]:
 class GradNorms:
     """Per-parameter gradient norms of one step, kept on the device until the step is resolved."""
 
-    __slots__ = ("params", "norms", "totals", "stacked", "_namer", "_names")
+    __slots__ = ("params", "totals", "stacked", "_all", "_namer", "_names")
 
     def __init__(self, params: List[torch.Tensor], namer: Callable[[torch.Tensor], str]):
         self.params, self._namer, self._names = params, namer, None
         with torch.no_grad():
-            n = Norms([p.grad for p in params])
-        self.norms, self.totals, self.stacked = n.norms, n.totals, n.stacked
+            self._all = Norms([p.grad for p in params], key=tuple(map(id, params)))
+        self.totals, self.stacked = self._all.totals, self._all.stacked
+
+    @property
+    def norms(self) -> List[torch.Tensor]:
+        """0-dim norm per parameter (made on first use)."""
+        return self._all.norms
 
     @property
     def names(self) -> List[str]:

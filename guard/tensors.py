@@ -118,42 +118,112 @@ def _group_by_device(tensors: List[torch.Tensor]) -> List[List[int]]:
     return list(groups.values())
 
 
+# On the CPU every tensor costs a kernel dispatch (about a microsecond) in ``_foreach_norm``; small
+# tensors of one shape are cheaper copied into one stack and reduced by one kernel. Accelerators run
+# ``_foreach_norm`` as one fused kernel, so there nothing is copied.
+_SMALL = 1 << 16  # elements per tensor
+_STACK_BYTES = 1 << 25  # copied at most per call
+_plans: Dict[Any, List[Tuple[bool, List[int]]]] = {}
+
+
+def _cpu_plan(tensors: List[torch.Tensor], key: Any) -> Optional[List[Tuple[bool, List[int]]]]:
+    """[(stack?, indices)] for all-CPU `tensors`: same-shape small ones stacked; None when not all on the CPU."""
+    plan = _plans.get(key) if key is not None else None
+    if plan is not None:
+        return plan
+    groups: Dict[Any, List[int]] = {}
+    rest: List[int] = []
+    budget = _STACK_BYTES
+    for i, t in enumerate(tensors):
+        if t.device.type != "cpu":
+            return None
+        n = t.numel()
+        if n <= _SMALL and budget >= n * t.element_size():
+            budget -= n * t.element_size()
+            groups.setdefault((tuple(t.shape), t.dtype), []).append(i)
+        else:
+            rest.append(i)
+    plan = []
+    for idx in groups.values():
+        if len(idx) >= 4:
+            plan.append((True, idx))
+        else:
+            rest.extend(idx)
+    if rest:
+        plan.append((False, sorted(rest)))
+    if key is not None:
+        if len(_plans) > 64:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
 class Norms:
     """Per-tensor L2 norms of a list of tensors, kept on their devices.
 
-    ``norms[i]`` is the 0-dim norm of tensor ``i``; ``stacked`` maps each device to
-    ``(1-d float32 tensor of its norms, their indices)``; ``totals`` maps each device to the
-    joint norm of its tensors. One ``torch._foreach_norm`` and one stack per device.
+    ``stacked`` maps each device to ``(1-d float32 tensor of norms, the tensors' indices)``;
+    ``totals`` maps each device to the joint norm; ``norms[i]`` is tensor i's 0-dim norm (made on
+    first use: the stacked form is what a step reads). `key` names a list whose shapes stay the
+    same from call to call (a model's parameters), so that its CPU grouping is worked out once.
     """
 
-    __slots__ = ("norms", "stacked", "totals")
+    __slots__ = ("stacked", "totals", "_norms", "_n")
 
-    def __init__(self, tensors: List[torch.Tensor]):
-        self.norms: List[torch.Tensor] = []
+    def __init__(self, tensors: List[torch.Tensor], key: Any = None):
         self.stacked: Dict[torch.device, Tuple[torch.Tensor, List[int]]] = {}
         self.totals: Dict[torch.device, torch.Tensor] = {}
+        self._norms: Optional[List[torch.Tensor]] = None
+        self._n = len(tensors)
         if not tensors:
             return
-        try:  # the common case: one device, one dtype (no per-tensor Python pass to group them)
-            norms = list(torch._foreach_norm(tensors))
-            stacked = torch.stack(norms)
-            groups = [(stacked, list(range(len(tensors))))]
-        except RuntimeError:  # mixed devices (a model split across GPUs) or dtypes
-            norms = [None] * len(tensors)  # type: ignore[list-item]
-            by_dev: Dict[torch.device, Tuple[List[torch.Tensor], List[int]]] = {}
-            for idx in _group_by_device(tensors):
-                res = torch._foreach_norm([tensors[i] for i in idx])
-                for i, n in zip(idx, res):
-                    norms[i] = n
-                ns, ids = by_dev.setdefault(res[0].device, ([], []))
-                ns.extend(n.float() for n in res)
-                ids.extend(idx)
-            groups = [(torch.stack(ns), ids) for ns, ids in by_dev.values()]
-        self.norms = norms
+        groups = self._cpu(tensors, key) if tensors[0].device.type == "cpu" else None
+        if groups is None:
+            try:  # the common case: one device, one dtype (no per-tensor Python pass to group them)
+                norms = list(torch._foreach_norm(tensors))
+                groups = [(torch.stack(norms), list(range(len(tensors))))]
+                self._norms = norms
+            except RuntimeError:  # mixed devices (a model split across GPUs)
+                by_dev: Dict[torch.device, Tuple[List[torch.Tensor], List[int]]] = {}
+                for idx in _group_by_device(tensors):
+                    res = torch._foreach_norm([tensors[i] for i in idx])
+                    ns, ids = by_dev.setdefault(res[0].device, ([], []))
+                    ns.extend(n.float() for n in res)
+                    ids.extend(idx)
+                groups = [(torch.stack(ns), ids) for ns, ids in by_dev.values()]
         for st, ids in groups:
             st = st if st.dtype == torch.float32 else st.float()
             self.stacked[st.device] = (st, ids)
             self.totals[st.device] = torch.linalg.vector_norm(st)
+
+    @staticmethod
+    def _cpu(tensors: List[torch.Tensor], key: Any) -> Optional[List[Tuple[torch.Tensor, List[int]]]]:
+        plan = _cpu_plan(tensors, key)
+        if plan is None or not any(stack for stack, _ in plan):
+            return None
+        try:
+            parts, ids = [], []
+            for stack, idx in plan:
+                if stack:
+                    st = torch.stack([tensors[i] for i in idx]).reshape(len(idx), -1)
+                    parts.append(torch.linalg.vector_norm(st, dim=1))
+                else:
+                    parts.append(torch.stack(list(torch._foreach_norm([tensors[i] for i in idx]))))
+                ids.extend(idx)
+        except RuntimeError:  # a cached plan for ids now reused by other tensors: plan afresh
+            _plans.pop(key, None)
+            return Norms._cpu(tensors, None) if key is not None else None
+        parts = [p if p.dtype == torch.float32 else p.float() for p in parts]
+        return [(torch.cat(parts) if len(parts) > 1 else parts[0], ids)]
+
+    @property
+    def norms(self) -> List[torch.Tensor]:
+        if self._norms is None:
+            out: List[Optional[torch.Tensor]] = [None] * self._n
+            for st, ids in self.stacked.values():
+                for k, i in enumerate(ids):
+                    out[i] = st[k]
+            self._norms = out  # type: ignore[assignment]
+        return self._norms  # type: ignore[return-value]
 
 
 def fused_norms(tensors: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Dict[torch.device, torch.Tensor]]:
