@@ -1,7 +1,8 @@
 """Overhead of guard per training step, side by side with an unguarded run and detect_anomaly.
 
-All configurations run in one process, interleaved (A B C A B C ...), so that machine noise
-hits them alike; each cell is the median (and min-max) of per-repetition medians.
+All configurations run in one process, interleaved step by step (A B C A B C ...), each on its own
+copy of the model under a guard kept for the whole run, so that machine noise hits them alike; each
+cell is the median (and min-max) of per-repetition medians.
 
     python benchmarks/overhead.py                 # full run, writes benchmarks/results.md and .json
     python benchmarks/overhead.py --quick         # fewer steps, for a smoke test
@@ -138,28 +139,60 @@ def count_module_calls(model, batch):
     return calls[0]
 
 
-def bench_model(name, reps, steps, warmup, configs):
+def bench_model(name, reps, steps, warmup, configs, settle=3):
+    """Median step time per configuration, interleaved step by step.
+
+    Each configuration trains its own copy of the same model (same weights) under its own guard.
+    Steps alternate A B C A B C ... with the order rotated every round, so that this shared machine's
+    slow drifts hit every configuration alike. Identical copies differ by a few percent among
+    themselves (where their memory landed), so every repetition hands the configurations to the
+    copies in a rotated way, and each configuration runs on each copy in turn. A repetition enters
+    the guards, runs `settle` untimed rounds (first calls, saved-tensor tags of the first steps),
+    then `steps` timed rounds. `detect_anomaly` is switched on around its own steps only. The guards
+    of one repetition share torch's patched functions (backward, the loss functions, zero_grad): a
+    call from another copy passes through them in a few microseconds, which adds slightly to every
+    configuration's time, the unguarded one's included (ratios are, if anything, understated).
+    """
+    import copy
+
     torch.manual_seed(0)
-    model, batch = MODELS[name]()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = step_fn(model, opt, batch)
+    model0, batch = MODELS[name]()
+    copies = []
+    for _ in configs:
+        model = copy.deepcopy(model0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        copies.append((model, opt, step_fn(model, opt, batch)))
     times = {c: [] for c in configs}
-    for _ in range(warmup):
-        step()
-    for _ in range(reps):
-        for cname in configs:  # interleaved
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with CONFIGS[cname](model, opt):
-                    for _ in range(2):
-                        step()  # settle after entering
-                    per = []
-                    for _ in range(steps):
-                        t0 = time.perf_counter()
-                        step()
-                        per.append(time.perf_counter() - t0)
-            times[cname].append(statistics.median(per))
-    return times, count_module_calls(model, batch)
+    n = len(configs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(warmup):
+            for _, _, step in copies:
+                step()
+        for r in range(reps):
+            runs = {}
+            with contextlib.ExitStack() as stack:
+                for i, cname in enumerate(configs):
+                    model, opt, step = copies[(i + r) % n]
+                    if cname == "detect_anomaly":
+                        runs[cname] = (step, lambda m=model, o=opt: CONFIGS["detect_anomaly"](m, o))
+                    else:
+                        stack.enter_context(CONFIGS[cname](model, opt))
+                        runs[cname] = (step, None)
+                per = {c: [] for c in configs}
+                for i in range(settle + steps):
+                    k = (r * steps + i) % n
+                    for cname in configs[k:] + configs[:k]:  # rotated: no configuration always runs first
+                        step, ctx = runs[cname]
+                        with (ctx() if ctx is not None else contextlib.nullcontext()):
+                            t0 = time.perf_counter()
+                            step()
+                            dt = time.perf_counter() - t0
+                        if i >= settle:
+                            per[cname].append(dt)
+            for c in configs:
+                times[c].append(statistics.median(per[c]))
+    return times, count_module_calls(model0, batch)
 
 
 def snooper_time(name, steps=3):
@@ -232,9 +265,9 @@ def fmt_ms(xs):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="3 reps x 4 steps, no memory runs")
     ap.add_argument("--no-memory", action="store_true")
@@ -243,7 +276,7 @@ def main(argv=None):
                     help="also time each check alone (on the models given), to say what each costs")
     args = ap.parse_args(argv)
     if args.quick:
-        args.reps, args.steps, args.warmup, args.no_memory = 3, 4, 2, True
+        args.reps, args.steps, args.warmup, args.no_memory = 2, 4, 3, True
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
@@ -290,9 +323,9 @@ def main(argv=None):
 
 
 def render(results):
-    lines = [f"Machine: {results['machine']}; {results['reps']} interleaved repetitions x "
-             f"{results['steps']} steps; cells are median ms/step (min–max of repetition medians) and the "
-             f"ratio to unguarded.", ""]
+    lines = [f"Machine: {results['machine']}; {results['reps']} repetitions x {results['steps']} steps of each "
+             f"configuration, interleaved step by step; cells are median ms/step (min–max of repetition medians) "
+             f"and the ratio to unguarded.", ""]
     names = list(results["models"])
     configs = []
     for n in names:

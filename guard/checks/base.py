@@ -6,6 +6,8 @@ A check never installs hooks. It declares:
 * ``kinds`` - the finding kinds it emits (severities come from the vocabulary),
 * ``default`` - whether ``checks="default"`` turns it on,
 * ``patches`` - ``{event: "dotted.target"}`` shared functions it wants observed,
+* ``watches(module)`` / ``steady(module, output)`` - which layers' calls it wants, first and
+  after their first call (a layer nobody keeps loses its hooks),
 
 and implements ``on_<event>`` methods. The guard installs only what the active
 checks handle and routes each event to them. Events:

@@ -2,9 +2,13 @@
 
 Cost model: every screened tensor costs one ``sum`` and one ``isfinite`` on its
 own device, staged without a host sync. Module inputs that are the output of
-an earlier module are not screened again (identity lookup). Once per step the
-guard reads all flags at once; only when one fired does this check look
-closer (exact counts, which module, which parameters), and only then syncs.
+an earlier module are not screened again (identity lookup). Layers that cannot
+make NaN/Inf (pass-through, and standard layers computing in fp32/fp64) are
+watched on their first call only (`steady`), so they run hook-free after it.
+Weights are reduced only when something went non-finite (and once at exit).
+Once per step the guard reads all flags at once; only when one fired does this
+check look closer (exact counts, which module, which parameters), and only then
+syncs.
 """
 from __future__ import annotations
 
