@@ -52,7 +52,7 @@ _short_cache: dict = {}
 
 
 def _short(path: str) -> str:
-    key = (path, os.getcwd())  # relpath is slow and asked for several times a step
+    key = path  # relpath is slow and asked for several times a step (relative to the first working directory)
     hit = _short_cache.get(key)
     if hit is not None:
         return hit

@@ -523,10 +523,11 @@ class Guard:
         gn = self._grad_norms.get(key)
         if gn is None:
             if optimizer is not None:
-                params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                params = [p for g in optimizer.param_groups for p in g["params"]]
             else:
-                params = [p for _, p in self.named_parameters() if p.grad is not None]
-            params = [p for p in params if p.grad.layout is torch.strided and not p.grad.is_meta]
+                params = [p for _, p in self.named_parameters()]
+            strided = torch.strided
+            params = [p for p in params if (gr := p.grad) is not None and gr.layout is strided and not gr.is_meta]
             gn = GradNorms(params, self.param_name)
             self._grad_norms[key] = gn
         return gn

@@ -135,12 +135,12 @@ def _cpu_plan(tensors: List[torch.Tensor], key: Any) -> Optional[List[Tuple[bool
     rest: List[int] = []
     budget = _STACK_BYTES
     for i, t in enumerate(tensors):
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             return None
         n = t.numel()
-        if n <= _SMALL and budget >= n * t.element_size():
-            budget -= n * t.element_size()
-            groups.setdefault((tuple(t.shape), t.dtype), []).append(i)
+        if n <= _SMALL and budget >= n * 8:
+            budget -= n * 8
+            groups.setdefault((t.shape, t.dtype), []).append(i)
         else:
             rest.append(i)
     plan = []
@@ -176,7 +176,7 @@ class Norms:
         self._n = len(tensors)
         if not tensors:
             return
-        groups = self._cpu(tensors, key) if tensors[0].device.type == "cpu" else None
+        groups = self._cpu(tensors, key) if tensors[0].is_cpu else None
         if groups is None:
             try:  # the common case: one device, one dtype (no per-tensor Python pass to group them)
                 norms = list(torch._foreach_norm(tensors))

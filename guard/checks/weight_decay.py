@@ -130,11 +130,14 @@ class WeightDecayWithoutGrad(Check):
         suspects = [c[0] for c in cands if id(c[0]) in tracks]
         with torch.no_grad():
             pn = Norms([p.detach() for p in suspects])
-        pnorms = pn.norms
-        pstack = next(iter(pn.stacked.values()))[0] if len(pn.stacked) == 1 else None
-        if pnorms and pstack is None:
-            pnorms = [n.float().cpu() for n in pnorms]  # rare: suspects on several devices
-            pstack = torch.stack(pnorms)
+        pstack = None
+        if suspects:
+            if len(pn.stacked) == 1:
+                pstack, pids = next(iter(pn.stacked.values()))
+                if pids != list(range(len(suspects))):  # grouped by shape: back to the suspects' order
+                    pstack = pstack[torch.argsort(torch.tensor(pids, device=pstack.device))]
+            else:  # rare: suspects on several devices
+                pstack = torch.stack([n.float().cpu() for n in pn.norms])
         step, source = self.g.step, self.g.source()
         oref = weakref.ref(optimizer)
         sids = [id(p) for p in suspects]
@@ -149,7 +152,7 @@ class WeightDecayWithoutGrad(Check):
             # The per-parameter gradient norms are the guard's shared stacked ones (no second stack).
             if len(gn.stacked) == 1:
                 (gstack, gids), = gn.stacked.values()
-                parts = [gstack] + ([pstack] if pnorms else [])
+                parts = [gstack] + ([pstack] if pstack is not None else [])
                 if all(t.device == gstack.device for t in parts):
                     n_all = gstack.numel()
                     order = {i: k for k, i in enumerate(gids)}
@@ -159,8 +162,9 @@ class WeightDecayWithoutGrad(Check):
                         g_vals = [values[order[c[1]]] for c in cands]
                         update(g_vals + values[n_all:])
                     return [(stacked, split)]
-            vals = [gn.norms[c[1]] for c in cands] + pnorms
-            vals = [v.detach().reshape(()).float().cpu() for v in vals]  # rare: a model split across devices
+            vals = [gn.norms[c[1]].detach().reshape(()).float().cpu() for c in cands]  # rare: a model split
+            if pstack is not None:                                                     # across devices
+                vals += list(pstack.cpu().unbind())
             return [(torch.stack(vals), update)]
 
         def update(values):
