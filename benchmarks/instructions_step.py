@@ -1,0 +1,48 @@
+"""Helper of instructions.sh: set up one model and configuration, then run steps on cue.
+
+It warms up, writes <tag>.ready, waits for <tag>.go (callgrind's instrumentation is switched on
+meanwhile), runs the measured steps, writes <tag>.done and waits for <tag>.stop (the counts are
+dumped meanwhile). Import, setup and shutdown are thus not counted.
+"""
+import contextlib
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import overhead  # noqa: E402
+from guard import guard  # noqa: E402
+
+
+def main():
+    name, conf, steps, prefix = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, batch = overhead.MODELS[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = overhead.step_fn(model, opt, batch)
+    opts = {"unguarded": None, "default": {}, "all": {"checks": "all"}, "every10": {"every": 10}}[conf]
+    ctx = contextlib.nullcontext() if opts is None else guard(model, opt, live=False, mode="record", **opts)
+
+    def wait(suffix):
+        while not os.path.exists(prefix + suffix):
+            time.sleep(0.05)
+
+    with ctx:
+        for _ in range(4):
+            step()
+        open(prefix + ".ready", "w").close()
+        wait(".go")
+        for _ in range(steps):
+            step()
+        open(prefix + ".done", "w").close()
+        wait(".stop")
+
+
+if __name__ == "__main__":
+    main()
