@@ -15,11 +15,11 @@ for conf in "$@"; do
         "$py" benchmarks/instructions_step.py "$model" "$conf" "$steps" "$prefix" >"$prefix.log" 2>&1 &
     pid=$!
     until [ -f "$prefix.ready" ]; do sleep 0.5; kill -0 $pid 2>/dev/null || { cat "$prefix.log"; exit 1; }; done
-    callgrind_control -i on $pid >/dev/null
+    callgrind_control -i on $pid >/dev/null 2>&1
     touch "$prefix.go"
     until [ -f "$prefix.done" ]; do sleep 0.5; done
-    callgrind_control -d $pid >/dev/null
-    callgrind_control -i off $pid >/dev/null
+    callgrind_control -d $pid >/dev/null 2>&1
+    callgrind_control -i off $pid >/dev/null 2>&1
     touch "$prefix.stop"
     wait $pid
     total=$(grep -h -m1 -E "^(summary|totals):" "$prefix".out.* | awk '{print $2}')
