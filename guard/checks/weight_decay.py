@@ -130,14 +130,12 @@ class WeightDecayWithoutGrad(Check):
         suspects = [c[0] for c in cands if id(c[0]) in tracks]
         with torch.no_grad():
             pn = Norms([p.detach() for p in suspects])
-        pstack = None
+        pstack, pids = None, []
         if suspects:
             if len(pn.stacked) == 1:
-                pstack, pids = next(iter(pn.stacked.values()))
-                if pids != list(range(len(suspects))):  # grouped by shape: back to the suspects' order
-                    pstack = pstack[torch.argsort(torch.tensor(pids, device=pstack.device))]
+                pstack, pids = next(iter(pn.stacked.values()))  # pids: the suspects' order in the stack
             else:  # rare: suspects on several devices
-                pstack = torch.stack([n.float().cpu() for n in pn.norms])
+                pstack, pids = torch.stack([n.float().cpu() for n in pn.norms]), list(range(len(suspects)))
         step, source = self.g.step, self.g.source()
         oref = weakref.ref(optimizer)
         sids = [id(p) for p in suspects]
@@ -154,21 +152,21 @@ class WeightDecayWithoutGrad(Check):
                 (gstack, gids), = gn.stacked.values()
                 parts = [gstack] + ([pstack] if pstack is not None else [])
                 if all(t.device == gstack.device for t in parts):
-                    n_all = gstack.numel()
-                    order = {i: k for k, i in enumerate(gids)}
                     stacked = torch.cat(parts) if len(parts) > 1 else gstack
-
-                    def split(values):
-                        g_vals = [values[order[c[1]]] for c in cands]
-                        update(g_vals + values[n_all:])
-                    return [(stacked, split)]
+                    return [(stacked, lambda values: update(values, gids, gstack.numel()))]
             vals = [gn.norms[c[1]].detach().reshape(()).float().cpu() for c in cands]  # rare: a model split
             if pstack is not None:                                                     # across devices
                 vals += list(pstack.cpu().unbind())
-            return [(torch.stack(vals), update)]
+            return [(torch.stack(vals), lambda values: update(values, [c[1] for c in cands], len(cands)))]
 
-        def update(values):
-            self._update(oref, cands, sids, values, step, source, checked, reached)
+        def update(values, gids, n_g):
+            """`values`: gradient norms in `gids` order, then the suspects' weight norms in `pids` order."""
+            by_param = dict(zip(gids, values))
+            g_vals = [by_param[c[1]] for c in cands]
+            p_vals = [0.0] * len(pids)
+            for k, i in enumerate(pids):
+                p_vals[i] = values[n_g + k]
+            self._update(oref, cands, sids, g_vals + p_vals, step, source, checked, reached)
 
         self.g.stage_batch(collect)
 
