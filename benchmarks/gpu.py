@@ -114,8 +114,9 @@ def syncs(name, steps=10):
                     step()
                 torch.cuda.synchronize()
             names = [e.name for e in prof.events()]
-            d2h = sum(("DtoH" in n or "Device -> Host" in n) for n in names)
-            sync = sum(("Synchronize" in n) for n in names) - 1  # the final synchronize is ours
+            # Runtime calls seen on the host: each device-to-host read is one copy call that waits.
+            d2h = sum(n.startswith("cudaMemcpy") for n in names)
+            sync = sum(n in ("cudaStreamSynchronize", "cudaDeviceSynchronize") for n in names) - 1  # ours
             out.append((warn_n, d2h + max(sync, 0)))
         finally:
             if g is not None:
