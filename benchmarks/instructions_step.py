@@ -16,6 +16,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import overhead  # noqa: E402
+import sweep  # noqa: E402,F401  (registers the tiny, depth and 5,000-module models)
 from guard import guard  # noqa: E402
 
 
@@ -26,7 +27,8 @@ def main():
     model, batch = overhead.MODELS[name]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = overhead.step_fn(model, opt, batch)
-    opts = {"unguarded": None, "default": {}, "all": {"checks": "all"}, "every10": {"every": 10}}[conf]
+    opts = {"unguarded": None, "default": {}, "all": {"checks": "all"}, "every10": {"every": 10},
+            "budget": {"budget": 0.05}, "all-budget": {"checks": "all", "budget": 0.05}}[conf]
     ctx = contextlib.nullcontext() if opts is None else guard(model, opt, live=False, mode="record", **opts)
 
     def wait(suffix):
