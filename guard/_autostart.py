@@ -156,7 +156,10 @@ def start() -> Any:
         opts = env_options()
         if opts is None:
             return None
-        g = _auto_guard_class()(None, None, **opts)
+        from guard.session import Guard
+
+        g = Guard(None, None, **opts)
+        g.process_wide = True  # report only if the process did anything guard saw; remember its rank
         g.start()
     except ConfigError as exc:
         _fail(str(exc))
@@ -181,28 +184,3 @@ def discard() -> None:
 
         g.config = dataclasses.replace(g.config, report=None, live=False)
         g.close()
-
-
-def _auto_guard_class():
-    from guard.session import Guard
-
-    class AutoGuard(Guard):
-        """A global guard that writes its report only if the process did anything guard saw."""
-
-        _rank_seen = False
-
-        def _end_step(self) -> None:
-            if not self._rank_seen:  # remember the rank while the process group lives (dumps are written at exit)
-                from guard._dist import rank_info
-
-                self._rank_seen = rank_info() is not None
-            super()._end_step()
-
-        def _finish(self) -> None:
-            if not (self.step or self._findings or self.modules or self.timeline or self.internal_errors):
-                import dataclasses
-
-                self.config = dataclasses.replace(self.config, report=None)
-            super()._finish()
-
-    return AutoGuard

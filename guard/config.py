@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Union
+from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple, Union
 
 MODES = ("warn", "raise", "record")
 LIVE_VALUES = ("0", "1", "all")
@@ -31,6 +31,8 @@ class Config:
     every: int = 1
     snoop: bool = False
     extras: Dict[str, Any] = field(default_factory=dict)
+    #: the enabled checks' names (a check is built when selected; `kinds` filters what it may report)
+    checks: FrozenSet[str] = frozenset()
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -94,12 +96,13 @@ def parse_report(value: Any, origin: str = "report") -> Optional[str]:
     raise ConfigError(f"guard: {origin}={value!r} is not a report path; allowed: a file path (.json or .html) or None")
 
 
-def resolve_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks") -> FrozenSet[str]:
-    """Turn a checks spec into the set of enabled finding kinds.
+def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks") -> Tuple[FrozenSet[str], FrozenSet[str]]:
+    """Turn a checks spec into ``(enabled check names, enabled finding kinds)``.
 
-    Tokens are ``"default"``, ``"all"``, a check name or a finding kind; a
-    leading ``-`` removes. The first token decides the base set: if it is a
-    removal, the base is ``"default"``.
+    Tokens are ``"default"``, ``"all"``, a check name or a finding kind; a leading ``-``
+    removes. A check name turns that check on or off (a kind that another enabled check also
+    reports stays on); a kind turns only that kind's findings on or off (``"-nonfinite-grad"``).
+    If the first token is a removal, the base is ``"default"``.
     """
     if isinstance(spec, str):
         tokens = [t.strip() for t in spec.split(",") if t.strip()]
@@ -107,36 +110,51 @@ def resolve_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks
         tokens = list(spec)
     else:
         raise ConfigError(f"guard: {origin}={spec!r} is not a checks selection; allowed: 'default', 'all', or a list of check names")
-    by_kind = {}
-    for check in registry.values():
+    by_kind: Dict[str, list] = {}
+    for name, check in registry.items():
         for kind in check.kinds:
-            by_kind[kind] = check
-    default = frozenset(k for c in registry.values() if c.default for k in c.kinds)
-    everything = frozenset(by_kind)
+            by_kind.setdefault(kind, []).append(name)
     allowed = ["default", "all"] + sorted(registry) + sorted(by_kind)
-    enabled: set = set()
+    checks: set = set()
+    kinds: set = set()
+    removed: set = set()
+
+    def add(names: Iterable[str]) -> None:
+        for n in names:
+            checks.add(n)
+            removed.discard(n)
+            kinds.update(registry[n].kinds)
+
     if not tokens or (isinstance(tokens[0], str) and tokens[0].startswith("-")):
-        enabled |= default
+        add(n for n, c in registry.items() if c.default)
     for tok in tokens:
         if not isinstance(tok, str):
             raise ConfigError(f"guard: {origin} entry {tok!r} is not a check name; allowed: {', '.join(allowed)}")
         neg = tok.startswith("-")
         name = tok[1:] if neg else tok
-        if name == "default":
-            kinds = default
-        elif name == "all":
-            kinds = everything
-        elif name in registry:
-            kinds = frozenset(registry[name].kinds)
+        if name in ("default", "all") or name in registry:
+            names = ([n for n, c in registry.items() if c.default] if name == "default"
+                     else list(registry) if name == "all" else [name])
+            if not neg:
+                add(names)
+                continue
+            checks.difference_update(names)
+            removed.update(names)
+            still = {k for n in checks for k in registry[n].kinds}
+            kinds.difference_update({k for n in names for k in registry[n].kinds} - still)
         elif name in by_kind:
-            kinds = frozenset([name])
+            if neg:
+                kinds.discard(name)
+            else:
+                kinds.add(name)
+                checks.update(n for n in by_kind[name] if n not in removed)
         else:
             raise ConfigError(f"guard: {origin} has unknown check {name!r}; allowed: {', '.join(allowed)}")
-        if neg:
-            enabled -= kinds
-        else:
-            enabled |= kinds
-    return frozenset(enabled)
+    # A check that only adds to other checks' findings (``always``) is on whenever one of its kinds is.
+    checks.update(n for n, c in registry.items() if getattr(c, "always", False) and n not in removed
+                  and kinds & set(c.kinds))
+    checks = {n for n in checks if kinds & set(registry[n].kinds)}
+    return frozenset(checks), frozenset(kinds)
 
 
 def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: Any = "warn", report: Any = None,
@@ -153,11 +171,12 @@ def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: A
         raise ConfigError(f"guard: unknown option {name}={extras[name]!r}" + (f" (did you mean {near[0]}?)" if near else "")
                           + f"; allowed: model, optimizer, {', '.join(known)}")
     spec = tuple(checks.split(",")) if isinstance(checks, str) else tuple(checks) if isinstance(checks, Iterable) else checks
-    kinds = resolve_checks(checks, registry, o.get("checks", "checks"))
+    names, kinds = select_checks(checks, registry, o.get("checks", "checks"))
     if not isinstance(snoop, bool):
         snoop = parse_bool(snoop, o.get("snoop", "snoop"))
     return Config(
         kinds=kinds,
+        checks=names,
         checks_spec=tuple(str(s).strip() for s in spec) if isinstance(spec, tuple) else (str(spec),),
         mode=parse_mode(mode, o.get("mode", "mode")),
         report=parse_report(report, o.get("report", "report")),

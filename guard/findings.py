@@ -2,43 +2,74 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 SEVERITIES = (ERROR, WARNING, INFO)
 SEVERITY_RANK = {ERROR: 0, WARNING: 1, INFO: 2}
 
-#: kind -> (severity, what is wrong). The contract's vocabulary; kinds are stable.
-KINDS: Dict[str, tuple] = {
-    "nonfinite-input": (ERROR, "NaN/Inf in a tensor fed to the guarded model"),
-    "nonfinite-output": (ERROR, "a module produced NaN/Inf from finite inputs"),
-    "nonfinite-loss": (ERROR, "the tensor backward() was called on is NaN/Inf"),
-    "nonfinite-grad": (ERROR, "a parameter's gradient has NaN/Inf"),
-    "nonfinite-param": (ERROR, "a parameter became NaN/Inf after optimizer.step()"),
-    "grad-explosion": (WARNING, "total gradient norm jumps far above its running level"),
-    "loss-graph-retained": (ERROR, "autograd graphs of earlier steps stay alive"),
-    "eval-without-no-grad": (WARNING, "forward passes build graphs that are never back-propagated"),
-    "eval-in-train-mode": (WARNING, "no_grad forward while dropout/BatchNorm are in training mode"),
-    "device-mismatch": (ERROR, "inputs and a module's parameters on different devices"),
-    "batchnorm-single-sample": (ERROR, "a BatchNorm in training mode gets one value per channel"),
-    "batchnorm-last-batch": (WARNING, "a DataLoader will yield a final batch of 1 to a model with BatchNorm"),
-    "weight-decay-without-grad": (WARNING, "weight decay or momentum moves parameters that got no gradient"),
-    "frozen-param-in-optimizer": (INFO, "parameters with requires_grad=False were handed to the optimizer"),
-    "param-not-in-optimizer": (WARNING, "trainable parameters that get gradients are in no optimizer"),
-    "missing-zero-grad": (WARNING, "gradients of earlier steps accumulate into a step without zero_grad()"),
-    "softmax-before-cross-entropy": (WARNING, "CrossEntropyLoss/NLLLoss fed probabilities or double log-softmax"),
-    "sigmoid-before-bce": (INFO, "BCELoss after sigmoid; BCEWithLogitsLoss is the stable form"),
-    "target-out-of-range": (ERROR, "class targets outside [0, C)"),
-    "input-not-normalized": (INFO, "image-like input far from normalized"),
-    "state-dict-mismatch": (ERROR, "load_state_dict keys differ"),
-    "explained-error": (ERROR, "a cryptic PyTorch error escaped the guarded block"),
-}
+class KindTable(Mapping):
+    """kind -> (severity, what is wrong), as the checks declare them (``Check.kinds``).
+
+    Each check class declares its kinds when it is created (`declare`); the first lookup that
+    misses loads the check registry, so the table is complete whenever it is read. Kinds are
+    stable: they are the contract's vocabulary.
+    """
+
+    def __init__(self) -> None:
+        self._kinds: Dict[str, Tuple[str, str]] = {}
+        self._owners: Dict[str, str] = {}
+        self._complete = False
+
+    def declare(self, kind: str, severity: str, description: str, owner: str) -> None:
+        """Add `kind` (declared by check `owner`); a kind two checks declare must agree on its severity."""
+        if severity not in SEVERITIES:
+            raise TypeError(f"guard: check {owner!r} declares kind {kind!r} with severity {severity!r}; "
+                            f"allowed: {', '.join(SEVERITIES)}")
+        old = self._kinds.get(kind)
+        if old is not None and old[0] != severity:
+            raise TypeError(f"guard: check {owner!r} declares kind {kind!r} as {severity!r}, "
+                            f"check {self._owners[kind]!r} as {old[0]!r}; one kind has one severity")
+        if old is None:
+            self._kinds[kind] = (severity, description)
+            self._owners[kind] = owner
+
+    def _all(self) -> Dict[str, Tuple[str, str]]:
+        if not self._complete:
+            self._complete = True
+            # The registry lives above this module; it is loaded by name, on first need, not imported.
+            importlib.import_module("guard.checks").registry()
+        return self._kinds
+
+    def __getitem__(self, kind: str) -> Tuple[str, str]:
+        hit = self._kinds.get(kind)
+        return hit if hit is not None else self._all()[kind]
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self._kinds or kind in self._all()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+#: kind -> (severity, what is wrong), generated from the checks' declarations.
+KINDS = KindTable()
 
 
 def severity_of(kind: str) -> str:
     """The severity the vocabulary gives `kind`."""
     return KINDS[kind][0]
+
+
+def is_kind(kind: str) -> bool:
+    """Whether a check declares `kind`."""
+    return kind in KINDS
 
 
 @dataclass(frozen=True)

@@ -31,22 +31,56 @@ class Record:
     created: Optional[str] = None
     #: keys of a loaded dump that this model does not know, kept so that nothing is lost on a re-write
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: (kind, where) -> position in `findings`; rebuilt when `findings` was changed from outside
+    _index: Dict[Tuple[str, str], int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: a live timeline keeps every `timeline_stride`-th step (doubled when it grows past its limit)
+    timeline_stride: int = field(default=1, init=False, repr=False, compare=False)
 
     # -- live filling ----------------------------------------------------------------------------
+    def _positions(self) -> Dict[Tuple[str, str], int]:
+        idx = self._index
+        if len(idx) != len(self.findings):
+            idx.clear()
+            for i, f in enumerate(self.findings):
+                idx.setdefault((f.kind, f.where), i)
+        return idx
+
     def finding(self, kind: str, where: str) -> Optional[Finding]:
         """The finding of `kind` at `where`, if any."""
-        for f in self.findings:
-            if f.kind == kind and f.where == where:
-                return f
-        return None
+        i = self._positions().get((kind, where))
+        return None if i is None else self.findings[i]
 
     def put(self, finding: Finding) -> None:
         """Add `finding`, or replace the one with the same kind and where (keeping its place)."""
-        for i, f in enumerate(self.findings):
-            if f.kind == finding.kind and f.where == finding.where:
-                self.findings[i] = finding
-                return
-        self.findings.append(finding)
+        idx = self._positions()
+        key = (finding.kind, finding.where)
+        i = idx.get(key)
+        if i is None:
+            idx[key] = len(self.findings)
+            self.findings.append(finding)
+        else:
+            self.findings[i] = finding
+
+    def add_module(self, entry: Dict[str, Any]) -> None:
+        """Add a module table entry (one per path)."""
+        self.modules.append(entry)
+
+    def add_timeline(self, entry: Dict[str, Any], limit: int) -> None:
+        """Add or extend the timeline entry of ``entry["step"]``, keeping at most `limit` entries.
+
+        Past the limit every other step is dropped (the stride doubles), never the whole history.
+        """
+        stride = self.timeline_stride
+        if entry["step"] % stride:
+            return
+        tl = self.timeline
+        if tl and tl[-1]["step"] == entry["step"]:
+            tl[-1].update(entry)
+            return
+        tl.append(entry)
+        if len(tl) > limit:
+            self.timeline_stride = stride = stride * 2
+            self.timeline = [e for e in tl if e["step"] % stride == 0]
 
     def counts(self) -> Dict[str, int]:
         """Findings per severity."""

@@ -6,7 +6,6 @@ from typing import Any, Optional
 from torch import nn
 
 from .config import ConfigError
-from .findings import GuardError
 from .session import Guard
 
 _OWN = frozenset({"_guard_model", "guard", "forward", "__class__", "__dict__"})
@@ -29,10 +28,7 @@ class GuardedModule(nn.Module):
         try:
             return model(*args, **kwargs)
         except BaseException as exc:
-            try:
-                self.guard._dispatch("exception", exc)
-            except GuardError:
-                pass  # the model's own exception propagates unchanged
+            self.guard.exception(exc)  # the model's own exception propagates unchanged
             raise
 
     def __getattr__(self, name: str) -> Any:

@@ -118,8 +118,8 @@ def test_repeats_are_counted_not_reprinted():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay finite; the data is dirty every step
     stream = io.StringIO()
     g = guard(model, opt, live=True)
-    g._console().live = True
-    g._console()._stream = stream
+    g.console().live = True
+    g.console()._stream = stream
     with g:
         for s in range(4):
             nan_step(model, opt, s, bad_step=s)
@@ -189,7 +189,7 @@ def test_contained_check_failure_is_reported_once_and_training_continues():
             raise RuntimeError("check bug")
 
         check.on_forward = boom
-        g._rebuild_handlers()
+        g.router.rebuild()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for s in range(3):

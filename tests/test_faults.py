@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
             def boom(*a, **k):
                 raise RuntimeError("check bug")
             check.on_forward = boom
-            g._rebuild_handlers()
+            g.router.rebuild()
         for s in range(3):
             loss = model(torch.randn(2, 4)).sum()
             opt.zero_grad(); loss.backward(); opt.step()

@@ -71,8 +71,8 @@ def test_very_long_run_memory_is_flat_and_timeline_downsampled():
             opt.step()
 
     def sizes(g):
-        out = {"timeline": len(g.timeline), "findings": len(g._findings), "staged": len(g._staged),
-               "modules": len(g.modules), "grad_norms": len(g._grad_norms)}
+        out = {"timeline": len(g.timeline), "findings": len(g.record.findings), **g.staging.pending(),
+               "modules": len(g.modules)}
         for c in g.checks:
             for k, v in vars(c).items():
                 if isinstance(v, (list, dict, set)):
@@ -97,7 +97,7 @@ def test_very_long_run_memory_is_flat_and_timeline_downsampled():
         steps(LONG_STEPS - warm - window - 200)
         s2 = sizes(g)
     assert g.step == LONG_STEPS and g.findings == [] and g.internal_errors == []
-    stride = g._timeline_stride
+    stride = g.record.timeline_stride
     assert stride > 1 and MAX_TIMELINE // 2 <= len(g.timeline) <= MAX_TIMELINE
     got = [e["step"] for e in g.timeline]
     assert got[0] == 0 and got == sorted(got) and all(b - a == stride for a, b in zip(got, got[1:]))

@@ -248,7 +248,7 @@ def test_a_check_crashing_on_every_event_is_contained_once_and_changes_nothing(c
             for ev in check.events():
                 if ev != "start":
                     setattr(check, "on_" + ev, lambda *a, _n=check.name, **k: (_ for _ in ()).throw(RuntimeError(f"bug in {_n}")))
-        g._rebuild_handlers()
+        g.router.rebuild()
 
     g._build_checks = sabotage
     with warnings.catch_warnings(record=True) as caught:

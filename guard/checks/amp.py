@@ -45,7 +45,9 @@ class _Run:
 
 class AmpScaler(Check):
     name = "amp-scaler"
-    kinds = ("nonfinite-grad",)
+    kinds = {
+        "nonfinite-grad": ("error", "a parameter's gradient has NaN/Inf"),
+    }
     description = ("GradScaler-skipped steps are no error (marked in the timeline); a scale collapsing on NaN/Inf "
                    "grads is a nonfinite-grad warning")
     patches = {"scaler_scale": "torch.amp.GradScaler.scale", "scaler_unscale": "torch.amp.GradScaler.unscale_",

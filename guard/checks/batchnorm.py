@@ -41,7 +41,10 @@ def _training(m: _BatchNorm) -> bool:
 
 class BatchNormBatch(Check):
     name = "batchnorm"
-    kinds = ("batchnorm-single-sample", "batchnorm-last-batch")
+    kinds = {
+        "batchnorm-single-sample": ("error", "a BatchNorm in training mode gets one value per channel"),
+        "batchnorm-last-batch": ("warning", "a DataLoader will yield a final batch of 1 to a model with BatchNorm"),
+    }
     description = "BatchNorm fed one value per channel in training (caught first, and predicted from the DataLoader)"
     patches = {"dataloader_iter": "torch.utils.data.DataLoader.__iter__"}
 

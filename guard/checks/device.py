@@ -109,7 +109,9 @@ COPY_HINT = ("`tensor.cuda()` / `tensor.to(device)` returns a copy and leaves th
 
 class DeviceMismatch(Check):
     name = "device-mismatch"
-    kinds = ("device-mismatch",)
+    kinds = {
+        "device-mismatch": ("error", "inputs and a module's parameters on different devices"),
+    }
     description = "inputs vs module parameters, optimizer state vs parameters, loss operands on different devices"
     patches = {f"dev_{n}": f"torch.nn.functional.{n}" for n in LOSSES}
 

@@ -75,7 +75,9 @@ def _outputs(output: Any) -> List[torch.Tensor]:
 
 class EvalWithoutNoGrad(Check):
     name = "eval-without-no-grad"
-    kinds = ("eval-without-no-grad",)
+    kinds = {
+        "eval-without-no-grad": ("warning", "forward passes build graphs that are never back-propagated"),
+    }
     description = "model forwards that build graphs never back-propagated (evaluation outside no_grad)"
     patches = {"autograd_grad": "torch.autograd.grad"}
 

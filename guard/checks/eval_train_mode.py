@@ -69,7 +69,9 @@ def _called_by_torch() -> bool:
 
 class EvalInTrainMode(Check):
     name = "eval-in-train-mode"
-    kinds = ("eval-in-train-mode",)
+    kinds = {
+        "eval-in-train-mode": ("warning", "no_grad forward while dropout/BatchNorm are in training mode"),
+    }
     description = "no_grad/inference_mode forward while dropout/BatchNorm modules are in training mode"
 
     def watches(self, module) -> bool:

@@ -80,7 +80,9 @@ def _mib(n: int) -> str:
 
 class ExplainErrors(Check):
     name = "explain"
-    kinds = (KIND,)
+    kinds = {
+        KIND: ("error", "a cryptic PyTorch error escaped the guarded block"),
+    }
     description = "adds the cause, module, step and fix to cryptic PyTorch errors (in-place, device, OOM, shm, ...)"
 
     # torch.func refuses to run while saved-tensor hooks are active; these are its entry points.

@@ -58,7 +58,9 @@ def _nice(x: float) -> str:
 
 class GradExplosion(Check):
     name = "grad-explosion"
-    kinds = ("grad-explosion",)
+    kinds = {
+        "grad-explosion": ("warning", "total gradient norm jumps far above its running level"),
+    }
     description = "total gradient norm far above its running median; all-zero gradients (training stopped, info)"
 
     def __init__(self, guard):

@@ -48,7 +48,9 @@ def _first_layer(model: nn.Module) -> str:
 
 class InputStats(Check):
     name = "input-stats"
-    kinds = ("input-not-normalized",)
+    kinds = {
+        "input-not-normalized": ("info", "image-like input far from normalized"),
+    }
     description = "image-like model inputs far from normalized (0-255 pixels, or [0, 1] into a conv net)"
 
     def watches(self, module) -> bool:

@@ -75,7 +75,11 @@ PROB_EVERY = 50
 
 class LossMisuse(Check):
     name = "loss-fn"
-    kinds = ("softmax-before-cross-entropy", "sigmoid-before-bce", "target-out-of-range")
+    kinds = {
+        "softmax-before-cross-entropy": ("warning", "CrossEntropyLoss/NLLLoss fed probabilities or double log-softmax"),
+        "sigmoid-before-bce": ("info", "BCELoss after sigmoid; BCEWithLogitsLoss is the stable form"),
+        "target-out-of-range": ("error", "class targets outside [0, C)"),
+    }
     description = "probabilities into CrossEntropy/NLL, sigmoid before BCELoss, class targets outside [0, C)"
     patches = {"cross_entropy": "torch.nn.functional.cross_entropy",
                "nll_loss": "torch.nn.functional.nll_loss",

@@ -212,7 +212,9 @@ def _parent_of(name: str, frame: Any) -> Any:
 
 class LossGraph(Check):
     name = "loss-graph"
-    kinds = ("loss-graph-retained",)
+    kinds = {
+        "loss-graph-retained": ("error", "autograd graphs of earlier steps stay alive"),
+    }
     description = "autograd graphs of earlier steps kept alive (total_loss += loss); names the holder"
 
     def __init__(self, guard):

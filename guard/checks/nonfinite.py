@@ -76,7 +76,13 @@ def _tensors(obj: Any, prefix: str) -> List[Tuple[str, torch.Tensor]]:
 
 class NonFinite(Check):
     name = "nonfinite"
-    kinds = ("nonfinite-input", "nonfinite-output", "nonfinite-loss", "nonfinite-grad", "nonfinite-param")
+    kinds = {
+        "nonfinite-input": ("error", "NaN/Inf in a tensor fed to the guarded model"),
+        "nonfinite-output": ("error", "a module produced NaN/Inf from finite inputs"),
+        "nonfinite-loss": ("error", "the tensor backward() was called on is NaN/Inf"),
+        "nonfinite-grad": ("error", "a parameter's gradient has NaN/Inf"),
+        "nonfinite-param": ("error", "a parameter became NaN/Inf after optimizer.step()"),
+    }
     description = "NaN/Inf in inputs, module outputs (module of origin), loss, gradients and parameters"
 
     def steady(self, module, output) -> bool:

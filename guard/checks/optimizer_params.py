@@ -28,7 +28,10 @@ def _listing(prefixes: List[str], more: bool) -> str:
 
 class OptimizerParams(Check):
     name = "optimizer-params"
-    kinds = ("frozen-param-in-optimizer", "param-not-in-optimizer")
+    kinds = {
+        "frozen-param-in-optimizer": ("info", "parameters with requires_grad=False were handed to the optimizer"),
+        "param-not-in-optimizer": ("warning", "trainable parameters that get gradients are in no optimizer"),
+    }
     description = "requires_grad=False parameters handed to an optimizer; trainable ones that are in none"
 
     def __init__(self, guard):
@@ -42,7 +45,7 @@ class OptimizerParams(Check):
             self._frozen(optimizer)
         if not self._missing_done and self.g.is_primary(optimizer):
             # The session's own list: optimizers given explicitly are all known from the start.
-            explicit = bool(getattr(self.g, "_optimizers", ()))
+            explicit = self.g.given_optimizers
             if explicit or self.g.step >= 1:
                 self._missing_done = True
                 self._missing()

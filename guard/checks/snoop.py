@@ -74,9 +74,12 @@ def collapse(trace: List[str]) -> Optional[str]:
 class SnoopTrace(Check):
     name = "snoop"
     default = False  # listed "off": it acts only with snoop=True
-    # Emits nothing itself; it adds a trace to nonfinite-output findings, so it is built whenever that kind is on.
-    # Switch it with snoop=, not checks= ("-snoop" would remove the nonfinite-output kind).
-    kinds = (KIND,)
+    # Emits nothing itself; it adds a trace to nonfinite-output findings, so it is built whenever that kind is
+    # on (`always`). Switch it with snoop=, not checks=.
+    always = True
+    kinds = {
+        KIND: ("error", "a module produced NaN/Inf from finite inputs"),
+    }
     description = ("option snoop=True / TORCH_GUARD_SNOOP=1 (not checks=): torchsnooper trace of the next forward "
                    "of a module that produced NaN/Inf")
 
@@ -114,7 +117,7 @@ class SnoopTrace(Check):
                     self._arm(module, f.where)
 
     def _module_at(self, path: str) -> Any:
-        roots = self.g.models or list(getattr(self.g, "_roots", ()))  # global mode: the roots seen
+        roots = self.g.roots  # global mode: the roots seen
         for root in roots:
             for mod in root.modules():
                 if self.g.path_of(mod) == path:
@@ -148,7 +151,7 @@ class SnoopTrace(Check):
                 check._store(where, lines)
 
         # Through the Installer: removed after the call, or on close if the module never runs again.
-        handle.append(self.g._installer.attr(module, "forward", forward))
+        handle.append(self.g.replace_attr(module, "forward", forward))
 
     def _store(self, where: str, lines: List[str]) -> None:
         short = collapse(lines)

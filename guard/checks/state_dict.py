@@ -213,7 +213,9 @@ def _load_location(args: tuple, kwargs: dict) -> str:
 
 class StateDictMismatch(Check):
     name = "state-dict"
-    kinds = (KIND,)
+    kinds = {
+        KIND: ("error", "load_state_dict keys differ"),
+    }
     description = "explains load_state_dict key/shape mismatches and GPU checkpoints loaded without a GPU"
     patches = {"load_state_dict": "torch.nn.Module.load_state_dict", "torch_load": "torch.load"}
 

@@ -71,7 +71,9 @@ def _has_momentum_state(state: Any) -> bool:
 
 class WeightDecayWithoutGrad(Check):
     name = "weight-decay-without-grad"
-    kinds = ("weight-decay-without-grad",)
+    kinds = {
+        "weight-decay-without-grad": ("warning", "weight decay or momentum moves parameters that got no gradient"),
+    }
     description = "weight decay or momentum keeps moving parameters whose gradients are all zero"
 
     def __init__(self, guard):

@@ -51,7 +51,9 @@ class _State:
 
 class MissingZeroGrad(Check):
     name = "missing-zero-grad"
-    kinds = ("missing-zero-grad",)
+    kinds = {
+        "missing-zero-grad": ("warning", "gradients of earlier steps accumulate into a step without zero_grad()"),
+    }
     description = "optimizer.step() with gradients still holding earlier steps' gradients (no zero_grad())"
     patches = {"opt_zero_grad": "torch.optim.Optimizer.zero_grad",
                "module_zero_grad": "torch.nn.Module.zero_grad"}

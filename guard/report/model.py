@@ -8,12 +8,10 @@ import platform
 import sys
 from typing import TYPE_CHECKING, Any, Dict, List
 
-from ..findings import Finding, json_safe
+from ..record import SCHEMA
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..session import Guard
-
-SCHEMA = "guard-report/1"
 
 
 def environment() -> Dict[str, Any]:
@@ -62,19 +60,13 @@ def _devices() -> List[str]:
 
 
 def build_report(g: "Guard") -> Dict[str, Any]:
-    """The dump of one guard session (JSON-safe)."""
-    return json_safe({
-        "schema": SCHEMA,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "environment": environment(),
-        "config": g.config.to_dict(),
-        "steps": g.step,
-        "findings": [f.to_dict() for f in g.findings],
-        "timeline": list(g.timeline),
-        "modules": list(g.modules.values()),
-        "internal_errors": list(g.internal_errors),
-        "notices": list(getattr(g, "notices", [])),
-    })
+    """The dump of one guard session (JSON-safe): its record, with environment, config and steps filled in."""
+    rec = g.record
+    rec.environment = environment()
+    rec.config = g.config.to_dict()
+    rec.steps = g.step
+    rec.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return rec.to_json()
 
 
 def load_report(path: str) -> Dict[str, Any]:
@@ -84,7 +76,3 @@ def load_report(path: str) -> Dict[str, Any]:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ValueError(f"guard: {path} is not a guard report (schema {SCHEMA!r} expected)")
     return data
-
-
-def findings_of(report: Dict[str, Any]) -> List[Finding]:
-    return [Finding.from_dict(d) for d in report.get("findings", [])]

@@ -1,0 +1,186 @@
+"""The event router: which check hears which event, and what happens when a check fails.
+
+The router holds the active checks and their handler tables (built from the ``on_<event>``
+methods each check defines), narrows per-layer forward events with `Check.watches` and
+`Check.steady`, and contains a check's failure once: the check is switched off, a
+`GuardInternalWarning` says so, and training goes on.
+"""
+from __future__ import annotations
+
+import traceback
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+from .checks.base import Check
+from .findings import GuardError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .session import Guard
+
+Handler = Tuple[Check, Callable]
+
+
+class GuardInternalWarning(RuntimeWarning):
+    """guard's own failure: a check raised and was switched off; training is unaffected."""
+
+
+class Router:
+    """Routes events to the active checks of one guard; contains their failures."""
+
+    def __init__(self, guard: "Guard"):
+        self.g = guard
+        self.checks: List[Check] = []
+        self.handlers: Dict[str, List[Handler]] = {}
+        self.forward_pre: List[Handler] = []
+        self.forward: List[Handler] = []
+        # Per module id: (weakref, handlers of checks that watch it in non-root calls), narrowed
+        # after its first call to those that keep it (Check.steady).
+        self.pre_for: Dict[int, Tuple[Any, List[Handler]]] = {}
+        self.post_for: Dict[int, Tuple[Any, List[Handler]]] = {}
+
+    def set_checks(self, checks: List[Check]) -> None:
+        """Route to `checks` from now on."""
+        self.checks = list(checks)
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Rebuild the handler tables from the checks' ``on_*`` methods (a check switched off leaves them)."""
+        handlers: Dict[str, List[Handler]] = {}
+        for check in self.checks:
+            for ev in check.events():
+                handlers.setdefault(ev, []).append((check, getattr(check, "on_" + ev)))
+        self.handlers = handlers
+        self.forward_pre = handlers.get("forward_pre", [])
+        self.forward = handlers.get("forward", [])
+        active = set(map(id, self.checks))
+        for cache in (self.pre_for, self.post_for):
+            for k, (ref, hs) in list(cache.items()):
+                cache[k] = (ref, [h for h in hs if id(h[0]) in active])
+
+    def patch_targets(self) -> Dict[str, str]:
+        """``{event: "dotted.target"}`` of every active check's patches."""
+        targets: Dict[str, str] = {}
+        for check in self.checks:
+            targets.update(check.patches)
+        return targets
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, event: str, *args: Any) -> None:
+        """Call every handler of `event`; a failing check is contained, a `GuardError` propagates."""
+        for check, fn in self.handlers.get(event, ()):
+            try:
+                fn(*args)
+            except GuardError:
+                raise
+            except Exception as exc:
+                self.contain(check, exc)
+
+    def nonroot(self, cache: Dict[int, Tuple[Any, List[Handler]]], handlers: List[Handler], module: Any) -> List[Handler]:
+        """`handlers` of the checks that watch `module` in a non-root call, decided once per module."""
+        ent = cache.get(id(module))
+        if ent is not None and ent[0]() is module:
+            return ent[1]
+        chosen = []
+        for check, fn in handlers:
+            try:
+                if check.watches(module):
+                    chosen.append((check, fn))
+            except Exception as exc:
+                self.contain(check, exc)
+        if len(cache) > 100_000:
+            cache.clear()
+        cache[id(module)] = (weakref.ref(module), chosen)
+        return chosen
+
+    def dispatch_forward_pre(self, module: Any, args: tuple, kwargs: dict, is_root: bool) -> None:
+        handlers = self.forward_pre if is_root else self.nonroot(self.pre_for, self.forward_pre, module)
+        if not handlers:
+            return
+        path = self.g.path_of(module)
+        for check, fn in handlers:
+            try:
+                fn(module, path, args, kwargs, is_root)
+            except GuardError:
+                raise
+            except Exception as exc:
+                self.contain(check, exc)
+
+    def dispatch_forward(self, module: Any, args: tuple, kwargs: dict, output: Any, is_root: bool) -> None:
+        handlers = self.forward if is_root else self.nonroot(self.post_for, self.forward, module)
+        if not handlers:
+            return
+        path = self.g.path_of(module)
+        for check, fn in handlers:
+            try:
+                fn(module, path, args, kwargs, output, is_root)
+            except GuardError:
+                raise
+            except Exception as exc:
+                self.contain(check, exc)
+
+    def settle(self, module: Any, output: Any) -> Tuple[bool, bool]:
+        """A layer's first call is done: later calls reach only the checks that keep it (`Check.steady`).
+
+        Returns whether any check keeps its (pre, post) calls.
+        """
+        key = id(module)
+        keeps = []
+        for cache in (self.pre_for, self.post_for):
+            ent = cache.get(key)
+            kept = []
+            if ent is not None and ent[0]() is module:
+                for check, fn in ent[1]:
+                    try:
+                        if check.steady(module, output):
+                            kept.append((check, fn))
+                    except Exception as exc:
+                        self.contain(check, exc)
+                cache[key] = (ent[0], kept)
+            keeps.append(bool(kept))
+        return keeps[0], keeps[1]
+
+    def patch_middleware(self, event: str, active: Callable[[], bool], tls: Any) -> Callable:
+        """An installer middleware that sends `event`, `event_done`, `event_error` around a patched call."""
+        def middleware(call: Callable, args: tuple, kwargs: dict) -> Any:
+            if not active() or getattr(tls, "in_patch", False):
+                return call(*args, **kwargs)
+            tls.in_patch = True
+            try:
+                self.dispatch(event, args, kwargs)
+            finally:
+                tls.in_patch = False
+            try:
+                result = call(*args, **kwargs)
+            except BaseException as exc:
+                try:
+                    self.dispatch(event + "_error", args, kwargs, exc)
+                except GuardError:
+                    pass  # the call's own exception is the one to see (raise mode included)
+                raise
+            self.dispatch(event + "_done", args, kwargs, result)
+            return result
+
+        return middleware
+
+    # ------------------------------------------------------------------ containment
+    def contain(self, check: Optional[Any], exc: BaseException) -> None:
+        """A check (or guard itself, `check` None) failed: switch it off, say so once, keep training going."""
+        if not isinstance(check, Check):
+            check = None
+        name = check.name if check is not None else "guard"
+        if check is not None and check in self.checks:
+            self.checks = [c for c in self.checks if c is not check]
+            self.rebuild()
+        errors = self.g.record.internal_errors
+        if any(e["check"] == name for e in errors):
+            return
+        tb = traceback.extract_tb(exc.__traceback__)
+        at = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "?"
+        first = (str(exc).strip().splitlines() or [""])[0][:300]  # torch errors can run to 100 lines
+        entry = {"check": name, "error": f"{type(exc).__name__}: {first}", "at": at, "step": self.g.step}
+        errors.append(entry)
+        msg = (f"guard: internal error in check {name!r} ({entry['error']} at {at}); "
+               f"the check is switched off, training continues")
+        warnings.warn(msg, GuardInternalWarning, stacklevel=2)
+        self.g.console().internal(msg)

@@ -1,0 +1,192 @@
+"""The staging engine: device values kept until the step ends, then read with one transfer per device.
+
+Checks stage 0-dim device tensors (`Staging.stage`, `stage_flag`) or register collectors that
+gather many values at once (`stage_batch`); `Staging.resolve` reads them all together, so a
+healthy step costs one host synchronisation per device instead of one per value.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .findings import GuardError
+from .tensors import Norms
+
+MAX_STAGED = 8192
+
+_VALUE, _FLAG, _BATCH = 0, 1, 2
+
+Collector = Callable[[], List[Tuple[torch.Tensor, Callable[[List[float]], None]]]]
+
+
+class GradNorms:
+    """Per-parameter gradient norms of one step, kept on the device until the step is resolved."""
+
+    __slots__ = ("params", "totals", "stacked", "_all", "_namer", "_names")
+
+    def __init__(self, params: List[torch.Tensor], namer: Callable[[torch.Tensor], str]):
+        self.params, self._namer, self._names = params, namer, None
+        with torch.no_grad():
+            self._all = Norms([p.grad for p in params], key=tuple(map(id, params)))
+        self.totals, self.stacked = self._all.totals, self._all.stacked
+
+    @property
+    def norms(self) -> List[torch.Tensor]:
+        """0-dim norm per parameter (made on first use)."""
+        return self._all.norms
+
+    @property
+    def names(self) -> List[str]:
+        """Parameter names, computed on first use (only needed once something fired)."""
+        if self._names is None:
+            self._names = [self._namer(p) for p in self.params]
+        return self._names
+
+    def per_param(self) -> List[float]:
+        """Host values of every norm (one sync; call only after something fired)."""
+        if not self.norms:
+            return []
+        return [float(v) for v in torch.stack([n.float().cpu() for n in self.norms]).tolist()]
+
+
+class Staging:
+    """Staged device values of the current step, the step's loss and its gradient norms.
+
+    `contain(owner, exc)` is told when a callback or collector raised (`owner` is the bound
+    method's object, if any); `on_full()` runs when too many values are waiting.
+    """
+
+    def __init__(self, contain: Callable[[Any, BaseException], None], on_full: Callable[[], None]):
+        self._contain = contain
+        self._on_full = on_full
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything pending (the guard closed)."""
+        self._staged: List[Tuple[torch.Tensor, Callable, int]] = []
+        self._collectors: List[Collector] = []
+        self._loss: Optional[torch.Tensor] = None
+        self._grad_norms: Dict[int, GradNorms] = {}
+
+    def pending(self) -> Dict[str, int]:
+        """How much is waiting: staged values, collectors, cached gradient norms."""
+        return {"staged": len(self._staged), "collectors": len(self._collectors), "grad_norms": len(self._grad_norms)}
+
+    def stage(self, value: torch.Tensor, callback: Callable[[float], None]) -> None:
+        """Keep a 0-dim device tensor until the step is resolved; then ``callback(host_value)``."""
+        self._staged.append((value, callback, _VALUE))
+        if len(self._staged) > MAX_STAGED:
+            self._on_full()
+
+    def stage_flag(self, ok: torch.Tensor, on_fail: Callable[[], None]) -> None:
+        """Keep a 0-dim bool tensor (True = fine); ``on_fail()`` runs at resolution if it is False."""
+        self._staged.append((ok, on_fail, _FLAG))
+        if len(self._staged) > MAX_STAGED:
+            self._on_full()
+
+    def stage_batch(self, collect: Collector) -> None:
+        """Register `collect` for this step: at resolution it returns ``[(tensor, callback(values))]``.
+
+        For checks that gather many device values per step themselves: they stack once, at the end,
+        instead of staging each value (the cheapest path for per-module-call values).
+        """
+        self._collectors.append(collect)
+
+    def add_loss(self, tensors: Any) -> None:
+        """Add the scalar(s) backward() was called on to this step's loss (for the timeline)."""
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
+        for t in ts:
+            if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and t.device.type != "meta":
+                v = t.detach().reshape(()).float()
+                self._loss = v if self._loss is None or self._loss.device != v.device else self._loss + v
+
+    def grad_norms(self, optimizer: Optional[torch.optim.Optimizer], params: Callable[[], List[torch.Tensor]],
+                   namer: Callable[[torch.Tensor], str]) -> GradNorms:
+        """This step's gradient norms of `optimizer`'s parameters (or ``params()``), computed once per step."""
+        key = id(optimizer)
+        gn = self._grad_norms.get(key)
+        if gn is None:
+            ps = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else params()
+            strided = torch.strided
+            ps = [p for p in ps if (gr := p.grad) is not None and gr.layout is strided and not gr.is_meta]
+            gn = GradNorms(ps, namer)
+            self._grad_norms[key] = gn
+        return gn
+
+    def forget_grad_norms(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Drop this step's cached norms of `optimizer` (the gradients changed in place)."""
+        self._grad_norms.pop(id(optimizer), None)
+
+    def resolve(self) -> Dict[str, Any]:
+        """Read every staged value with one transfer per device and run the callbacks.
+
+        Returns the step's timeline values (``loss``, ``grad_norm``) that were pending.
+        """
+        staged, self._staged = self._staged, []
+        collectors, self._collectors = self._collectors, []
+        for collect in collectors:
+            try:
+                staged.extend((t, cb, _BATCH) for t, cb in collect())
+            except GuardError:
+                raise
+            except Exception as exc:
+                self._contain(getattr(collect, "__self__", None), exc)
+        loss, self._loss = self._loss, None
+        norms, self._grad_norms = self._grad_norms, {}
+        entry: Dict[str, Any] = {}
+        if loss is not None:
+            staged.append((loss, lambda v: entry.__setitem__("loss", v), _VALUE))
+        totals: List[float] = []
+        for gn in norms.values():
+            for t in gn.totals.values():
+                staged.append((t, totals.append, _VALUE))
+        if staged:
+            values = read(staged)
+            for (t, cb, kind), v in zip(staged, values):
+                try:
+                    if kind != _FLAG:
+                        cb(v)
+                    elif not v:
+                        cb()
+                except GuardError:
+                    raise
+                except Exception as exc:
+                    self._contain(getattr(cb, "__self__", None), exc)
+        if totals:
+            entry["grad_norm"] = float(sum(t * t for t in totals) ** 0.5)
+        return entry
+
+
+def read(staged: Sequence[Tuple[torch.Tensor, Any, int]]) -> List[Any]:
+    """Host values of all staged tensors: batched per device and kind, one transfer per device.
+
+    0-dim entries give a float each, `_BATCH` entries a list of floats.
+    """
+    groups: Dict[torch.device, Tuple[List[int], List[int], List[int]]] = {}
+    for i, (t, _, kind) in enumerate(staged):
+        groups.setdefault(t.device, ([], [], []))[kind].append(i)
+    out: List[Any] = [0.0] * len(staged)
+    for lists in groups.values():
+        parts: List[torch.Tensor] = []
+        spans: List[Tuple[int, int, int]] = []  # (entry, start, length); length -1: a scalar
+        pos = 0
+        for kind, idx in enumerate(lists):
+            if not idx:
+                continue
+            if kind == _BATCH:
+                for i in idx:
+                    v = staged[i][0].detach().reshape(-1).to(torch.float32)
+                    parts.append(v)
+                    spans.append((i, pos, v.numel()))
+                    pos += v.numel()
+                continue
+            ts = torch.stack([staged[i][0].detach().reshape(()) for i in idx])
+            parts.append(ts.to(torch.float32))
+            for i in idx:
+                spans.append((i, pos, -1))
+                pos += 1
+        vals = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+        for i, start, n in spans:
+            out[i] = vals[start] if n < 0 else vals[start:start + n]
+    return out
