@@ -30,6 +30,7 @@ class Config:
     live: Union[bool, str] = False
     every: int = 1
     snoop: bool = False
+    budget: Optional[float] = None
     extras: Dict[str, Any] = field(default_factory=dict)
     #: the enabled checks' names (a check is built when selected; `kinds` filters what it may report)
     checks: FrozenSet[str] = frozenset()
@@ -43,6 +44,7 @@ class Config:
             "live": self.live,
             "every": self.every,
             "snoop": self.snoop,
+            "budget": self.budget,
         }
 
 
@@ -63,6 +65,20 @@ def parse_every(value: Any, origin: str = "every") -> int:
     if not ok or n < 1:
         raise ConfigError(f"guard: {origin}={value!r} is not a step interval; allowed: an integer >= 1")
     return n
+
+
+def parse_budget(value: Any, origin: str = "budget") -> Optional[float]:
+    """None (no budget) or a fraction of step time in (0, 1], e.g. 0.05."""
+    if value is None:
+        return None
+    try:
+        f = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        f = float("nan")
+    if not (0 < f <= 1):
+        raise ConfigError(f"guard: {origin}={value!r} is not an overhead budget; allowed: None or a fraction "
+                          f"in (0, 1], e.g. 0.05")
+    return f
 
 
 def parse_live(value: Any, origin: str = "live") -> Union[bool, str]:
@@ -158,7 +174,8 @@ def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks"
 
 
 def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: Any = "warn", report: Any = None,
-                live: Any = None, every: Any = 1, snoop: Any = False, origin: Optional[Mapping[str, str]] = None,
+                live: Any = None, every: Any = 1, snoop: Any = False, budget: Any = None,
+                origin: Optional[Mapping[str, str]] = None,
                 **extras: Any) -> Config:
     """Validate guard() arguments into a `Config`; `origin` maps an argument to where it came from."""
     o = dict(origin or {})
@@ -166,7 +183,7 @@ def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: A
         import difflib
 
         name = sorted(extras)[0]
-        known = ("checks", "mode", "report", "live", "every", "snoop")
+        known = ("checks", "mode", "report", "live", "every", "snoop", "budget")
         near = difflib.get_close_matches(name, known, n=1)
         raise ConfigError(f"guard: unknown option {name}={extras[name]!r}" + (f" (did you mean {near[0]}?)" if near else "")
                           + f"; allowed: model, optimizer, {', '.join(known)}")
@@ -183,6 +200,7 @@ def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: A
         live=parse_live(live, o.get("live", "live")),
         every=parse_every(every, o.get("every", "every")),
         snoop=snoop,
+        budget=parse_budget(budget, o.get("budget", "budget")),
         extras=dict(extras),
     )
 
@@ -227,6 +245,8 @@ def env_options(environ: Optional[Mapping[str, str]] = None) -> Optional[Dict[st
         opts["live"] = parse_live(env[f"{ENV_PREFIX}_LIVE"], f"{ENV_PREFIX}_LIVE")
     if f"{ENV_PREFIX}_EVERY" in env:
         opts["every"] = parse_every(env[f"{ENV_PREFIX}_EVERY"], f"{ENV_PREFIX}_EVERY")
+    if f"{ENV_PREFIX}_BUDGET" in env:
+        opts["budget"] = parse_budget(env[f"{ENV_PREFIX}_BUDGET"], f"{ENV_PREFIX}_BUDGET")
     if f"{ENV_PREFIX}_SNOOP" in env:
         opts["snoop"] = parse_bool(env[f"{ENV_PREFIX}_SNOOP"], f"{ENV_PREFIX}_SNOOP")
     opts["origin"] = origin

@@ -29,6 +29,9 @@ class Record:
     config: Dict[str, Any] = field(default_factory=dict)
     steps: int = 0
     created: Optional[str] = None
+    #: guard's own cost: ``overhead`` (its time over the rest of the step time), and under a budget the
+    #: sampled checks and their period (see `guard.meter.Meter.to_dict`)
+    cost: Dict[str, Any] = field(default_factory=dict)
     #: keys of a loaded dump that this model does not know, kept so that nothing is lost on a re-write
     extra: Dict[str, Any] = field(default_factory=dict)
     #: (kind, where) -> position in `findings`; rebuilt when `findings` was changed from outside
@@ -104,6 +107,7 @@ class Record:
             "modules": list(self.modules),
             "internal_errors": list(self.internal_errors),
             "notices": list(self.notices),
+            "cost": dict(self.cost),
         }
         return json_safe(out)
 
@@ -111,7 +115,7 @@ class Record:
     def from_json(cls, data: Dict[str, Any]) -> "Record":
         """A Record from a ``guard-report/1`` dict (assumed valid; see ``guard.report.model.validate``)."""
         known = {"schema", "created", "environment", "config", "steps", "findings", "timeline", "modules",
-                 "internal_errors", "notices"}
+                 "internal_errors", "notices", "cost"}
         return cls(
             findings=[Finding.from_dict(d) for d in data.get("findings", [])],
             timeline=list(data.get("timeline", [])),
@@ -122,6 +126,7 @@ class Record:
             config=dict(data.get("config", {})),
             steps=int(data.get("steps", 0) or 0),
             created=data.get("created"),
+            cost=dict(data.get("cost") or {}),
             extra={k: v for k, v in data.items() if k not in known},
         )
 

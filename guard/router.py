@@ -7,6 +7,7 @@ methods each check defines), narrows per-layer forward events with `Check.watche
 """
 from __future__ import annotations
 
+import time
 import traceback
 import warnings
 import weakref
@@ -140,16 +141,24 @@ class Router:
             keeps.append(bool(kept))
         return keeps[0], keeps[1]
 
-    def patch_middleware(self, event: str, active: Callable[[], bool], tls: Any) -> Callable:
-        """An installer middleware that sends `event`, `event_done`, `event_error` around a patched call."""
+    def patch_middleware(self, event: str, active: Callable[[], bool], tls: Any, meter: Any = None) -> Callable:
+        """An installer middleware that sends `event`, `event_done`, `event_error` around a patched call.
+
+        The time of the dispatches (not of the call) is added to `meter` (guard's own cost).
+        """
+        clock = time.perf_counter
+
         def middleware(call: Callable, args: tuple, kwargs: dict) -> Any:
             if not active() or getattr(tls, "in_patch", False):
                 return call(*args, **kwargs)
+            t0 = clock()
             tls.in_patch = True
             try:
                 self.dispatch(event, args, kwargs)
             finally:
                 tls.in_patch = False
+                if meter is not None:
+                    meter.own += clock() - t0
             try:
                 result = call(*args, **kwargs)
             except BaseException as exc:
@@ -158,7 +167,12 @@ class Router:
                 except GuardError:
                     pass  # the call's own exception is the one to see (raise mode included)
                 raise
-            self.dispatch(event + "_done", args, kwargs, result)
+            t0 = clock()
+            try:
+                self.dispatch(event + "_done", args, kwargs, result)
+            finally:
+                if meter is not None:
+                    meter.own += clock() - t0
             return result
 
         return middleware

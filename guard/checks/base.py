@@ -50,6 +50,8 @@ class CheckContext(Protocol):
     step: int
     #: whether per-step device checks run this step (``every=N``)
     sampling: bool
+    #: whether costly checks run this step (False on the steps a ``budget`` samples out)
+    costly_step: bool
 
     # -- findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Any = None, step: Optional[int] = None,
@@ -159,6 +161,9 @@ class Check:
     always: ClassVar[bool] = False
     description: ClassVar[str] = ""
     patches: ClassVar[Dict[str, str]] = {}
+    #: a costly check may be run every N-th step only, when ``guard(budget=...)`` is exceeded; the
+    #: cheap, exact ones (NaN/Inf, AMP) never are. A costly check asks `sampling` before its work.
+    costly: ClassVar[bool] = False
 
     def __init__(self, guard: CheckContext):
         self.g = guard
@@ -208,6 +213,12 @@ class Check:
         comparison and the like need one call of each layer).
         """
         return True
+
+    @property
+    def sampling(self) -> bool:
+        """Whether this check does its per-step work now (``every=N``, and the budget if it is costly)."""
+        g = self.g
+        return g.sampling and (g.costly_step or not self.costly)
 
     def emit(self, kind: str, where: str, message: str, hint: str, **kw: Any) -> None:
         """Report a finding (de-duplicated by kind and where)."""

@@ -58,6 +58,7 @@ def _nice(x: float) -> str:
 
 class GradExplosion(Check):
     name = "grad-explosion"
+    costly = True  # sampled under a budget
     kinds = {
         "grad-explosion": ("warning", "total gradient norm jumps far above its running level"),
     }
@@ -68,7 +69,7 @@ class GradExplosion(Check):
         self._state: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _State]" = weakref.WeakKeyDictionary()
 
     def on_step_pre(self, optimizer):
-        if not self.g.sampling:
+        if not self.sampling:
             return
         if self.g.is_primary(optimizer):
             self._note_lr(optimizer)

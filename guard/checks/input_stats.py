@@ -48,6 +48,7 @@ def _first_layer(model: nn.Module) -> str:
 
 class InputStats(Check):
     name = "input-stats"
+    costly = True  # sampled under a budget
     kinds = {
         "input-not-normalized": ("info", "image-like input far from normalized"),
     }
@@ -67,7 +68,7 @@ class InputStats(Check):
         if self.g.step >= STEPS:
             self._off = True
             return
-        if not self.g.sampling:
+        if not self.sampling:
             return
         x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
         if not _image(x):

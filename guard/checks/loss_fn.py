@@ -75,6 +75,7 @@ PROB_EVERY = 50
 
 class LossMisuse(Check):
     name = "loss-fn"
+    costly = True  # sampled under a budget
     kinds = {
         "softmax-before-cross-entropy": ("warning", "CrossEntropyLoss/NLLLoss fed probabilities or double log-softmax"),
         "sigmoid-before-bce": ("info", "BCELoss after sigmoid; BCEWithLogitsLoss is the stable form"),
@@ -125,7 +126,7 @@ class LossMisuse(Check):
                 and t.device.type not in SYNC_RAISING:
             self._copy_targets(fn, x, t, _arg(args, kwargs, 4, "ignore_index", -100))
         step = self.g.step
-        if self._want_prob and self.g.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0):
+        if self._want_prob and self.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0):
             rows, cd = _rows(x)
             info = (fn, list(x.shape), type(x.grad_fn).__name__ if x.grad_fn is not None else None,
                     self.g.step, self.g.source())

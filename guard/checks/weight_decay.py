@@ -71,6 +71,7 @@ def _has_momentum_state(state: Any) -> bool:
 
 class WeightDecayWithoutGrad(Check):
     name = "weight-decay-without-grad"
+    costly = True  # sampled under a budget
     kinds = {
         "weight-decay-without-grad": ("warning", "weight decay or momentum moves parameters that got no gradient"),
     }
@@ -96,7 +97,7 @@ class WeightDecayWithoutGrad(Check):
     def on_backward(self, tensors, kwargs):
         if self._stepped:  # the first backward after a step: a new round of graphs
             self._reached, self._walked, self._stepped = set(), False, False
-        if self._suspects and self.g.sampling:
+        if self._suspects and self.sampling:
             self._walked = True
 
     def _hook_suspects(self) -> None:
@@ -117,7 +118,7 @@ class WeightDecayWithoutGrad(Check):
 
     def on_step_pre(self, optimizer):
         self._stepped = True
-        if not self.g.sampling:
+        if not self.sampling:
             return
         gn = self.g.grad_norms(optimizer)
         if not gn.params:

@@ -83,16 +83,38 @@ class LiveConsole:
         if self._tty():
             con = self._rich()
             con.print(render_table(findings, title=f"guard: {len(findings)} finding(s) in {g.step} step(s)"))
+            cost = _cost_line(g)
+            if cost:
+                con.print(f"[dim]{cost}[/dim]")
             if path:
                 con.print(f"[dim]guard report: {path}[/dim]")
         else:
             lines = [f"guard: {len(findings)} finding(s) in {g.step} step(s)"]
             for f in sorted(findings, key=lambda f: (SEVERITY_RANK[f.severity], f.step)):
                 lines.append(f"  {f.severity:<7} {f.kind:<28} {f.where:<30} step {f.step:<6} x{f.count}")
+            cost = _cost_line(g)
+            if cost:
+                lines.append(cost)
             if path:
                 lines.append(f"guard report: {path}")
             self.stream.write("\n".join(lines) + "\n")
             self.stream.flush()
+
+
+def _cost_line(g: Any) -> str:
+    """``guard cost 3.1% of step time`` (and what a budget sampled), or "" before two steps."""
+    try:
+        cost = g.cost()
+    except Exception:
+        return ""
+    ov = cost.get("overhead")
+    if ov is None:
+        return ""
+    line = f"guard cost {ov * 100:.1f}% of step time"
+    if cost.get("sampled_checks"):
+        line += (f" (budget {cost['budget'] * 100:g}%: {', '.join(cost['sampled_checks'])} sampled, "
+                 f"every {cost['max_period']} steps at most)")
+    return line
 
 
 def render_plain(f: Finding) -> str:

@@ -65,6 +65,7 @@ def build_report(g: "Guard") -> Dict[str, Any]:
     rec.environment = environment()
     rec.config = g.config.to_dict()
     rec.steps = g.step
+    rec.cost = g.cost()
     rec.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return rec.to_json()
 

@@ -1,0 +1,164 @@
+"""guard(budget=...): guard measures its own cost per step and samples its costly checks to stay under it."""
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from guard import ConfigError, guard
+from guard.checks import registry
+from guard.checks.base import Check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class SlowCheck(Check):
+    """A deliberately slow costly check: busy for `DELAY` seconds on each step it runs."""
+
+    name = "slow-test-check"
+    kinds = {"grad-explosion": ("warning", "total gradient norm jumps far above its running level")}
+    default = False
+    costly = True
+    DELAY = 0.004
+    ran = 0
+
+    def on_step_end(self, step):
+        if self.sampling:
+            type(self).ran += 1
+            t = time.perf_counter()
+            while time.perf_counter() - t < self.DELAY:
+                pass
+
+
+@pytest.fixture
+def slow(monkeypatch):
+    monkeypatch.setitem(registry(), SlowCheck.name, SlowCheck)
+    SlowCheck.ran = 0
+    return SlowCheck
+
+
+def model_and_step(width=256, nan_at=None):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(64, width)
+    y = torch.randint(0, 4, (64,))
+    count = [0]
+
+    def step():
+        xb = x.clone()
+        if nan_at is not None and count[0] == nan_at:
+            xb[0, 0] = float("nan")
+        count[0] += 1
+        loss = F.cross_entropy(m(xb), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m, opt, step
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5, "x", True, float("nan")])
+def test_bad_budget_is_one_line(bad):
+    with pytest.raises(ConfigError) as err:
+        guard(budget=bad)
+    msg = str(err.value)
+    assert "\n" not in msg and "budget=" in msg and "allowed: None or a fraction in (0, 1]" in msg
+
+
+def test_bad_env_budget_names_the_variable():
+    code = "import torch"
+    env = {**os.environ, "TORCH_GUARD": "1", "TORCH_GUARD_BUDGET": "five", "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 2
+    assert "TORCH_GUARD_BUDGET='five'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_budget_in_config_and_dump():
+    m, opt, step = model_and_step(width=16)
+    with guard(m, opt, live=False, budget=0.05) as g:
+        for _ in range(5):
+            step()
+    rep = g.report()
+    assert rep["config"]["budget"] == 0.05
+    assert rep["cost"]["budget"] == 0.05 and rep["cost"]["steps_measured"] == 4
+    assert rep["cost"]["overhead"] is not None and rep["cost"]["overhead"] >= 0
+
+
+def test_slow_costly_check_is_sampled_and_says_so(slow):
+    m, opt, step = model_and_step(width=32)
+    with guard(m, opt, live=False, checks=["default", slow.name], budget=0.05) as g:
+        for _ in range(200):
+            step()
+    cost = g.cost()
+    assert cost["max_period"] > 4, cost
+    assert slow.name in cost["sampled_checks"] and "nonfinite" not in cost["sampled_checks"]
+    assert slow.ran < 200 / 4  # it ran on a fraction of the steps only
+    assert slow.ran >= 200 / 1024  # and never stopped altogether
+    assert "sampled" in _summary_line(g)
+
+
+def _summary_line(g):
+    from guard.report.console import _cost_line
+
+    return _cost_line(g)
+
+
+def test_without_budget_nothing_is_sampled(slow):
+    m, opt, step = model_and_step(width=32)
+    with guard(m, opt, live=False, checks=["default", slow.name]) as g:
+        for _ in range(30):
+            step()
+    assert slow.ran == 30
+    assert "sampled_checks" not in g.cost()
+
+
+def test_exact_checks_never_dropped_under_budget(slow):
+    """The NaN input at step 57 is found at step 57 although the budget samples the slow check."""
+    m, opt, step = model_and_step(width=32, nan_at=57)
+    with guard(m, opt, live=False, checks=["default", slow.name], budget=0.05) as g:
+        for _ in range(80):
+            step()
+    assert g.cost()["max_period"] > 1
+    f = [f for f in g.findings if f.severity == "error"][0]
+    assert f.kind == "nonfinite-input" and f.step == 57
+
+
+def test_reported_overhead_within_two_points_of_measured(slow):
+    """Guard's own measure of its cost agrees with the cost seen from outside.
+
+    Two copies of one model train interleaved step by step, one under guard with a slow check; the
+    extra time of the guarded steps (medians), over the plain step time, is the measured overhead.
+    Guard's measure is its own time per step (`Meter`) over the same plain step time.
+    """
+    slow.DELAY = 0.01
+    m1, o1, plain = model_and_step(width=512)
+    m2, o2, guarded = model_and_step(width=512)
+    g = guard(m2, o2, live=False, checks=["nonfinite", slow.name]).start()
+    try:
+        for _ in range(5):
+            plain()
+            guarded()
+        meter = g.meter
+        meter.total_own, meter.steps = 0.0, 0  # count the timed steps only
+        tp, tg = [], []
+        for _ in range(60):
+            t0 = time.perf_counter()
+            plain()
+            t1 = time.perf_counter()
+            guarded()
+            t2 = time.perf_counter()
+            tp.append(t1 - t0)
+            tg.append(t2 - t1)
+        base = statistics.median(tp)
+        measured = statistics.median(tg) / base - 1
+        reported = meter.total_own / meter.steps / base
+    finally:
+        g.close()
+    assert meter.steps == 60
+    assert measured > 0.1  # the slow check is visible
+    assert abs(reported - measured) <= 0.02, (reported, measured)
