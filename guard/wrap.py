@@ -10,7 +10,9 @@ from .config import ConfigError
 from .findings import GuardError
 from .session import Guard
 
-_OWN = frozenset({"_guard_model", "guard", "forward", "__class__", "__dict__", "_compiled_call_impl"})
+# Set on the wrapper itself, never passed to the model: its own call machinery (compile(), backward hooks).
+_OWN = frozenset({"_guard_model", "guard", "forward", "__class__", "__dict__", "_compiled_call_impl",
+                  "_is_full_backward_hook"})
 # The model's own tables, shared by the wrapper: register_buffer/register_parameter/add_module,
 # get_buffer/get_parameter/get_submodule and state-dict hooks on the wrapper are the model's.
 _SHARED = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_state_dict_hooks",

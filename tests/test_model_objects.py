@@ -157,3 +157,155 @@ def test_wrapper_pickled_with_its_model_stays_one_object():
         assert type(copy.copy(w)) is Root
     finally:
         w.guard.close()
+
+
+# ----------------------------------------------------------------------------- guard.wrap is transparent
+
+_HOOKED: list = []
+
+
+def _hook(tag):
+    def h(*args, **kwargs):
+        _HOOKED.append(tag)
+    return h
+
+
+def _init_constant(m):
+    for p in m.parameters(recurse=False):
+        with torch.no_grad():
+            p.fill_(0.5)
+
+
+def _x():
+    return torch.ones(4, 3)
+
+
+def _unwrapped(o):
+    return o.__dict__.get("_guard_model", o)
+
+
+def _backward(o):
+    o.train()
+    o(_x()).sum().backward()
+
+
+# Every public nn.Module method: how to call it on the model or on its wrapper (same call, both sides).
+API = {
+    "add_module": lambda o: o.add_module("extra", nn.Linear(1, 1)),
+    "apply": lambda o: o.apply(_init_constant),
+    "bfloat16": lambda o: o.bfloat16(),
+    "buffers": lambda o: list(o.buffers()),
+    "children": lambda o: list(o.children()),
+    # compiled where it is called (the wrapper compiles its own call, never the model's: no recursion)
+    "compile": lambda o: (o.compile(backend="eager"), o.__dict__.get("_compiled_call_impl") is not None,
+                          _unwrapped(o).__dict__.get("_compiled_call_impl") is None or o is _unwrapped(o)),
+    "cpu": lambda o: o.cpu(),
+    "cuda": lambda o: o.cuda(),
+    "double": lambda o: o.double(),
+    "eval": lambda o: o.eval(),
+    "extra_repr": lambda o: o.extra_repr(),
+    "float": lambda o: o.half().float(),
+    "forward": lambda o: o.forward(_x()),
+    "get_buffer": lambda o: o.get_buffer("mean"),
+    "get_extra_state": lambda o: o.get_extra_state(),
+    "get_parameter": lambda o: (o.get_parameter("scale"), o.get_parameter("lin.weight")),
+    "get_submodule": lambda o: (o.get_submodule("lin"), o.get_submodule("")),
+    "half": lambda o: o.half(),
+    "ipu": lambda o: o.ipu(),
+    "load_state_dict": lambda o: o.load_state_dict({k: v + 1 for k, v in o.state_dict().items()}),
+    "modules": lambda o: list(o.modules()),
+    "mtia": lambda o: o.mtia(),
+    "named_buffers": lambda o: list(o.named_buffers()),
+    "named_children": lambda o: list(o.named_children()),
+    "named_modules": lambda o: list(o.named_modules()),
+    "named_parameters": lambda o: list(o.named_parameters()),
+    "parameters": lambda o: list(o.parameters()),
+    "register_backward_hook": lambda o: (o.register_backward_hook(_hook("bw")), _backward(o)),
+    "register_buffer": lambda o: (o.register_buffer("extra", torch.ones(2)), o.get_buffer("extra")),
+    "register_forward_hook": lambda o: (o.register_forward_hook(_hook("fw")), o(_x())),
+    "register_forward_pre_hook": lambda o: (o.register_forward_pre_hook(_hook("pre")), o(_x())),
+    "register_full_backward_hook": lambda o: (o.register_full_backward_hook(_hook("fbw")), _backward(o)),
+    "register_full_backward_pre_hook": lambda o: (o.register_full_backward_pre_hook(_hook("fbwpre")), _backward(o)),
+    "register_load_state_dict_post_hook": lambda o: (o.register_load_state_dict_post_hook(_hook("lpost")),
+                                                     o.load_state_dict(o.state_dict())),
+    "register_load_state_dict_pre_hook": lambda o: (o.register_load_state_dict_pre_hook(_hook("lpre")),
+                                                    o.load_state_dict(o.state_dict())),
+    "register_module": lambda o: o.register_module("extra", nn.ReLU()),
+    "register_parameter": lambda o: (o.register_parameter("extra", nn.Parameter(torch.ones(2))),
+                                     o.get_parameter("extra")),
+    "register_state_dict_post_hook": lambda o: (o.register_state_dict_post_hook(_hook("spost")), o.state_dict()),
+    "register_state_dict_pre_hook": lambda o: (o.register_state_dict_pre_hook(_hook("spre")), o.state_dict()),
+    "requires_grad_": lambda o: o.requires_grad_(False),
+    "set_extra_state": lambda o: o.set_extra_state({}),
+    "set_submodule": lambda o: o.set_submodule("out", nn.Linear(4, 2)),
+    "share_memory": lambda o: o.share_memory(),
+    "state_dict": lambda o: o.state_dict(),
+    "to": lambda o: o.to(torch.float64),
+    "to_empty": lambda o: o.to_empty(device="meta"),
+    "train": lambda o: o.train(False),
+    "type": lambda o: o.type(torch.float64),
+    "xpu": lambda o: o.xpu(),
+    "zero_grad": lambda o: (_backward(o), o.zero_grad()),
+}
+_NOT_METHODS = {"T_destination", "dump_patches", "call_super_init"}
+
+
+def _norm(value, obj, names, top=True):
+    """A comparable form of a call's result: the object itself, module paths, tensor contents.
+
+    The wrapper returns itself where the model returns itself (``w.half() is w``); in what it lists
+    (``modules()``, ``get_submodule("")``) the model is the root, as in the model's own listing.
+    """
+    if value is obj and top:
+        return "self"
+    if value is obj or (isinstance(value, nn.Module) and names.get(id(value)) == ""):
+        return "root"
+    if isinstance(value, nn.Module):
+        return ("module", names.get(id(value), type(value).__name__))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.device.type, tuple(value.shape),
+                None if value.is_meta else value.detach().float().tolist())
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, [_norm(v, obj, names, False) for v in value]
+    if isinstance(value, dict):
+        return {k: _norm(v, obj, names, False) for k, v in value.items()}
+    if type(value).__name__ == "_IncompatibleKeys":
+        return ("keys", list(value.missing_keys), list(value.unexpected_keys))
+    return repr(value) if not hasattr(value, "__dict__") else type(value).__name__
+
+
+def _outcome(name, obj, model):
+    """What the user sees after calling `name` on `obj` (the model or its wrapper) of `model`."""
+    names = {id(m): p for p, m in model.named_modules()}
+    del _HOOKED[:]
+    torch.manual_seed(1)  # modules created by the call start alike
+    try:
+        result = ("returned", _norm(API[name](obj), obj, names))
+    except Exception as exc:  # e.g. .cuda() without a GPU: the same error both ways
+        result = ("raised", type(exc).__name__)
+    state = {k: _norm(v, None, names) for k, v in model.state_dict(keep_vars=True).items()}
+    params = [(n, p.dtype, p.requires_grad, p.grad is None, p.is_shared())
+              for n, p in model.named_parameters()]
+    buffers = [(n, b.dtype, b.is_shared()) for n, b in model.named_buffers()]
+    modules = [(p, type(m).__name__, m.training) for p, m in model.named_modules()]
+    return result, state, params, buffers, modules, list(_HOOKED)
+
+
+def test_api_table_covers_every_public_module_method():
+    public = {n for n in dir(nn.Module) if not n.startswith("_")} - _NOT_METHODS
+    assert public == set(API), "nn.Module's public API changed: add the new methods to API"
+
+
+@pytest.mark.parametrize("name", sorted(API))
+def test_wrapper_behaves_as_the_model_in_every_module_method(name):
+    torch.manual_seed(0)
+    plain = Root()
+    model = copy.deepcopy(plain)
+    w = guard_pkg.wrap(model, live=False)
+    try:
+        expected = _outcome(name, plain, plain)
+        got = _outcome(name, w, model)
+    finally:
+        w.guard.close()
+    assert got == expected
+    assert not w.guard.internal_errors
