@@ -641,9 +641,7 @@ class Guard:
 
     # ------------------------------------------------------------------ hooks (hot paths)
     def _hook_pre_global(self, module: nn.Module, args: tuple) -> None:
-        tls = self._tls
-        depth = getattr(tls, "depth", 0)
-        tls.depth = depth + 1
+        depth = self._push_call(sys._getframe(1))
         if depth == 0:
             if module not in self._paths_weak:
                 self._adopt_root(module)
@@ -715,10 +713,36 @@ class Guard:
     def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = _NO_OUTPUT) -> None:
         if output is _NO_OUTPUT:  # forward raised: torch calls always_call global hooks as (module, args, result)
             kwargs, output = {}, kwargs
+        calls = getattr(self._tls, "calls", None)
+        if calls:
+            calls.pop()
+        self._after_forward(module, args, kwargs, output, not calls)
+
+    def _push_call(self, frame: Any) -> int:
+        """Record a module call in flight in this thread (its hook-calling frame); returns how many enclose it.
+
+        A counter would stay raised when a KeyboardInterrupt (any BaseException) leaves a forward, since
+        torch then skips the always-called hooks: every later call would look nested. Calls whose frame
+        is no longer on this thread's stack are dropped instead (found in a few frame hops per call).
+        """
         tls = self._tls
-        depth = getattr(tls, "depth", 1) - 1
-        tls.depth = depth if depth > 0 else 0
-        self._after_forward(module, args, kwargs, output, depth <= 0)
+        calls = getattr(tls, "calls", None)
+        if calls is None:
+            calls = tls.calls = []
+        if calls:
+            top, f, hops = calls[-1], frame.f_back, 8
+            while f is not None and f is not top and hops:
+                f, hops = f.f_back, hops - 1
+            if f is not top:
+                live = set()
+                f = frame.f_back
+                while f is not None:
+                    live.add(id(f))
+                    f = f.f_back
+                while calls and id(calls[-1]) not in live:
+                    calls.pop()
+        calls.append(frame)
+        return len(calls) - 1
 
     def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self._after_forward(module, args, kwargs, output, id(module) in self._root_ids)

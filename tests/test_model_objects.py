@@ -309,3 +309,62 @@ def test_wrapper_behaves_as_the_model_in_every_module_method(name):
         w.guard.close()
     assert got == expected
     assert not w.guard.internal_errors
+
+
+# ----------------------------------------------------------------------------- interrupted forwards
+
+class _Abort(BaseException):
+    """Not an Exception: torch runs no always-called hooks for it (as for KeyboardInterrupt)."""
+
+
+class Interrupted(nn.Module):
+    def __init__(self, exc):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.inner = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+        self.exc = exc
+
+    def forward(self, x):
+        x = self.inner(self.lin(x))
+        if self.exc is not None:
+            exc, self.exc = self.exc, None
+            raise exc  # deep inside the call: root and children are in flight
+        return x
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, _Abort, SystemExit])
+@pytest.mark.parametrize("scope", ["global", "model"])
+def test_ctrl_c_inside_a_forward_does_not_blind_the_guard(exc, scope):
+    model = Interrupted(exc)
+    g = guard(model if scope == "model" else None, live=False).start()
+    try:
+        with pytest.raises(exc):
+            model(torch.ones(2, 3))  # Ctrl-C in a notebook cell, mid-forward
+        model(torch.full((2, 3), float("inf")))
+        g.flush()
+        assert [(f.kind, f.where) for f in g.findings] == [("nonfinite-input", "input")]
+    finally:
+        g.close()
+
+
+def test_interrupted_child_call_leaves_its_enclosing_call_nested():
+    """A BaseException caught inside a forward: later calls of that forward are still nested, the next
+    outer call is a root again."""
+    class Catches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child = Interrupted(_Abort)
+
+        def forward(self, x):
+            try:
+                self.child(x)
+            except _Abort:
+                pass
+            return self.child.lin(x)
+
+    model = Catches()
+    with guard(live=False) as g:
+        model(torch.ones(2, 3))
+        model(torch.full((2, 3), float("nan")))
+        g.flush()
+        assert [(f.kind, f.where) for f in g.findings] == [("nonfinite-input", "input")]
