@@ -102,6 +102,7 @@ class Guard:
     def _reset(self) -> None:
         self.step = 0
         self.sampling = True
+        self._mid_step = False
         self._findings: Dict[Tuple[str, str], Finding] = {}
         self.internal_errors: List[Dict[str, Any]] = []
         self.notices: List[str] = []  # what guard cannot see (e.g. under torch.compile), said once each
@@ -136,8 +137,36 @@ class Guard:
     # ------------------------------------------------------------------ public API
     @property
     def findings(self) -> List[Finding]:
-        """Findings in the order they were first seen (repeats bump ``count``)."""
+        """Findings in the order they were first seen (repeats bump ``count``), current when read.
+
+        Device values staged so far in this step are read first (one batched read, only when asked),
+        so a NaN input is here right after the forward that saw it, not only after ``optimizer.step()``.
+        """
+        self._resolve_for_reader()
         return list(self._findings.values())
+
+    def _resolve_for_reader(self) -> None:
+        """Resolve what is staged now because the user reads the findings (or the report) mid-step.
+
+        The step's loss, gradient norms and timeline entry wait for the step's own resolution; checks
+        see ``resolved()`` with ``mid_step`` True (the nonfinite check's window closes, as on a flush).
+        """
+        if not self._active or self._mid_step or not (self._staged or self._collectors):
+            return
+        with self._lock:
+            loss, norms = self._step_loss, self._grad_norms
+            self._step_loss, self._grad_norms = None, {}
+            self._mid_step = True
+            try:
+                self._resolve()
+            finally:
+                self._mid_step = False
+                self._step_loss, self._grad_norms = loss, norms
+
+    @property
+    def mid_step(self) -> bool:
+        """True while staged values are resolved because the user reads findings mid-step."""
+        return self._mid_step
 
     @property
     def active(self) -> bool:
@@ -966,9 +995,10 @@ class Guard:
         return con
 
     def report(self) -> Dict[str, Any]:
-        """The report dump as a dict (schema ``guard-report/1``)."""
+        """The report dump as a dict (schema ``guard-report/1``), with what is pending resolved first."""
         from .report.model import build_report
 
+        self._resolve_for_reader()
         return build_report(self)
 
     def _finish(self) -> None:

@@ -16,7 +16,8 @@ checks handle and routes each event to them. Events:
 ``forward(module, path, args, kwargs, output, is_root)``,
 ``backward(tensors, kwargs)``, ``backward_done(tensors, kwargs)``,
 ``step_pre(optimizer)``, ``step_post(optimizer)``, ``step_end(step)``,
-``resolved()`` (after staged device values were read, once per step),
+``resolved()`` (after staged device values were read: once per step, and when the user reads
+findings mid-step, then with ``guard.mid_step`` True: end-of-step work waits for the step's end),
 ``exception(exc)`` (escaping the guarded block), ``exit()``, and for each
 declared patch ``<event>(args, kwargs)``, ``<event>_done(args, kwargs, result)``,
 ``<event>_error(args, kwargs, exc)``.
