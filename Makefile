@@ -14,8 +14,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
-	# torchsnooper 0.8 imports pkg_resources, which setuptools >= 82 dropped (torch pulls the latest).
-	$(BIN)/pip install -q 'setuptools>=77.0.3,<82'
 	touch $(STAMP)
 
 test: setup

@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import weakref
+from collections import OrderedDict
 from contextlib import ExitStack
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -30,6 +31,10 @@ from torch.optim import optimizer as _optim_mod
 Middleware = Callable[[Callable[..., Any], tuple, dict], Any]
 
 _lock = threading.RLock()
+
+# nn.Module's per-instance hook tables, all keyed by hook id.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 class _Handle:
@@ -215,6 +220,10 @@ class Installer:
         self._stack = ExitStack()
         self._graph_handles: List[Any] = []
         self._grad_handles: Dict[int, _Handle] = {}
+        # What this guard put on module instances, left out when a module is copied or pickled.
+        self._hook_ids: set = set()
+        self._module_attrs: Dict[Tuple[int, str], Any] = {}
+        self._strips = False
 
     def _keep(self, handle: Any) -> Any:
         self._stack.callback(handle.remove)
@@ -227,12 +236,45 @@ class Installer:
         Returns the handles: removing one early (a module nothing watches any more) is safe, close()
         removes whatever is left.
         """
+        self._strip_on_copy()
         handles = []
         if pre is not None:
             handles.append(self._keep(module.register_forward_pre_hook(pre, with_kwargs=True)))
         if post is not None:
             handles.append(self._keep(module.register_forward_hook(post, with_kwargs=True, always_call=True)))
+        self._hook_ids.update(h.id for h in handles)
         return handles
+
+    def _strip_on_copy(self) -> None:
+        """Leave guard's hooks and attributes out of a module's pickled state (``__getstate__``).
+
+        ``copy.deepcopy(model)``, ``torch.save(model)``, ``pickle.dumps(model)`` and
+        ``AveragedModel(model)`` then give a plain, unguarded module: the hooks are bound to the
+        guard (locks, weak references) and a copy is not what the guard watches.
+        """
+        if not self._strips:
+            self._strips = True
+            self._keep(_subscribe("torch.nn.Module.__getstate__", self._strip_state))
+
+    def _strip_state(self, call: Callable, args: tuple, kwargs: dict) -> Any:
+        state = call(*args, **kwargs)
+        if not isinstance(state, dict):
+            return state
+        ids = self._hook_ids
+        if ids:
+            for name in _HOOK_DICTS:
+                d = state.get(name)
+                if d and not ids.isdisjoint(d):
+                    state[name] = OrderedDict((k, v) for k, v in d.items() if k not in ids)
+        if self._module_attrs and args:
+            key = id(args[0])
+            for (oid, name), (value, had, old) in self._module_attrs.items():
+                if oid == key and state.get(name) is value:
+                    if had:
+                        state[name] = old
+                    else:
+                        del state[name]
+        return state
 
     def global_module_hooks(self, pre: Optional[Callable], post: Optional[Callable]) -> None:
         """Hooks on every ``nn.Module`` call in the process: ``pre(module, args)``, ``post(module, args, kwargs, out)``."""
@@ -284,8 +326,13 @@ class Installer:
         had = name in getattr(obj, "__dict__", {})
         old = obj.__dict__[name] if had else None
         setattr(obj, name, value)
+        key = (id(obj), name)
+        if isinstance(obj, nn.Module):
+            self._strip_on_copy()
+            self._module_attrs[key] = (value, had, old)
 
         def restore() -> None:
+            self._module_attrs.pop(key, None)
             if obj.__dict__.get(name) is not value:
                 return
             if had:
@@ -318,6 +365,7 @@ class Installer:
         try:
             stack.close()
         finally:
+            self._hook_ids, self._module_attrs, self._strips = set(), {}, False
             self._remove_graph_hooks()
             for handle in list(self._grad_handles.values()):
                 handle.remove()

@@ -6,7 +6,7 @@
 * ``@pytest.mark.torch_guard(checks=..., fail_on=...)``: the same for one test, with or
   without ``--torch-guard``.
 * the ``torch_guard`` fixture: a started global guard of the test's own to assert on
-  (``torch_guard.findings``; call ``torch_guard.close()`` first to resolve the last step).
+  (``torch_guard.findings`` is current whenever it is read: no need to close it first).
   Tests using it are not also failed by the plugin.
 
 Importing this module is cheap (torch and guard load only when a guard is made).

@@ -78,6 +78,7 @@ class Guard:
     def _reset(self) -> None:
         self.step = 0
         self.sampling = True
+        self._mid_step = False
         #: whether the costly checks (`Check.costly`) run this step: always, unless a budget samples them
         self.costly_step = True
         self.meter = Meter(self.config.budget)
@@ -106,7 +107,12 @@ class Guard:
     # ------------------------------------------------------------------ public API
     @property
     def findings(self) -> List[Finding]:
-        """Findings in the order they were first seen (repeats bump ``count``)."""
+        """Findings in the order they were first seen (repeats bump ``count``), current when read.
+
+        Device values staged so far in this step are read first (one batched read, only when asked),
+        so a NaN input is here right after the forward that saw it, not only after ``optimizer.step()``.
+        """
+        self._resolve_for_reader()
         return list(self.record.findings)
 
     @property
@@ -133,6 +139,27 @@ class Guard:
     def checks(self) -> List[Check]:
         """The active checks (one that failed is switched off and leaves this list)."""
         return self.router.checks
+
+    def _resolve_for_reader(self) -> None:
+        """Resolve what is staged now because the user reads the findings (or the report) mid-step.
+
+        The step's loss, gradient norms and timeline entry wait for the step's own resolution; checks
+        see ``resolved()`` with ``mid_step`` True (the nonfinite check's window closes, as on a flush).
+        """
+        if not self._active or self._mid_step or not self.staging.has_staged():
+            return
+        with self._lock:
+            self._mid_step = True
+            try:
+                self.staging.resolve(keep_step_values=True)
+                self.dispatch("resolved")
+            finally:
+                self._mid_step = False
+
+    @property
+    def mid_step(self) -> bool:
+        """True while staged values are resolved because the user reads findings mid-step."""
+        return self._mid_step
 
     @property
     def active(self) -> bool:
@@ -473,9 +500,7 @@ class Guard:
     # ------------------------------------------------------------------ hooks (hot paths)
     def _hook_pre_global(self, module: nn.Module, args: tuple) -> None:
         t0 = _clock()
-        tls = self._tls
-        depth = getattr(tls, "depth", 0)
-        tls.depth = depth + 1
+        depth = self._push_call(sys._getframe(1))
         if depth == 0:
             if module not in self._paths_weak:
                 self._adopt_root(module)
@@ -520,10 +545,36 @@ class Guard:
     def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = _NO_OUTPUT) -> None:
         if output is _NO_OUTPUT:  # forward raised: torch calls always_call global hooks as (module, args, result)
             kwargs, output = {}, kwargs
+        calls = getattr(self._tls, "calls", None)
+        if calls:
+            calls.pop()
+        self._after_forward(module, args, kwargs, output, not calls)
+
+    def _push_call(self, frame: Any) -> int:
+        """Record a module call in flight in this thread (its hook-calling frame); returns how many enclose it.
+
+        A counter would stay raised when a KeyboardInterrupt (any BaseException) leaves a forward, since
+        torch then skips the always-called hooks: every later call would look nested. Calls whose frame
+        is no longer on this thread's stack are dropped instead (found in a few frame hops per call).
+        """
         tls = self._tls
-        depth = getattr(tls, "depth", 1) - 1
-        tls.depth = depth if depth > 0 else 0
-        self._after_forward(module, args, kwargs, output, depth <= 0)
+        calls = getattr(tls, "calls", None)
+        if calls is None:
+            calls = tls.calls = []
+        if calls:
+            top, f, hops = calls[-1], frame.f_back, 8
+            while f is not None and f is not top and hops:
+                f, hops = f.f_back, hops - 1
+            if f is not top:
+                live = set()
+                f = frame.f_back
+                while f is not None:
+                    live.add(id(f))
+                    f = f.f_back
+                while calls and id(calls[-1]) not in live:
+                    calls.pop()
+        calls.append(frame)
+        return len(calls) - 1
 
     def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self._after_forward(module, args, kwargs, output, id(module) in self._root_ids)
@@ -745,9 +796,10 @@ class Guard:
         return self.meter.to_dict(sampled)
 
     def report(self) -> Dict[str, Any]:
-        """The report dump as a dict (schema ``guard-report/1``)."""
+        """The report dump as a dict (schema ``guard-report/1``), with what is pending resolved first."""
         from .report.model import build_report
 
+        self._resolve_for_reader()
         return build_report(self)
 
     def _finish(self) -> None:

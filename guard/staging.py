@@ -118,11 +118,24 @@ class Staging:
         """Drop this step's cached norms of `optimizer` (the gradients changed in place)."""
         self._grad_norms.pop(id(optimizer), None)
 
-    def resolve(self) -> Dict[str, Any]:
+    def has_staged(self) -> bool:
+        """Whether values or collectors wait for resolution (the step's loss and norms aside)."""
+        return bool(self._staged or self._collectors)
+
+    def resolve(self, keep_step_values: bool = False) -> Dict[str, Any]:
         """Read every staged value with one transfer per device and run the callbacks.
 
-        Returns the step's timeline values (``loss``, ``grad_norm``) that were pending.
+        Returns the step's timeline values (``loss``, ``grad_norm``) that were pending; with
+        `keep_step_values` (a mid-step read for the user) those stay for the step's own resolution.
         """
+        if keep_step_values:
+            loss, norms = self._loss, self._grad_norms
+            self._loss, self._grad_norms = None, {}
+            try:
+                self.resolve()
+            finally:
+                self._loss, self._grad_norms = loss, norms
+            return {}
         staged, self._staged = self._staged, []
         collectors, self._collectors = self._collectors, []
         for collect in collectors:

@@ -129,6 +129,14 @@ def test_with_fixture(torch_guard):
     assert [(f.kind, f.where, f.step) for f in torch_guard.findings] == [("nonfinite-input", "input", 1)]
 
 
+def test_fixture_findings_current_mid_test(torch_guard):
+    import torch
+    from torch import nn
+    m = nn.Linear(3, 1)
+    m(torch.full((1, 3), float("inf")))  # no step, no close: read right away
+    assert any(f.kind == "nonfinite-input" for f in torch_guard.findings)
+
+
 def test_fixture_clean(torch_guard):
     train()
     torch_guard.close()
@@ -136,4 +144,4 @@ def test_fixture_clean(torch_guard):
 """)
     # With --torch-guard too: a test using the fixture asserts on its own guard and is not failed for it.
     r = pytester.runpytest(*_args("--torch-guard", "-k", "fixture"))
-    r.assert_outcomes(passed=2)
+    r.assert_outcomes(passed=3)

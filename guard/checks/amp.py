@@ -76,6 +76,8 @@ class AmpScaler(Check):
         self._loss_scale = value
 
     def on_resolved(self):
+        if self.g.mid_step:
+            return  # the user read findings mid-step: the step's loss comes at its end
         scale, self._loss_scale = self._loss_scale, None
         fused, self._fused_note = self._fused_note, None
         tl = self.g.timeline

@@ -17,7 +17,8 @@ The guard installs only what the active checks handle and routes each event to t
 ``forward(module, path, args, kwargs, output, is_root)``,
 ``backward(tensors, kwargs)``, ``backward_done(tensors, kwargs)``,
 ``step_pre(optimizer)``, ``step_post(optimizer)``, ``step_end(step)``,
-``resolved()`` (after staged device values were read, once per step),
+``resolved()`` (after staged device values were read: once per step, and when the user reads
+findings mid-step, then with ``guard.mid_step`` True: end-of-step work waits for the step's end),
 ``exception(exc)`` (escaping the guarded block), ``exit()``, and for each
 declared patch ``<event>(args, kwargs)``, ``<event>_done(args, kwargs, result)``,
 ``<event>_error(args, kwargs, exc)``.
@@ -52,6 +53,8 @@ class CheckContext(Protocol):
     sampling: bool
     #: whether costly checks run this step (False on the steps a ``budget`` samples out)
     costly_step: bool
+    #: True while staged values are resolved because the user reads findings mid-step
+    mid_step: bool
 
     # -- findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Any = None, step: Optional[int] = None,

@@ -9,9 +9,11 @@ line-by-line trace (shapes, dtypes, devices, NaN flags) is stored in the
 finding's ``details["trace"]`` (capped) and, when live output is on, a
 collapsed form (the first line whose result holds NaN/Inf) is printed.
 
-torchsnooper 0.8 imports ``pkg_resources``, which setuptools >= 82 no longer
-ships; ``make setup`` pins ``setuptools<82``. Without an importable
-torchsnooper guard says so once, in one line, and carries on without traces.
+torchsnooper 0.8 imports ``pkg_resources`` (only to read its own version),
+which setuptools >= 82 no longer ships: when that import fails, a minimal
+stand-in is put in ``sys.modules`` while torchsnooper is imported, and taken
+out again. Without an importable torchsnooper guard says so once, in one
+line, and carries on without traces.
 """
 from __future__ import annotations
 
@@ -43,17 +45,56 @@ def _say_once(key: str, line: str) -> None:
         pass
 
 
+class _DistributionNotFound(Exception):
+    pass
+
+
+class _Distribution:
+    def __init__(self, name: str):
+        from importlib import metadata
+
+        try:
+            self.version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            raise _DistributionNotFound(name) from None
+        self.project_name = name
+
+
+def _pkg_resources_stand_in() -> Any:
+    """The part of ``pkg_resources`` torchsnooper 0.8 uses (``get_distribution(name).version``)."""
+    import types
+
+    mod = types.ModuleType("pkg_resources", "guard's stand-in while torchsnooper is imported")
+    mod.get_distribution = _Distribution  # type: ignore[attr-defined]
+    mod.DistributionNotFound = _DistributionNotFound  # type: ignore[attr-defined]
+    return mod
+
+
+def _import_torchsnooper() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pkg_resources' own deprecation warning
+        try:
+            import torchsnooper  # type: ignore[import-not-found]
+            return torchsnooper
+        except ImportError as exc:
+            if getattr(exc, "name", None) != "pkg_resources" or "pkg_resources" in sys.modules:
+                raise
+        stand_in = sys.modules["pkg_resources"] = _pkg_resources_stand_in()
+        try:
+            import torchsnooper  # type: ignore[import-not-found]  # noqa: F811
+            return torchsnooper
+        finally:
+            if sys.modules.get("pkg_resources") is stand_in:
+                del sys.modules["pkg_resources"]
+
+
 def load_torchsnooper() -> Any:
     """The torchsnooper module, or None after saying once why it cannot be imported."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # pkg_resources' own deprecation warning
-            import torchsnooper  # type: ignore[import-not-found]
-        return torchsnooper
+        return _import_torchsnooper()
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
-        extra = " (setuptools >= 82 dropped it: pip install 'setuptools<82')" if "pkg_resources" in why else ""
-        _say_once("import", f"guard: snoop is on but torchsnooper cannot be imported ({why}){extra}; "
+        _say_once("import", f"guard: snoop is on but torchsnooper cannot be imported ({why}); "
                             f"continuing without traces")
         return None
 
