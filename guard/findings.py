@@ -33,6 +33,13 @@ KINDS: Dict[str, tuple] = {
     "input-not-normalized": (INFO, "image-like input far from normalized"),
     "state-dict-mismatch": (ERROR, "load_state_dict keys differ"),
     "explained-error": (ERROR, "a cryptic PyTorch error escaped the guarded block"),
+    # issue 16, checksA (the checks also declare these in their `kinds` dicts)
+    "module-not-registered": (ERROR, "submodules kept in a plain list/dict/tuple attribute are missed by parameters(), .to(), state_dict()"),
+    "train-in-eval-mode": (WARNING, "optimizer steps while dropout/BatchNorm modules are in eval mode"),
+    "loss-shape-broadcast": (ERROR, "a regression/BCE loss gets input and target shapes that broadcast"),
+    "zero-grad-before-step": (ERROR, "zero_grad() between backward() and optimizer.step(): the step applies no gradient"),
+    "loss-disconnected": (ERROR, "the tensor passed to backward() reaches none of the optimizer's parameters"),
+    "init-loss-high": (INFO, "the first steps' cross-entropy is far above log(C)"),
 }
 
 
