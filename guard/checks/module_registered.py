@@ -72,7 +72,7 @@ def _assignment_source(owner: type, attr: str) -> Optional[str]:
         except (OSError, TypeError):
             continue
         for i, text in enumerate(lines):
-            if pat.search(text):
+            if pat.search(text) and not re.search(r"Module(List|Dict)\(|Sequential\(", text):
                 return f"{_short(fname)}:{start + i}"
     return None
 
