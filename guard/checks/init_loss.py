@@ -13,7 +13,9 @@ values: no extra sync). At the end of step `STEPS - 1` (or at exit), if even the
 lowest of them is above both ``RATIO * log(C)`` and ``log(C) + MARGIN``, it is
 reported (info). Class weights, label smoothing and soft targets all give
 ``log(C)`` for uniform predictions, so the bar holds for them. A resumed, trained
-model starts below ``log(C)`` and is silent.
+model starts below ``log(C)`` and is silent. When guard already reported
+``input-not-normalized`` (raw 0-255 pixels make huge logits), that is the cause and
+the high loss is not reported again.
 
 Cost: a few staged scalars on the first steps, then one integer comparison per
 cross-entropy call.
@@ -76,8 +78,8 @@ class InitLossHigh(Check):
         self._done = True
         vals = [(v, c, s) for v, c, s in self._vals if v == v]  # NaN is the nonfinite check's business
         self._vals = []
-        if not vals:
-            return
+        if not vals or any(f.kind == "input-not-normalized" for f in self.g.findings):
+            return  # raw 0-255 inputs already reported: the high loss is their symptom, not a second cause
         low, c, src = min(vals, key=lambda e: e[0] / math.log(e[1]))
         ref = math.log(c)
         if not (low > RATIO * ref and low > ref + MARGIN) or low == float("inf"):
