@@ -22,7 +22,7 @@ from guard import guard  # noqa: E402
 
 MINE = ["module-not-registered", "train-in-eval-mode", "loss-shape-broadcast", "zero-grad-before-step",
         "loss-disconnected", "init-loss-high"]
-DEV = "cuda"
+DEV = os.environ.get("GUARD_BENCH_DEVICE", "cuda")
 
 
 def model():
@@ -39,13 +39,15 @@ def syncs_per_step(checks, steps=20):
         for i in range(steps):
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
+                if DEV == "cuda":
+                    torch.cuda.set_sync_debug_mode("warn")
                 out = m(x)
                 loss = F.cross_entropy(out, y) + 0.1 * F.mse_loss(out.mean(dim=1, keepdim=True), t)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                torch.cuda.set_sync_debug_mode("default")
+                if DEV == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
             counts.append(sum("synchroniz" in str(x.message) for x in w))
     return counts, g
 
@@ -100,8 +102,7 @@ def bugs():
 
 
 def main():
-    assert torch.cuda.is_available(), "needs a CUDA device"
-    print(torch.__version__, torch.cuda.get_device_name())
+    print(torch.__version__, torch.cuda.get_device_name() if DEV == "cuda" else DEV)
     for name, checks in (("default", ["default"]), ("default without the six", ["default"] + [f"-{c}" for c in MINE]),
                          ("only the six", MINE)):
         counts, g = syncs_per_step(checks)
