@@ -1,0 +1,136 @@
+"""A loss disconnected from the model: the tensor passed to ``backward()`` reaches no parameter of the optimizer.
+
+``loss = torch.tensor(loss.item(), requires_grad=True)`` (a common "fix" for
+"element 0 of tensors does not require grad"), a loss computed from ``.detach()``ed,
+``.numpy()``-round-tripped or ``.data`` outputs wrapped in a new tensor with
+``requires_grad=True``: ``backward()`` runs without an error, the optimizer steps,
+and nothing learns.
+
+At each ``backward()`` (on sampled steps) the autograd graph is walked from the
+back-propagated tensors to their leaves (``AccumulateGrad`` nodes), stopping at the
+first ``nn.Parameter``: a healthy loss meets one within a few nodes. A walk that finds
+none keeps the leaves it did reach, and at the next optimizer step they are compared
+with the parameters of every optimizer seen: when none of them is held by an
+optimizer, the loss is disconnected. A loss that trains only a head, a GAN's
+discriminator loss (it reaches the discriminator's parameters, whichever optimizer
+holds them), and optimizing a plain tensor (style transfer: ``LBFGS([image])``) stay
+silent; without any optimizer (a manual update) nothing is judged.
+
+Cost: a graph walk per ``backward()`` that stops at the first parameter (a handful of
+nodes on a healthy loss); host only, no device values. Nothing per module call.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .base import Check
+
+MAX_NODES = 20_000
+MAX_LEAVES = 16
+
+
+def _leaves(roots: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+    """Leaf tensors the graph behind `roots` accumulates into; None as soon as one is an nn.Parameter."""
+    found: List[torch.Tensor] = []
+    stack: List[Any] = []
+    for t in roots:
+        if t.grad_fn is None:
+            if isinstance(t, nn.Parameter):
+                return None
+            if t.requires_grad:
+                found.append(t)  # backward() on a leaf: it accumulates into itself only
+        else:
+            stack.append(t.grad_fn)
+    seen = set()
+    keep = []  # node objects stay alive during the walk, so ids stay unique
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        if len(seen) > MAX_NODES:
+            return None  # too large to judge: assume connected
+        try:
+            nxt = node.next_functions
+        except Exception:
+            continue
+        for child, _ in nxt:
+            if child is None:
+                continue
+            var = getattr(child, "variable", None)
+            if var is not None:
+                if isinstance(var, nn.Parameter):
+                    return None
+                if len(found) < MAX_LEAVES and all(v is not var for v in found):
+                    found.append(var)
+            elif id(child) not in seen:
+                stack.append(child)
+    return found
+
+
+class LossDisconnected(Check):
+    name = "loss-disconnected"
+    kinds = {"loss-disconnected": ("error", "the tensor passed to backward() reaches none of the optimizer's parameters")}
+    description = "the tensor passed to backward() reaches none of the optimizer's parameters (torch.tensor(loss.item(), requires_grad=True), detached outputs)"
+
+    def watches(self, module) -> bool:
+        return False
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        # backwards of this step that reached no nn.Parameter: (leaf refs, leaf descriptions, source, step, shape)
+        self._pending: List[Tuple[List[weakref.ref], List[str], Optional[str], int, List[int]]] = []
+        self._done = False
+
+    def on_backward(self, tensors, kwargs):
+        if self._done or not self.g.sampling or len(self._pending) >= 8:
+            return
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or ()) if isinstance(t, torch.Tensor)]
+        if not ts:
+            return
+        leaves = _leaves(ts)
+        if leaves is None:
+            return
+        descr = [f"{'the loss itself' if any(l is t for t in ts) else 'a tensor'} {list(l.shape)} "
+                 f"({'a leaf made with requires_grad=True' if l.grad_fn is None else type(l.grad_fn).__name__})"
+                 for l in leaves]
+        self._pending.append(([weakref.ref(l) for l in leaves], descr, self.g.root_source, self.g.step,
+                              list(ts[0].shape)))
+
+    def on_step_pre(self, optimizer):
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        held |= {id(p) for grp in optimizer.param_groups for p in grp["params"]}
+        for refs, descr, src, step, shape in pending:
+            if any(id(l) in held for r in refs if (l := r()) is not None):
+                continue  # it trains a plain tensor an optimizer holds (style transfer)
+            self._emit(optimizer, descr, src, step, shape)
+            self._done = True  # a code property: reported once, then no more walks
+            return
+
+    def _emit(self, optimizer, descr: List[str], src: Optional[str], step: int, shape: List[int]) -> None:
+        opt = type(optimizer).__name__
+        if not descr:
+            reaches = "nothing that requires a gradient"
+        elif len(descr) == 1 and descr[0].startswith("the loss itself"):
+            reaches = ("only itself: it is a new leaf tensor made with requires_grad=True (such as "
+                       "torch.tensor(loss.item(), requires_grad=True)), cut off from the model")
+        else:
+            reaches = (f"only {len(descr)} tensor(s) that are not parameters: {'; '.join(descr[:4])}"
+                       + (" ..." if len(descr) > 4 else "") + " (the graph was cut by .detach(), .item(), "
+                       ".numpy() or .data and restarted with requires_grad=True)")
+        message = (f"the tensor passed to backward() (shape {shape}, at {src}) reaches no parameter of {opt} "
+                   f"or any other optimizer: it reaches {reaches}; backward() computes no gradient for the model "
+                   f"and {opt}.step() changes nothing")
+        hint = ("Compute the loss from the model's outputs without leaving autograd: no .item(), .detach(), "
+                ".numpy() or .data on the way, and no torch.tensor(..., requires_grad=True) around the loss; use "
+                "loss.item() only for logging.")
+        self.emit("loss-disconnected", "loss", message, hint, step=step, source=src,
+                  details={"reaches": descr[:MAX_LEAVES], "optimizer": opt, "loss_shape": shape})

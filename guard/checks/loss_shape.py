@@ -1,0 +1,89 @@
+"""Loss shape broadcast: a regression/BCE loss given input and target of different shapes that broadcast.
+
+``F.mse_loss(out, y)`` with ``out`` of shape ``[N, 1]`` and ``y`` of shape ``[N]``
+broadcasts to ``[N, N]``: every prediction is compared with every target, the loss
+is minimised by predicting the mean, and PyTorch only prints a UserWarning that is
+easy to miss. Observed through declared patches of ``torch.nn.functional``'s
+``mse_loss``, ``l1_loss``, ``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy``
+and ``binary_cross_entropy_with_logits`` (``nn.MSELoss``, ``nn.L1Loss``, ... call them).
+
+Reported when the broadcast shape differs from the input's: the input is replicated
+against targets it was never meant to meet. A target that broadcasts *into* the
+input's shape (a scalar or a per-feature constant target) pairs each prediction with
+one target value and is left alone, as is a single prediction (``numel() == 1``) fitted to many
+targets, and equal shapes (a deliberate
+``target.expand_as(input)`` included) and the ``weight``/``pos_weight`` arguments.
+(The BCE forms raise a ValueError on any size mismatch; guard names the fix first.)
+
+Cost: a shape comparison on the host per loss call; no device work.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+
+from .base import Check
+
+_FNS = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+        "binary_cross_entropy_with_logits")
+
+
+def _broadcast(a: torch.Size, b: torch.Size) -> Optional[List[int]]:
+    try:
+        return list(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        return None
+
+
+class LossShapeBroadcast(Check):
+    name = "loss-shape-broadcast"
+    kinds = {"loss-shape-broadcast": ("error", "a regression/BCE loss gets input and target shapes that broadcast")}
+    description = "mse/l1/smooth_l1/huber/BCE with input and target shapes that broadcast ([N, 1] vs [N] gives [N, N])"
+    patches = {f"shape_{fn}": f"torch.nn.functional.{fn}" for fn in _FNS}
+
+    def _look(self, fn: str, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs.get("input")
+        t = args[1] if len(args) > 1 else kwargs.get("target")
+        if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor):
+            return
+        xs, ts = x.shape, t.shape
+        if xs == ts or x.numel() == 1:
+            return  # a single prediction against many targets is an explicit fit of a constant
+        out = _broadcast(xs, ts)
+        if out is None or out == list(xs):
+            return  # not broadcastable (PyTorch raises itself), or the target fits into the input's shape
+        self._emit(fn, list(xs), list(ts), out)
+
+    def _emit(self, fn: str, xs: List[int], ts: List[int], out: List[int]) -> None:
+        n_in = 1
+        for d in xs:
+            n_in *= d
+        n_out = 1
+        for d in out:
+            n_out *= d
+        if len(xs) == len(ts) + 1 and xs[-1] == 1:
+            fix = "target.view_as(input) (or input.squeeze(-1))"
+        elif len(ts) == len(xs) + 1 and ts[-1] == 1:
+            fix = "target.squeeze(-1) (or input.view_as(target), or input.unsqueeze(-1))"
+        else:
+            fix = "target.view_as(input) (make the shapes equal)"
+        raises = fn.startswith("binary_cross_entropy")
+        message = (f"{fn}() got input {xs} and target {ts}: they broadcast to {out} ({n_out:,} pairs for {n_in:,} "
+                   f"predictions), so every prediction is compared with every target and the model learns the "
+                   f"mean" + (" (PyTorch raises a ValueError for this loss)" if raises else
+                              "; PyTorch only warns and computes it"))
+        hint = f"Give input and target the same shape: {fix}."
+        self.emit("loss-shape-broadcast", "loss", message, hint, source=self.g.source(),
+                  details={"loss": fn, "input_shape": xs, "target_shape": ts, "broadcast_shape": out})
+
+
+def _handler(fn: str):
+    def on_call(self, args: tuple, kwargs: dict) -> None:
+        self._look(fn, args, kwargs)
+    on_call.__name__ = f"on_shape_{fn}"
+    return on_call
+
+
+for _fn in _FNS:
+    setattr(LossShapeBroadcast, f"on_shape_{_fn}", _handler(_fn))

@@ -1,0 +1,120 @@
+"""Training in eval mode: optimizer steps while the model's dropout/BatchNorm modules are in eval mode.
+
+The classic: ``model.eval()`` for validation at the end of an epoch and no
+``model.train()`` before the next one, so from then on dropout is off and
+BatchNorm normalises with frozen running statistics. Training goes on without
+an error, with less regularisation and stale statistics.
+
+What counts: the last grad-enabled call of a root model before an optimizer step
+was made with the root in eval mode (``model.training`` False) while it holds
+Dropout (``p > 0``) or BatchNorm (tracking running statistics) modules in eval mode.
+Frozen BatchNorm on purpose (``bn.eval()`` on the BatchNorm layers while the model
+trains) leaves the root in training mode and stays silent, as do models without
+dropout/BatchNorm. ``Module.train`` is watched through a declared patch, so the
+finding names where ``.eval()`` (or ``.train(False)``) was called. To silence it for
+a model trained in eval mode on purpose, set ``model.guard_eval_mode_ok = True``.
+
+Cost: one ``is_grad_enabled()`` and one attribute read per root model call; at each
+optimizer step, nothing unless that call was in eval mode. Nothing per module call.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .base import Check
+from .eval_train_mode import _sensitive
+
+MAX_NAMED = 4
+OPT_OUT = "guard_eval_mode_ok"
+
+
+class TrainInEvalMode(Check):
+    name = "train-in-eval-mode"
+    kinds = {"train-in-eval-mode": ("warning", "optimizer steps while dropout/BatchNorm modules are in eval mode")}
+    description = "optimizer steps with dropout/BatchNorm in eval mode (model.eval() for validation, no model.train() after)"
+    patches = {"module_train": "torch.nn.Module.train"}
+
+    def watches(self, module) -> bool:
+        return False  # root model calls only
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._mods: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+        # root -> (step, source) of the latest .eval() / .train(False) call on it
+        self._eval_at: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, Optional[str]]]" = weakref.WeakKeyDictionary()
+        # roots whose last grad-enabled call was in eval mode: root -> source of that call
+        self._eval_calls: "weakref.WeakKeyDictionary[nn.Module, Optional[str]]" = weakref.WeakKeyDictionary()
+        self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+    def on_module_train(self, args, kwargs):
+        if not args:
+            return
+        mode = args[1] if len(args) > 1 else kwargs.get("mode", True)
+        if not mode and isinstance(args[0], nn.Module):
+            # Module.train recurses into children: the root's entry is the one read (any module may be a root)
+            self._eval_at[args[0]] = (self.g.step, self.g.source())
+
+    def on_forward(self, module, path, args, kwargs, output, is_root):
+        if not is_root:
+            return
+        if module not in self._roots:
+            self._roots.add(module)
+            if not module.training and module not in self._eval_at:
+                self._eval_at[module] = (self.g.step, None)  # in eval mode before the guard started
+        if not torch.is_grad_enabled():
+            return
+        if module.training:
+            self._eval_calls.pop(module, None)
+        elif module not in self._reported:
+            self._eval_calls[module] = self.g.root_source
+
+    def on_step_pre(self, optimizer):
+        if not self._eval_calls:
+            return
+        for model, call_src in list(self._eval_calls.items()):
+            del self._eval_calls[model]
+            if model in self._reported or model.training or getattr(model, OPT_OUT, False):
+                continue
+            if not self._trains(model, optimizer):
+                continue
+            mods = self._mods.get(model)
+            if mods is None:
+                mods = self._mods[model] = _sensitive(model)
+            off = [(n, m) for n, r in mods if (m := r()) is not None and not m.training]
+            if off:
+                self._emit(model, off, call_src)
+
+    def _trains(self, model: nn.Module, optimizer) -> bool:
+        """Whether `optimizer` holds a parameter of `model` (a step of another network says nothing)."""
+        ids = {id(p) for grp in optimizer.param_groups for p in grp["params"]}
+        return any(id(p) in ids for p in model.parameters())
+
+    def _emit(self, model: nn.Module, off: List[Tuple[str, nn.Module]], call_src: Optional[str]) -> None:
+        self._reported.add(model)
+        path = self.g.path_of(model)
+        step = self.g.step
+        since, eval_src = self._eval_at.get(model, (None, None))
+        shown = ", ".join(f"{n} ({type(m).__name__})" for n, m in off[:MAX_NAMED])
+        more = f" and {len(off) - MAX_NAMED} more" if len(off) > MAX_NAMED else ""
+        effects = []
+        types = [type(m).__name__ for _, m in off]
+        if any("Dropout" in t for t in types):
+            effects.append("dropout is off (no regularisation)")
+        if any("Norm" in t for t in types):
+            effects.append("BatchNorm normalises with its frozen running statistics and stops updating them")
+        where_eval = (f"{path}.eval() was called at {eval_src} (before step {since})" if eval_src
+                      else f"{path} was already in eval mode when guard started" if since is not None
+                      else f"{path} is in eval mode")
+        message = (f"optimizer step {step} trains {path} in eval mode: {where_eval} and no {path}.train() "
+                   f"followed before the training forward ({call_src}); {len(off)} module(s) act as in "
+                   f"evaluation: {shown}{more}; {' and '.join(effects)}")
+        hint = ("Call model.train() at the start of every training epoch (after validation, which calls "
+                "model.eval()). If training in eval mode is deliberate, set `model.guard_eval_mode_ok = True`.")
+        self.emit("train-in-eval-mode", path, message, hint, step=step, source=eval_src or call_src,
+                  details={"eval_step": since, "eval_source": eval_src, "forward_source": call_src,
+                           "modules": [n for n, _ in off[:20]], "types": types[:20], "count": len(off)})

@@ -1,0 +1,450 @@
+"""Issue 16 (part A): module-not-registered, train-in-eval-mode, loss-shape-broadcast, zero-grad-before-step,
+loss-disconnected, init-loss-high. Each: the demo's bug, its --fixed twin, and the healthy patterns the issue lists."""
+import inspect
+import math
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from demos import (init_loss_high, loss_disconnected, loss_shape_broadcast, module_not_registered,
+                   train_in_eval_mode, zero_grad_before_step)
+from guard import GuardError, guard
+
+def kinds(g):
+    return [f.kind for f in g.findings]
+
+
+def only(g, kind):
+    return [f for f in g.findings if f.kind == kind]
+
+
+def line_of(obj, needle):
+    """``file:line`` of the first source line of `obj` (module, class or function) containing `needle`."""
+    lines, start = inspect.getsourcelines(obj)
+    if inspect.ismodule(obj):
+        start = 1
+    for i, text in enumerate(lines):
+        if needle in text:
+            return f"{os.path.relpath(inspect.getsourcefile(obj))}:{start + i}"
+    raise AssertionError(needle)
+
+
+def mlp(out=1):
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, out))
+
+
+@pytest.mark.parametrize("demo", [module_not_registered, train_in_eval_mode, loss_shape_broadcast,
+                                  zero_grad_before_step, loss_disconnected, init_loss_high])
+def test_fixed_twins_are_silent_under_all_checks(demo):
+    g = demo.train(fixed=True, checks="all", live=False)
+    assert g.findings == [] and g.internal_errors == []
+
+
+# --------------------------------------------------------------------------- module-not-registered
+
+def test_module_list_demo_names_attribute_container_and_fix():
+    g = module_not_registered.train(live=False)
+    assert kinds(g) == ["module-not-registered"]
+    f = g.findings[0]
+    assert f.severity == "error" and f.where == "hidden" and f.step == 0
+    assert f.source == line_of(module_not_registered.MLP, "self.hidden = layers")
+    assert "plain Python list holding 3 module(s) (Linear; 3,168 parameters)" in f.message
+    assert "state_dict()" in f.message and "never updated" in f.message
+    assert "nn.ModuleList" in f.hint and "self.hidden" in f.hint
+    assert f.details["container"] == "list" and f.details["modules"] == 3 and f.details["untrained_tensors"] == 6
+
+
+class DictHeads(nn.Module):
+    def __init__(self, container):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        heads = {"a": nn.Linear(16, 1), "b": nn.Linear(16, 1)}
+        self.heads = heads if container == "dict" else tuple(heads.values())
+
+    def forward(self, x):
+        h = self.body(x)
+        heads = self.heads.values() if isinstance(self.heads, dict) else self.heads
+        return sum(head(h) for head in heads)
+
+
+def train_steps(model, steps=3, g_opts=None, use_model=True, opt=None):
+    opt = opt or torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    with guard(model if use_model else None, opt if use_model else None, live=False,
+               **(g_opts or {})) as g:
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("container,fix", [("dict", "nn.ModuleDict"), ("tuple", "nn.ModuleList")])
+def test_module_dict_and_tuple_are_found(container, fix):
+    g = train_steps(DictHeads(container))
+    [f] = only(g, "module-not-registered")
+    assert f.where == "heads" and f.details["container"] == container and f.details["modules"] == 2
+    assert fix in f.hint and f"plain Python {container}" in f.message
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = [nn.Linear(8, 8), nn.Linear(8, 8)]
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_nested_attribute_in_global_mode():
+    model = nn.Sequential(Encoder(), nn.Linear(8, 1))
+    g = train_steps(model, use_model=False, g_opts={"checks": ["module-not-registered"]})
+    [f] = g.findings
+    assert f.where == "0.blocks" and f.details["model"] == "Sequential"
+    assert f.source == line_of(Encoder, "self.blocks =")
+
+
+def test_raise_mode_stops_at_the_first_step():
+    model = module_not_registered.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(GuardError) as ei:
+        with guard(model, opt, mode="raise", live=False):
+            F.mse_loss(model(torch.randn(4, 10)), torch.randn(4, 1)).backward()
+            opt.step()
+    assert ei.value.finding.kind == "module-not-registered"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # stopped before the update
+
+
+class HealthyContainers(nn.Module):
+    """Registered lists aliased by plain lists, lists of functions and tensors, a shared module, a frozen teacher."""
+
+    def __init__(self, shared):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.order = list(self.layers)  # the same modules, also registered
+        self.by_name = {"first": self.layers[0]}
+        self.acts = [torch.relu, F.gelu]  # plain functions
+        self.scales = [torch.ones(8), torch.full((8,), 0.5)]  # plain tensors
+        self.enc = nn.Sequential(shared, nn.ReLU())
+        self.dec = nn.Sequential(shared, nn.ReLU())  # shared on purpose between two registered parents
+        teacher = nn.Linear(8, 8).requires_grad_(False)
+        self._teacher = [teacher]  # hidden on purpose from parameters()/state_dict(); never trained
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for layer, act, s in zip(self.order, self.acts, self.scales):
+            x = act(layer(x)) * s
+        with torch.no_grad():
+            t = self._teacher[0](x)
+        return self.out(self.dec(self.enc(x)) + 0 * t)
+
+
+def test_healthy_module_containers_are_silent_in_model_and_global_mode():
+    model = HealthyContainers(nn.Linear(8, 8))
+    assert train_steps(model, g_opts={"checks": "all"}).findings == []
+    assert train_steps(model, use_model=False, g_opts={"checks": "all"}).findings == []
+
+
+def test_unregistered_modules_wired_into_the_optimizer_by_hand_are_left_alone():
+    model = module_not_registered.MLP()
+    params = list(model.parameters()) + [p for m in model.hidden for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.01)
+    with guard(model, opt, live=False, checks=["module-not-registered"]) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(4, 10)), torch.randn(4, 1)).backward()
+            opt.step()
+    assert g.findings == []
+
+
+# --------------------------------------------------------------------------- train-in-eval-mode
+
+def test_train_in_eval_mode_demo_names_step_and_eval_line():
+    g = train_in_eval_mode.train(live=False)
+    assert kinds(g) == ["train-in-eval-mode"]
+    f = g.findings[0]
+    assert f.severity == "warning" and f.where == "Sequential" and f.step == 4  # 4 steps per epoch
+    src = line_of(train_in_eval_mode, "model.eval()  # validation")
+    assert f.source == src and f.details["eval_source"] == src and f.details["eval_step"] == 4
+    assert f"Sequential.eval() was called at {src}" in f.message and "1 (BatchNorm1d), 3 (Dropout)" in f.message
+    assert "model.train()" in f.hint
+
+
+def test_model_in_eval_mode_from_the_start_is_reported_at_step_0():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 1))
+    model.eval()  # e.g. a pretrained model loaded in eval mode, fine-tuned without model.train()
+    g = train_steps(model, g_opts={"checks": ["train-in-eval-mode"]})
+    [f] = g.findings
+    assert f.step == 0 and "already in eval mode when guard started" in f.message and "2 (Dropout)" not in f.message
+    assert f.details["modules"] == ["1"]
+
+
+def test_train_in_eval_mode_in_global_mode():
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(live=False, checks=["train-in-eval-mode"]) as g:
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            if step == 1:
+                model.eval()
+    [f] = g.findings
+    assert f.step == 2 and f.details["eval_step"] == 2 and f.details["types"] == ["BatchNorm1d"]
+
+
+def test_frozen_batchnorm_models_without_dropout_and_eval_then_train_are_silent():
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Linear(16, 1))
+    model.train()
+    model[1].eval()  # frozen BatchNorm on purpose
+    assert train_steps(model, g_opts={"checks": "all"}).findings == []
+    plain = mlp().eval()  # no dropout/BatchNorm: eval mode changes nothing
+    assert train_steps(plain, g_opts={"checks": "all"}).findings == []
+    optout = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1)).eval()
+    optout.guard_eval_mode_ok = True
+    assert train_steps(optout, g_opts={"checks": ["train-in-eval-mode"]}).findings == []
+
+
+# --------------------------------------------------------------------------- loss-shape-broadcast
+
+def test_loss_shape_demo_names_both_shapes_and_the_fix():
+    g = loss_shape_broadcast.train(live=False)
+    assert kinds(g) == ["loss-shape-broadcast"]
+    f = g.findings[0]
+    assert f.severity == "error" and f.where == "loss" and f.step == 0 and f.count == 6
+    assert "input [64, 1] and target [64]: they broadcast to [64, 64]" in f.message
+    assert "target.view_as(input)" in f.hint and "squeeze(-1)" in f.hint
+    assert f.source == line_of(loss_shape_broadcast, "loss = nn.functional.mse_loss")
+
+
+@pytest.mark.parametrize("loss", [nn.MSELoss(), nn.L1Loss(), nn.SmoothL1Loss(), nn.HuberLoss(),
+                                  "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"])
+def test_regression_losses_target_with_extra_dim(loss):
+    model = mlp()
+    if isinstance(loss, str):
+        loss = lambda x, y, name=loss: getattr(F, name)(x, y)  # looked up at call time, as user code does
+    with guard(model, checks=["loss-shape-broadcast"], live=False) as g, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss(model(torch.randn(5, 8)).squeeze(-1), torch.randn(5, 1)).backward()
+    [f] = g.findings
+    assert f.details["input_shape"] == [5] and f.details["target_shape"] == [5, 1]
+    assert f.details["broadcast_shape"] == [5, 5] and "target.squeeze(-1)" in f.hint
+
+
+@pytest.mark.parametrize("loss", [nn.BCEWithLogitsLoss(), nn.BCELoss()])
+def test_bce_mismatch_is_named_before_pytorchs_value_error(loss):
+    model = nn.Sequential(mlp(), nn.Sigmoid())
+    with guard(model, checks=["loss-shape-broadcast"], live=False) as g:
+        with pytest.raises(ValueError):
+            loss(model(torch.randn(6, 8)), torch.rand(6))
+    [f] = g.findings
+    assert f.details["broadcast_shape"] == [6, 6] and "raises a ValueError" in f.message
+
+
+def test_healthy_loss_shapes_are_silent():
+    model = mlp()
+    with guard(model, checks="all", live=False) as g, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(torch.randn(6, 8))
+        y = torch.randn(6, 1)
+        losses = [
+            F.mse_loss(out, y),  # equal shapes
+            F.binary_cross_entropy_with_logits(out, y.sigmoid(), weight=torch.tensor(2.0)),  # a scalar weight
+            F.mse_loss(out, torch.randn(1, 1).expand_as(out)),  # a deliberate expand to the same shape
+            F.l1_loss(out, torch.tensor(0.0)),  # a scalar target: one value for every prediction
+            F.binary_cross_entropy_with_logits(out, y.sigmoid(), pos_weight=torch.tensor([3.0])),
+        ]
+        sum(losses).backward()
+    assert g.findings == []
+
+
+# --------------------------------------------------------------------------- zero-grad-before-step
+
+def test_zero_grad_demo_names_the_three_lines():
+    g = zero_grad_before_step.train(live=False)
+    assert kinds(g) == ["zero-grad-before-step"]
+    f = g.findings[0]
+    assert f.severity == "error" and f.where == "Adam" and f.step == 0 and f.count == 6
+    zero = line_of(zero_grad_before_step, "optimizer.zero_grad()  # wipes")
+    back = line_of(zero_grad_before_step, "loss.backward()")
+    assert f.source == line_of(zero_grad_before_step, "optimizer.step()")
+    assert f"zero_grad() ({zero}), which came after backward() ({back})" in f.message
+    assert "every gradient is None" in f.message and f.details["grads"] == "None"
+    assert "zero_grad(); loss.backward(); optimizer.step()" in f.hint
+
+
+@pytest.mark.parametrize("how", ["set_to_none=False", "model.zero_grad()"])
+def test_zero_grad_with_zeros_and_through_the_module(how):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(3):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            if how == "model.zero_grad()":
+                model.zero_grad()
+            else:
+                opt.zero_grad(set_to_none=False)
+            opt.step()
+    f = only(g, "zero-grad-before-step")[0]
+    assert f.step == 0 and f.where == "SGD"
+    assert f.details["grads"] == ("zero" if how == "set_to_none=False" else "None")
+
+
+def test_zero_grad_raise_mode_stops_at_the_step():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GuardError) as ei:
+        with guard(model, opt, mode="raise", live=False):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.zero_grad()
+            opt.step()
+    assert ei.value.finding.kind == "zero-grad-before-step"
+
+
+def test_healthy_zero_grad_orders_are_silent():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def before(i, x):  # zero_grad before backward
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    def after(i, x):  # zero_grad after step
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def accumulate(i, x):  # accumulation over 2 micro-batches, zeroing after its step
+        (model(x).pow(2).mean() / 2).backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+
+    for pattern in (before, after, accumulate):
+        opt.zero_grad()
+        with guard(model, opt, checks="all", live=False) as g:
+            for i in range(6):
+                pattern(i, torch.randn(4, 8))
+        assert g.findings == [], pattern.__name__
+
+
+def test_partial_zero_grad_and_gradient_surgery_are_silent():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, checks=["zero-grad-before-step"], live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            model[0].zero_grad()  # drop one layer's update on purpose
+            opt.step()
+        for _ in range(3):  # gradient surgery: per-task gradients merged by hand after zero_grad()
+            grads = []
+            for task in range(2):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            opt.zero_grad()
+            for p, g0, g1 in zip(model.parameters(), *grads):
+                p.grad = (g0 + g1) / 2
+            opt.step()
+    assert g.findings == []
+
+
+# --------------------------------------------------------------------------- loss-disconnected
+
+def test_loss_disconnected_demo():
+    g = loss_disconnected.train(live=False)
+    f = only(g, "loss-disconnected")[0]
+    assert f.severity == "error" and f.where == "loss" and f.step == 0
+    assert f.source == line_of(loss_disconnected, "loss.backward()")
+    assert "reaches no parameter of SGD" in f.message and "only itself" in f.message
+    assert "torch.tensor(loss.item(), requires_grad=True)" in f.message and ".item()" in f.hint
+
+
+def test_numpy_round_trip_names_the_tensor_it_reaches_in_global_mode():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(checks=["loss-disconnected"], live=False) as g:
+        for _ in range(2):
+            opt.zero_grad()
+            pred = torch.tensor(model(torch.randn(5, 8)).detach().numpy(), requires_grad=True)
+            F.mse_loss(pred, torch.randn(5, 1)).backward()
+            opt.step()
+    [f] = g.findings
+    assert "only 1 tensor(s) that are not parameters: a tensor [5, 1] (a leaf made with requires_grad=True)" \
+        in f.message
+    assert f.details["reaches"] == ["a tensor [5, 1] (a leaf made with requires_grad=True)"]
+
+
+def test_head_only_loss_gan_style_transfer_and_manual_sgd_are_silent():
+    from tests.healthy import gan_detach
+
+    g, _ = gan_detach.train(checks=["loss-disconnected"], live=False)
+    assert g.findings == []
+    body, head = mlp(16), nn.Linear(16, 3)
+    opt = torch.optim.Adam(list(body.parameters()) + list(head.parameters()), lr=1e-3)
+    with guard([body, head], opt, checks="all", live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            feats = body(torch.randn(8, 8))
+            F.cross_entropy(head(feats.detach()), torch.randint(0, 3, (8,))).backward()  # trains only the head
+            feats.pow(2).mean().backward()
+            opt.step()
+    assert g.findings == []
+    frozen = mlp().requires_grad_(False)
+    image = torch.randn(4, 8, requires_grad=True)
+    opt = torch.optim.SGD([image], lr=0.1)  # optimizing a plain tensor: style transfer, adversarial inputs
+    with guard(checks=["loss-disconnected"], live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            frozen(image).pow(2).mean().backward()
+            opt.step()
+    assert g.findings == []
+    from tests.healthy import no_optimizer_manual_sgd
+
+    g, _ = no_optimizer_manual_sgd.train(checks=["loss-disconnected"], live=False)
+    assert g.findings == []
+
+
+# --------------------------------------------------------------------------- init-loss-high
+
+def test_init_loss_demo_compares_with_log_c():
+    g = init_loss_high.train(live=False)
+    assert kinds(g) == ["init-loss-high"]
+    f = g.findings[0]
+    assert f.severity == "info" and f.where == "loss" and f.step == 0
+    assert f.details["classes"] == 10 and f.details["calls"] == 3
+    assert f.details["log_c"] == pytest.approx(math.log(10)) and f.details["ratio"] > 3
+    assert f"log(C) = {math.log(10):.3g} for C=10 classes" in f.message and "Verify the loss at init" in f.hint
+    assert f.source == line_of(init_loss_high, "loss = criterion(model(x), y)")
+
+
+def test_init_loss_silent_for_label_smoothing_class_weights_and_a_trained_model():
+    torch.manual_seed(0)
+    model = mlp(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = torch.randn(64, 8), torch.randint(0, 5, (64,))
+    for _ in range(200):  # a trained model, resumed under guard: loss below log(C)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(4):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y, label_smoothing=0.1, weight=torch.rand(5) + 0.5).backward()
+            opt.step()
+    assert g.findings == []
+
+
+def test_init_loss_judged_at_exit_when_fewer_steps_ran():
+    g = init_loss_high.train(steps=1, live=False)
+    [f] = g.findings
+    assert f.details["calls"] == 1 and f.step == 0
