@@ -33,6 +33,14 @@ KINDS: Dict[str, tuple] = {
     "input-not-normalized": (INFO, "image-like input far from normalized"),
     "state-dict-mismatch": (ERROR, "load_state_dict keys differ"),
     "explained-error": (ERROR, "a cryptic PyTorch error escaped the guarded block"),
+    # checksB (issue 16 / 19.5)
+    "dropout-in-eval": (WARNING, "F.dropout without training=self.training: dropout stays on in model.eval()"),
+    "unshuffled-labels": (WARNING, "training batches each hold one class (dataset sorted by label, shuffle=False)"),
+    "clip-before-unscale": (ERROR, "gradient clipping on still-scaled gradients (no scaler.unscale_ before it)"),
+    "params-not-updating": (WARNING, "parameters with non-zero gradients do not change for many steps"),
+    "vanishing-gradients": (WARNING, "the first layers' gradient norms are tiny next to the last ones' for many steps"),
+    "grads-all-zero": (WARNING, "every gradient the optimizer applies has been exactly zero for several steps"),
+    "loss-constant": (ERROR, "the loss cannot change, e.g. cross_entropy over a single class (C = 1)"),
 }
 
 
