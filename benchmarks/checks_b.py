@@ -47,39 +47,77 @@ class Net(nn.Module):
         return self.out(h)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=20)
-    args = ap.parse_args()
+BASE = ["default"] + [f"-{c}" for c in MINE]
+CONFIGS = {"unguarded": None, "base": BASE}
+CONFIGS.update({f"base + {c}": BASE + [c] for c in MINE})
+CONFIGS["default"] = ["default"]
+
+
+def setup():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(4096, 32), torch.randint(0, 10, (4096,)))
-    base = ["default"] + [f"-{c}" for c in MINE]
-    configs = {"unguarded": None, "base": base}
-    configs.update({f"base + {c}": base + [c] for c in MINE})
-    configs["default"] = ["default"]
-    names = list(configs)
-    times = {n: [] for n in names}
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu")
     loader = DataLoader(data, batch_size=32, shuffle=False)
 
+    def one(it):
+        x, y = next(it)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    def ctx(checks):
+        return guard(model, opt, checks=checks, live=False, mode="record") if checks is not None else _null()
+
+    return loader, one, ctx
+
+
+def cue(conf: str, steps: int, prefix: str) -> None:
+    """For checks_b_instructions.sh: warm up, then run `steps` steps between the .go and .done files."""
+    loader, one, ctx = setup()
+
+    def wait(suffix):
+        while not os.path.exists(prefix + suffix):
+            time.sleep(0.05)
+
+    with ctx(CONFIGS[conf]):
+        it = iter(loader)
+        for _ in range(4):
+            one(it)
+        open(prefix + ".ready", "w").close()
+        wait(".go")
+        for _ in range(steps):
+            one(it)
+        open(prefix + ".done", "w").close()
+        wait(".stop")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--cue", nargs=2, metavar=("CONFIG", "PREFIX"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.cue:
+        return cue(args.cue[0], args.steps, args.cue[1])
+    configs = CONFIGS
+    names = list(configs)
+    times = {n: [] for n in names}
+    loader, one, ctx = setup()
+
     def block(n_steps, checks):
         out = []
-        with (guard(model, opt, checks=checks, live=False) if checks is not None else _null()):
+        with ctx(checks):
             it = iter(loader)
             for i in range(n_steps):
                 t0 = time.thread_time_ns()
-                x, y = next(it)
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                scaler.step(opt)
-                scaler.update()
+                one(it)
                 dt = time.thread_time_ns() - t0
                 if i >= 3:
                     out.append(dt / 1e3)
