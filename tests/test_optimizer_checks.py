@@ -351,11 +351,11 @@ def test_all_zero_gradients_for_the_whole_model_mean_training_stopped():
             opt.zero_grad()
             nn.functional.mse_loss(model(x).round(), y).backward()  # round() has zero gradient everywhere
             opt.step()
-    f = only(g, "grad-explosion")
-    assert f.severity == "info" and f.where == "loss" and f.step == 0
-    assert f.details["all_zero"] is True and f.details["steps"] == 5
+    f = only(g, "grads-all-zero")  # its own kind since issue 19 item 5 (was grad-explosion info)
+    assert f.severity == "warning" and f.where == "loss" and f.step == 0
+    assert f.details["steps"] == 5 and f.details["cause"] is None
     assert "training has stopped" in f.message
-    assert kinds(g) == ["grad-explosion"]
+    assert kinds(g) == ["grads-all-zero"]
 
 
 # ---------------------------------------------------------------- AMP GradScaler

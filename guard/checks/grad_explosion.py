@@ -1,4 +1,4 @@
-"""Gradient explosion (total norm far above its running level) and gradients that vanished entirely.
+"""Gradient explosion: the total norm far above its running level.
 
 Per sampled step and optimizer: the total gradient norm from the shared, fused
 ``g.grad_norms(opt)`` (no extra reduction), staged and read with the step's
@@ -6,11 +6,8 @@ other values. Host side, a window of the last `WINDOW` finite, non-zero totals:
 after `WARMUP` steps a total above ``FACTOR`` x the window's median fires; the
 per-parameter norms are read (one sync) only then, to name the largest.
 
-All-zero gradients for the whole optimizer for `ZERO_STEPS` sampled steps in a
-row mean training has stopped. The contract's vocabulary has no kind of its own
-for that, so it is reported as ``grad-explosion`` with ``severity="info"``,
-``where="loss"`` and ``details["all_zero"] = True`` (the same signal, the total
-gradient norm, gone the other way).
+All-zero totals are left out of the window; they are reported as ``grads-all-zero``
+by ``grads_all_zero.py``.
 
 The gradients seen are the unscaled ones under AMP: ``GradScaler.step`` unscales
 before ``optimizer.step()``; for optimizers that unscale inside their fused step
@@ -34,16 +31,13 @@ from .base import Check
 WARMUP = 10
 WINDOW = 50
 FACTOR = 10.0
-ZERO_STEPS = 5
 
 
 class _State:
-    __slots__ = ("window", "zero_run", "zero_since", "where")
+    __slots__ = ("window", "where")
 
     def __init__(self) -> None:
         self.window: deque = deque(maxlen=WINDOW)
-        self.zero_run = 0
-        self.zero_since = 0
         self.where: Optional[str] = None
 
 
@@ -62,7 +56,7 @@ class GradExplosion(Check):
     kinds = {
         "grad-explosion": ("warning", "total gradient norm jumps far above its running level"),
     }
-    description = "total gradient norm far above its running median; all-zero gradients (training stopped, info)"
+    description = "total gradient norm far above its running median"
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -107,13 +101,7 @@ class GradExplosion(Check):
         if st is None:
             st = self._state[opt] = _State()
         if v == 0.0:
-            if st.zero_run == 0:
-                st.zero_since = step
-            st.zero_run += 1
-            if st.zero_run >= ZERO_STEPS:
-                self._report_zero(opt, st, len(gn.params), source)
-            return
-        st.zero_run = 0
+            return  # all-zero gradients are the grads-all-zero check's business (grads_all_zero.py)
         if len(st.window) >= WARMUP:
             med = median(st.window)
             if med > 0 and v > FACTOR * med:
@@ -135,13 +123,3 @@ class GradExplosion(Check):
                   step=step, source=source,
                   details={"optimizer": type(opt).__name__, "total_norm": v, "running_median": med,
                            "ratio": v / med, "largest": [{"name": n, "norm": x} for n, x in ranked]})
-
-    def _report_zero(self, opt, st: _State, n: int, source: Optional[str]) -> None:
-        self.emit("grad-explosion", "loss",
-                  f"every gradient of the {n} parameter(s) {type(opt).__name__} updates has been exactly zero for "
-                  f"{st.zero_run} steps since step {st.zero_since}: training has stopped",
-                  "The loss no longer depends on the parameters: look for detach()/.item()/argmax/round in the loss "
-                  "path, a loss multiplied by 0 or a constant, dead ReLUs or saturated outputs.",
-                  step=st.zero_since, source=source, severity="info",
-                  details={"all_zero": True, "optimizer": type(opt).__name__, "steps": st.zero_run,
-                           "parameters": n})

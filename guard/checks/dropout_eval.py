@@ -1,0 +1,109 @@
+"""``F.dropout(x, p)`` inside a module's ``forward`` without ``training=``: dropout stays on in ``model.eval()``.
+
+``torch.nn.functional.dropout`` (and ``dropout1d/2d/3d``) default to
+``training=True``; unlike ``nn.Dropout`` they know nothing of the module's mode,
+so after ``model.eval()`` validation and inference stay random. Reported once per
+source line, naming the module whose ``forward`` made the call.
+
+Observed through declared patches of the four functions. A call that passes
+``training`` (positionally or by name: ``nn.Dropout`` always does, as do
+``training=self.training`` and deliberate Monte Carlo dropout) costs one length
+test. Only for a call without it, the caller's frame is looked at on the host:
+a call from torch's own code (``multi_head_attention_forward`` passes a ``p``
+that is already 0 in eval) or from outside any module's ``forward`` is not
+reported, nor is ``p == 0``. Nothing on the device.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from .._frames import _short
+from .base import Check
+
+_GUARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_MAX_UP = 4  # user frames searched for the module whose forward called (helpers called from forward)
+
+
+def _caller(frame) -> Tuple[Optional[object], Optional[object]]:
+    """(frame that called the patched function, the module whose forward it runs in) or (None, None)."""
+    f = frame
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_GUARD):
+        f = f.f_back
+    if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
+        return None, None  # torch's own code: not the user's line
+    call = f
+    for _ in range(_MAX_UP):
+        if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
+            break  # left the forward (torch's Module.__call__)
+        me = f.f_locals.get("self")
+        if isinstance(me, nn.Module):
+            return call, me
+        f = f.f_back
+    return call, None
+
+
+class DropoutInEval(Check):
+    name = "dropout-in-eval"
+    kinds = {"dropout-in-eval": ("warning", "F.dropout without training=self.training: dropout stays on in "
+                                            "model.eval()")}
+    description = "F.dropout(x, p) in a forward without training=self.training: dropout stays on in model.eval()"
+    patches = {"f_dropout": "torch.nn.functional.dropout", "f_dropout1d": "torch.nn.functional.dropout1d",
+               "f_dropout2d": "torch.nn.functional.dropout2d", "f_dropout3d": "torch.nn.functional.dropout3d"}
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._lines: set = set()  # source lines already looked at
+
+    def on_f_dropout(self, args, kwargs):
+        if len(args) < 3 and "training" not in kwargs:
+            self._look("dropout", args, kwargs)
+
+    def on_f_dropout1d(self, args, kwargs):
+        if len(args) < 3 and "training" not in kwargs:
+            self._look("dropout1d", args, kwargs)
+
+    def on_f_dropout2d(self, args, kwargs):
+        if len(args) < 3 and "training" not in kwargs:
+            self._look("dropout2d", args, kwargs)
+
+    def on_f_dropout3d(self, args, kwargs):
+        if len(args) < 3 and "training" not in kwargs:
+            self._look("dropout3d", args, kwargs)
+
+    def _look(self, fn: str, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        if isinstance(p, (int, float)) and p == 0:
+            return
+        frame, module = _caller(sys._getframe(1))
+        if frame is None:
+            return
+        line = (frame.f_code.co_filename, frame.f_lineno)
+        if line in self._lines:
+            return
+        self._lines.add(line)
+        if module is None:
+            return  # outside a module's forward: not this check's pattern
+        path = self.g.known_path(module)
+        if path is None:
+            if self.g.models:
+                return  # another model than the watched one
+            path = type(module).__name__
+        source = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+        mod = type(module).__name__
+        self.emit("dropout-in-eval", path,
+                  f"F.{fn}(..., p={p}) in {path} ({mod}.{frame.f_code.co_name}, {source}) is called without "
+                  f"training=: it defaults to True, so this dropout stays on after model.eval() and validation "
+                  f"and inference outputs are random",
+                  f"Pass the module's mode: F.{fn}(x, p={p}, training=self.training), or use an nn.Dropout(p={p}) "
+                  f"submodule, which follows model.train()/model.eval().",
+                  source=source,
+                  details={"function": f"F.{fn}", "p": p, "module": mod,
+                           "module_training": bool(module.training)})

@@ -1,0 +1,86 @@
+"""All-zero gradients: every gradient the optimizer applies is exactly zero, step after step.
+
+Per sampled step and optimizer: the total gradient norm from the shared, fused
+``g.grad_norms(opt)`` (the same reduction ``grad-explosion`` uses, computed once
+per step), staged and read with the step's other values. `STEPS` sampled steps
+in a row with a total of exactly 0 mean training has stopped. When the cause is
+already known (a ``loss-constant`` finding: ``cross_entropy`` over one class),
+the message names it.
+
+Cost: one staged 0-dim value per sampled step (no extra reduction when another
+gradient check runs; one fused ``_foreach_norm`` otherwise); host-only after that.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from .base import Check
+
+STEPS = 5  # sampled steps in a row with all-zero gradients before reporting
+
+
+class _Run:
+    __slots__ = ("count", "since", "source")
+
+    def __init__(self) -> None:
+        self.count, self.since, self.source = 0, 0, None
+
+
+class GradsAllZero(Check):
+    name = "grads-all-zero"
+    kinds = {"grads-all-zero": ("warning", "every gradient the optimizer applies has been exactly zero for "
+                                           "several steps: training has stopped")}
+    description = "every gradient the optimizer applies exactly zero for several steps (training has stopped)"
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._runs: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Run]" = weakref.WeakKeyDictionary()
+
+    def on_step_pre(self, optimizer):
+        if not self.g.sampling:
+            return
+        gn = self.g.grad_norms(optimizer)
+        totals = list(gn.totals.values())
+        if not totals:
+            return
+        total = totals[0]
+        if len(totals) > 1:
+            with torch.no_grad():
+                total = torch.linalg.vector_norm(torch.stack([t.to(total.device) for t in totals]))
+        step, source, oref, n = self.g.step, self.g.source(), weakref.ref(optimizer), len(gn.params)
+        self.g.stage(total, lambda v: self._seen(oref, v, step, source, n))
+
+    def _seen(self, oref, v: float, step: int, source: Optional[str], n: int) -> None:
+        opt = oref()
+        if opt is None:
+            return
+        run = self._runs.get(opt)
+        if run is None:
+            run = self._runs[opt] = _Run()
+        if v != 0.0:  # NaN/Inf or a real gradient: the run is broken
+            run.count = 0
+            return
+        if run.count == 0:
+            run.since, run.source = step, source
+        run.count += 1
+        if run.count >= STEPS:
+            self._report(opt, run, n)
+
+    def _report(self, opt, run: _Run, n: int) -> None:
+        cause = next((f for f in self.g.findings if f.kind == "loss-constant"), None)
+        because = (f" because the loss is constant ({cause.source or cause.where}: {cause.details.get('why', '')})"
+                   if cause is not None else "")
+        self.emit("grads-all-zero", "loss",
+                  f"every gradient of the {n} parameter(s) {type(opt).__name__} updates has been exactly zero for "
+                  f"{run.count} steps since step {run.since}{because}: training has stopped",
+                  (cause.hint if cause is not None else
+                   "The loss no longer depends on the parameters: look for detach()/.item()/argmax/round in the "
+                   "loss path, a loss multiplied by 0 or a constant, cross_entropy over a single class, dead ReLUs "
+                   "or saturated outputs."),
+                  step=run.since, source=run.source,
+                  details={"optimizer": type(opt).__name__, "steps": run.count, "parameters": n,
+                           "cause": cause.kind if cause is not None else None,
+                           "cause_source": cause.source if cause is not None else None})

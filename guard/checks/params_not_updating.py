@@ -1,0 +1,141 @@
+"""Parameters that get non-zero gradients yet do not change: ``lr=0`` (a config typo, a scheduler that
+drove it to 0), or an optimizer built over another copy of the model.
+
+* A param group whose learning rate is exactly 0 for `STEPS` sampled optimizer
+  steps in a row while its gradients are non-zero: no torch optimizer moves a
+  parameter with ``lr=0``. The learning rate is a host value; the group's
+  gradient norm is reduced (one ``_foreach_norm``) and staged only while its
+  ``lr`` is 0, so a healthy run pays one float comparison per group and step.
+  Warm-up from ``lr=0`` (one step at 0), the last step of a cosine schedule,
+  steps a ``GradScaler`` skips (``optimizer.step()`` never runs) and frozen
+  parameters (no gradient: the group's norm is 0 or absent) stay silent.
+* At the `STEPS`-th step of the main optimizer, a watched model with gradients
+  none of whose parameters is in any optimizer that stepped: the optimizer was
+  built over another copy (``copy.deepcopy(model)``, a model rebuilt after the
+  optimizer). Host-only, once. ``param-not-in-optimizer`` also names the
+  parameters; this finding names the cause.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Tuple
+
+import torch
+
+from ._params import module_prefixes
+from .base import Check
+
+STEPS = 20  # sampled optimizer steps with lr = 0 and non-zero gradients before reporting
+
+
+class _Run:
+    __slots__ = ("count", "since", "source", "reported")
+
+    def __init__(self) -> None:
+        self.count, self.since, self.source, self.reported = 0, 0, None, False
+
+
+def _lr(group) -> float:
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor):
+        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else -1.0  # no device read per step
+    return float(lr) if isinstance(lr, (int, float)) else -1.0
+
+
+class ParamsNotUpdating(Check):
+    name = "params-not-updating"
+    kinds = {"params-not-updating": ("warning", "parameters with non-zero gradients do not change for many steps "
+                                                "(lr=0, optimizer over another copy of the model)")}
+    description = "parameters with non-zero gradients that do not change: lr=0 for many steps, optimizer over a copy"
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._runs: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Dict[int, _Run]]" = weakref.WeakKeyDictionary()
+        self._copy_done = False
+
+    def on_step_pre(self, optimizer):
+        if not self.g.sampling:
+            return
+        runs = self._runs.get(optimizer)
+        if runs is None:
+            runs = self._runs[optimizer] = {}
+        for i, group in enumerate(optimizer.param_groups):
+            if _lr(group) != 0.0:
+                run = runs.get(i)
+                if run is not None:
+                    run.count = 0
+                continue
+            grads = [p.grad for p in group["params"] if p.grad is not None and p.grad.layout is torch.strided
+                     and not p.grad.is_meta]
+            if not grads:
+                continue  # frozen: nothing to apply
+            with torch.no_grad():
+                norms = torch._foreach_norm(grads)
+                total = torch.linalg.vector_norm(torch.stack([n.float().to(norms[0].device) for n in norms]))
+            step, source, oref = self.g.step, self.g.source(), weakref.ref(optimizer)
+            self.g.stage(total, lambda v, i=i: self._seen(oref, i, v, step, source))
+        if not self._copy_done and self.g.is_primary(optimizer) and self.g.step >= STEPS - 1:
+            self._copy_done = True
+            self._other_copy()
+
+    def _seen(self, oref, i: int, v: float, step: int, source) -> None:
+        opt = oref()
+        if opt is None:
+            return
+        run = self._runs[opt].setdefault(i, _Run())
+        if not v > 0.0:  # zero (frozen this step) or NaN: not this check's signal
+            run.count = 0
+            return
+        if run.count == 0:
+            run.since, run.source = step, source
+        run.count += 1
+        if run.count >= STEPS and not run.reported:
+            run.reported = True
+            self._report_lr(opt, i, run)
+
+    def _report_lr(self, opt, i: int, run: _Run) -> None:
+        group = opt.param_groups[i]
+        params = [p for p in group["params"] if p.grad is not None]
+        names = [self.g.param_name(p) for p in params]
+        every = [n for n, _ in self.g.named_parameters()]
+        prefixes = module_prefixes(names, every, limit=6)
+        models = self.g.models
+        if models and set(names) >= set(every):  # the whole model: name it, not its top-level children
+            prefixes = [type(models[0]).__name__]
+        shown = ", ".join(prefixes[:5]) + (", ..." if len(prefixes) > 5 else "")
+        groups = len(opt.param_groups)
+        which = f"param group {i} of {type(opt).__name__}" if groups > 1 else type(opt).__name__
+        sched = " (a learning-rate scheduler may have driven it there)" if "initial_lr" in group else ""
+        self.emit("params-not-updating", prefixes[0] if prefixes else f"param_groups[{i}]",
+                  f"{which} has lr=0{sched} for {run.count} steps since step {run.since} while its {len(params)} "
+                  f"parameter(s) get non-zero gradients ({shown}): optimizer.step() does not change them",
+                  "Check the learning rate in the config (a typo such as lr=0 or an int division) and the "
+                  "scheduler (a LambdaLR/LinearLR that reaches 0 before training ends, or training past its last "
+                  "step). To freeze parameters on purpose, set requires_grad=False instead: it also saves their "
+                  "gradients.",
+                  step=run.since, source=run.source,
+                  details={"optimizer": type(opt).__name__, "group": i, "lr": 0.0, "steps": run.count,
+                           "initial_lr": group.get("initial_lr"), "modules": prefixes[:5],
+                           "parameters": len(params)})
+
+    def _other_copy(self) -> None:
+        held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        for model in self.g.models:
+            named = list(model.named_parameters())
+            with_grad = [n for n, p in named if p.requires_grad and p.grad is not None]
+            if not with_grad or any(id(p) in held for _, p in named):
+                continue
+            opts = self.g.optimizers
+            n_held = sum(len(grp["params"]) for o in opts for grp in o.param_groups)
+            mname = type(model).__name__
+            self.emit("params-not-updating", mname,
+                      f"none of the {len(named)} parameters of {mname} is in the optimizer "
+                      f"({', '.join(type(o).__name__ for o in opts)}, {n_held} parameters of another module) "
+                      f"although {len(with_grad)} get gradients: the optimizer was built over another copy of the "
+                      f"model, so {mname} has not changed in {self.g.step + 1} steps",
+                      f"Build the optimizer from the model you train, after any copy, load or rebuild: "
+                      f"optimizer = torch.optim.X({'model'}.parameters(), ...) (not from a deepcopy, or from the "
+                      f"model before it was replaced).",
+                      step=0, source=self.g.source(),
+                      details={"model": mname, "parameters": len(named), "with_grad": len(with_grad),
+                               "optimizer_parameters": n_held})

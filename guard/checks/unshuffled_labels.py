@@ -1,0 +1,166 @@
+"""Training batches that each hold one class: a dataset sorted by label behind a DataLoader with
+``shuffle=False``.
+
+Each step then trains on one class only; the model follows the last class it
+saw and the loss curve looks like a saw. Observed through declared patches of
+``DataLoader.__iter__`` (shared with the ``batchnorm`` check) and of the loader
+iterator's ``__next__``. Only loaders that iterate in dataset order are
+followed: a ``SequentialSampler`` (``shuffle=False``, no sampler given) inside
+torch's own ``BatchSampler`` with ``batch_size >= 2``; shuffled loaders, custom
+samplers and batch samplers, and iterable-style datasets are never looked at.
+
+Per batch of such a loader, the labels are the last 1-d integer tensor of the
+batch (or ``batch["label"|"labels"|"target"|"targets"|"y"]``) on the CPU: a 2-d
+target (a language model's next tokens) or float targets (regression, time
+series) are not classes and are skipped. ``aminmax`` on the host tells whether
+the batch holds a single class. A batch counts as a training batch only when a
+``backward()`` follows it before the loader's next batch (validation loaders,
+unshuffled on purpose, never count). Reported when, after at least `MIN_BATCHES`
+training batches, `FRACTION` of them hold a single class and at least two
+different classes fill whole batches (one majority class alone is class
+imbalance, not sorting). A loader is followed for at most `MAX_BATCHES` batches.
+Nothing on the device.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, List, Optional
+
+import torch
+from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
+
+from .._frames import user_frame
+from .base import Check
+
+MIN_BATCHES = 4
+FRACTION = 0.75
+MAX_BATCHES = 400
+_LABEL_KEYS = ("label", "labels", "target", "targets", "y")
+_INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class _Loader:
+    __slots__ = ("name", "source", "seen", "counted", "single", "classes", "lo", "hi", "since", "done", "desc")
+
+    def __init__(self, name: Optional[str], source: Optional[str], desc: str):
+        self.name, self.source, self.desc = name, source, desc
+        self.seen = self.counted = self.single = 0
+        self.classes: List[int] = []  # labels that filled a whole batch, in order of first sight
+        self.lo: Optional[int] = None
+        self.hi: Optional[int] = None
+        self.since = 0
+        self.done = False
+
+
+def _labels(batch: Any) -> Optional[torch.Tensor]:
+    if isinstance(batch, dict):
+        for k in _LABEL_KEYS:
+            t = batch.get(k)
+            if isinstance(t, torch.Tensor):
+                return t
+        batch = list(batch.values())
+    if not isinstance(batch, (list, tuple)):
+        return None
+    for t in reversed(batch):
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
+
+
+def _name_of(loader: Any) -> Optional[str]:
+    f = user_frame(3)
+    if f is None:
+        return None
+    for scope in (f.f_locals, f.f_globals):
+        for k, v in scope.items():
+            if v is loader and not k.startswith("_"):
+                return k
+    return None
+
+
+class UnshuffledLabels(Check):
+    name = "unshuffled-labels"
+    kinds = {"unshuffled-labels": ("warning", "training batches each hold one class (dataset sorted by label, "
+                                              "shuffle=False)")}
+    description = "training batches that each hold one class: a label-sorted dataset with shuffle=False"
+    patches = {"dataloader_iter": "torch.utils.data.DataLoader.__iter__",
+               "dataloader_next": "torch.utils.data.dataloader._BaseDataLoaderIter.__next__"}
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._loaders: "weakref.WeakKeyDictionary[Any, _Loader]" = weakref.WeakKeyDictionary()
+        self._iters: "weakref.WeakKeyDictionary[Any, _Loader]" = weakref.WeakKeyDictionary()
+        self._pending: Optional[tuple] = None  # (loader state, single class?, label) of the latest batch
+
+    def on_dataloader_iter_done(self, args, kwargs, result):
+        loader = args[0] if args else None
+        st = self._loaders.get(loader) if loader is not None else None
+        if st is None:
+            bs = getattr(loader, "batch_sampler", None)
+            if (type(bs) is not BatchSampler or type(bs.sampler) is not SequentialSampler
+                    or not isinstance(bs.batch_size, int) or bs.batch_size < 2
+                    or isinstance(getattr(loader, "dataset", None), IterableDataset)):
+                return
+            ds = loader.dataset
+            try:
+                size = f" of {len(ds)}"
+            except Exception:
+                size = ""
+            desc = f"shuffle=False: SequentialSampler over {type(ds).__name__}{size}, batch_size={bs.batch_size}"
+            st = self._loaders[loader] = _Loader(_name_of(loader), self.g.source(), desc)
+        if not st.done and result is not None:
+            self._iters[result] = st
+
+    def on_dataloader_next_done(self, args, kwargs, result):
+        st = self._iters.get(args[0]) if args else None
+        if st is None or st.done:
+            return
+        st.seen += 1
+        if st.seen > MAX_BATCHES:
+            st.done = True
+            return
+        y = _labels(result)
+        if (not isinstance(y, torch.Tensor) or y.dim() != 1 or y.dtype not in _INT or y.numel() < 2
+                or y.device.type != "cpu"):
+            self._pending = None
+            return
+        lo, hi = torch.aminmax(y)
+        lo, hi = int(lo), int(hi)
+        self._pending = (st, lo == hi, lo, hi)
+
+    def on_backward(self, tensors, kwargs):
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        st, single, lo, hi = pending
+        if st.done:
+            return
+        if st.counted == 0:
+            st.since = self.g.step
+        st.counted += 1
+        st.lo = lo if st.lo is None else min(st.lo, lo)
+        st.hi = hi if st.hi is None else max(st.hi, hi)
+        if single:
+            st.single += 1
+            if lo not in st.classes:
+                st.classes.append(lo)
+        if st.counted >= MIN_BATCHES and st.single >= FRACTION * st.counted and len(st.classes) >= 2:
+            st.done = True
+            self._report(st)
+
+    def _report(self, st: _Loader) -> None:
+        name = f"`{st.name}`" if st.name else "a DataLoader"
+        where = st.name or "DataLoader"
+        at = f" (iterated at {st.source})" if st.source else ""
+        filled = ", ".join(map(str, st.classes[:8])) + (", ..." if len(st.classes) > 8 else "")
+        self.emit("unshuffled-labels", where,
+                  f"{name}{at} gives training batches that each hold one class: {st.single} of the first "
+                  f"{st.counted} batches hold a single class (labels {st.lo}-{st.hi} seen so far; classes "
+                  f"{filled} each fill whole batches), with {st.desc}: the dataset is sorted by label, so each step "
+                  f"trains on one class and the model follows the last class it saw",
+                  "Shuffle the training data: DataLoader(dataset, batch_size=..., shuffle=True) (or a RandomSampler; "
+                  "DistributedSampler(shuffle=True) under DDP). Keep shuffle=False for validation only.",
+                  step=st.since, source=st.source,
+                  details={"loader": st.name, "single_class_batches": st.single, "batches": st.counted,
+                           "classes_filling_batches": st.classes[:20], "label_range": [st.lo, st.hi],
+                           "sampler": "SequentialSampler"})

@@ -1,0 +1,112 @@
+"""Vanishing gradients: the first layers' gradients tiny next to the last ones', step after step.
+
+Every `EVERY`-th sampled optimizer step (a sampled check; ``details["sampled_every"]``
+says so), the per-element RMS of the gradient of the first weight matrix in
+execution order is divided by that of the last one, on the device (two
+reductions), and staged with the step's other values. `RUN` samples in a row
+under `RATIO` (1e-5) are reported: a deep sigmoid/tanh stack without
+normalization or residuals, where the first layers barely learn.
+
+Layers are the watched modules in the order of their first call (the module
+table), with a weight of two or more dimensions that requires a gradient:
+biases and norm scales are left out, as are ``nn.Embedding`` weights (a
+pretrained embedding's sparse, tiny gradient is normal) and frozen layers. Nets
+with fewer than `MIN_LAYERS` such layers are not looked at.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .base import Check
+
+EVERY = 5
+RUN = 4
+RATIO = 1e-5
+MIN_LAYERS = 4
+
+
+class VanishingGradients(Check):
+    name = "vanishing-gradients"
+    kinds = {"vanishing-gradients": ("warning", "the first layers' gradient norms are tiny next to the last ones' "
+                                                "for many steps")}
+    description = (f"first layer's gradient RMS < {RATIO:g} x the last layer's for {RUN} samples "
+                   f"(sampled every {EVERY} steps)")
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._pair: Optional[Tuple[str, weakref.ref, str, weakref.ref, int]] = None
+        self._tried_at = -1
+        self._run, self._since, self._source = 0, 0, None
+        self._ratios: List[float] = []
+        self._done = False
+
+    def _layers(self) -> Optional[Tuple[str, weakref.ref, str, weakref.ref, int]]:
+        by_module = {}
+        for name, p in self.g.named_parameters():
+            if p.dim() >= 2 and p.requires_grad:
+                mod, _, _ = name.rpartition(".")
+                by_module.setdefault(mod, p)
+        order = []
+        for path, info in self.g.modules.items():  # in the order of first calls
+            key = path if path in by_module else "" if path == info.get("type") else None  # the root: its class name
+            if key not in by_module or info.get("type") in ("Embedding", "EmbeddingBag"):
+                continue
+            order.append((path, by_module[key]))
+        if len(order) < MIN_LAYERS:
+            return None
+        (fp, fw), (lp, lw) = order[0], order[-1]
+        return fp, weakref.ref(fw), lp, weakref.ref(lw), len(order)
+
+    def on_step_pre(self, optimizer):
+        if self._done or not self.g.sampling or not self.g.is_primary(optimizer) or self.g.step % EVERY:
+            return
+        if self._pair is None:
+            if self._tried_at >= 0 and self.g.step < self._tried_at + 10 * EVERY:
+                return
+            self._tried_at = self.g.step
+            self._pair = self._layers()
+            if self._pair is None:
+                return
+        fp, fref, lp, lref, n = self._pair
+        first, last = fref(), lref()
+        if first is None or last is None:
+            self._pair = None
+            return
+        gf, gl = first.grad, last.grad
+        if gf is None or gl is None or gf.is_meta or gl.is_meta or gf.layout != torch.strided \
+                or gl.layout != torch.strided:
+            return
+        with torch.no_grad():
+            rf = torch.linalg.vector_norm(gf.float()) / math.sqrt(gf.numel())
+            rl = torch.linalg.vector_norm(gl.float()).to(rf.device) / math.sqrt(gl.numel())
+            ratio = rf / rl
+        step, source = self.g.step, self.g.source()
+        self.g.stage(ratio, lambda v: self._seen(v, step, source))
+
+    def _seen(self, v: float, step: int, source: Optional[str]) -> None:
+        if not (v < RATIO) or self._pair is None:  # NaN (last layer's gradient 0) counts as fine
+            self._run, self._ratios = 0, []
+            return
+        if self._run == 0:
+            self._since, self._source = step, source
+        self._run += 1
+        self._ratios.append(v)
+        if self._run >= RUN:
+            self._done = True
+            fp, _, lp, _, n = self._pair
+            worst = max(self._ratios)
+            self.emit("vanishing-gradients", fp,
+                      f"the gradients of the first layer {fp} are {worst:.1e}x those of the last layer {lp} "
+                      f"(per-element RMS, under {RATIO:g} at {self._run} sampled steps since step {self._since}, "
+                      f"{n} layers): the first layers barely learn",
+                      "Gradients shrink through each saturating layer: use ReLU/GELU instead of sigmoid/tanh in deep "
+                      "stacks, add normalization (nn.LayerNorm/nn.BatchNorm1d) or residual connections "
+                      "(x = x + f(x)), and a suitable init (nn.init.kaiming_normal_ / xavier_uniform_).",
+                      step=self._since, source=self._source,
+                      details={"first": fp, "last": lp, "ratio": worst, "ratios": self._ratios,
+                               "layers": n, "sampled_every": EVERY, "threshold": RATIO})

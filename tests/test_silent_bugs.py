@@ -1,0 +1,438 @@
+"""Issue 16 (second half) and issue 19 item 5: dropout-in-eval, unshuffled-labels, clip-before-unscale,
+params-not-updating, vanishing-gradients, grads-all-zero, loss-constant. Each bug and each healthy pattern."""
+import copy
+import inspect
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+from demos import (clip_before_unscale, dropout_in_eval, grads_all_zero, loss_constant, params_not_updating,
+                   unshuffled_labels, vanishing_gradients)
+from guard import guard
+from guard.findings import KINDS
+
+
+def kinds(g):
+    return [f.kind for f in g.findings]
+
+
+def line_of(module, needle):
+    lines, start = inspect.getsourcelines(module)
+    start = 1 if inspect.ismodule(module) else start
+    for i, text in enumerate(lines):
+        if needle in text:
+            return f"{os.path.relpath(inspect.getsourcefile(module))}:{start + i}"
+    raise AssertionError(needle)
+
+
+def only(g, kind):
+    fs = [f for f in g.findings if f.kind == kind]
+    assert len(fs) == 1, [(f.kind, f.where) for f in g.findings]
+    return fs[0]
+
+
+def test_kinds_and_severities_are_the_contracts():
+    from guard.checks import registry
+
+    want = {"dropout-in-eval": "warning", "unshuffled-labels": "warning", "clip-before-unscale": "error",
+            "params-not-updating": "warning", "vanishing-gradients": "warning", "grads-all-zero": "warning",
+            "loss-constant": "error"}
+    declared = {k: v[0] for c in registry().values() if isinstance(c.kinds, dict) for k, v in c.kinds.items()}
+    for kind, sev in want.items():
+        assert declared[kind] == sev == KINDS[kind][0]
+
+
+# --------------------------------------------------------------------------- dropout-in-eval
+
+def test_dropout_in_eval_demo_names_module_and_line_and_twin_is_clean():
+    g = dropout_in_eval.train(live=False)
+    f = only(g, "dropout-in-eval")
+    src = line_of(dropout_in_eval, "h = F.dropout(h, p=0.3)  #")
+    assert f.severity == "warning" and f.where == "Net" and f.step == 0 and f.source == src
+    assert "training=self.training" in f.hint and "nn.Dropout" in f.hint
+    assert f"Net.forward, {src}" in f.message and f.details["p"] == 0.3
+    assert kinds(g) == ["dropout-in-eval"]
+    assert dropout_in_eval.train(fixed=True, checks="all", live=False).findings == []
+
+
+class Block(nn.Module):
+    def __init__(self, functional):
+        super().__init__()
+        self.functional = functional
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.2)
+
+    def helper(self, h):
+        return F.dropout1d(h.unsqueeze(-1), 0.1).squeeze(-1)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.functional == "helper":
+            return self.helper(h)
+        if self.functional == "positional":
+            return F.dropout(h, 0.2, self.training)
+        return self.drop(h)
+
+
+def _loop(model, g_opts, steps=3, mc=False):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False, checks="all", **g_opts) as g:
+        for _ in range(steps):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        if mc:  # Monte Carlo dropout on purpose: dropout modules switched back to train mode
+            for m in model.modules():
+                if isinstance(m, nn.Dropout):
+                    m.train()
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+    return g
+
+
+def test_dropout_in_a_helper_called_from_forward_is_found_in_global_mode_too():
+    model = nn.Sequential(Block("helper"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(live=False) as g:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    f = only(g, "dropout-in-eval")
+    assert f.where == "0" and "F.dropout1d" in f.message and f.source == line_of(Block, "F.dropout1d(")
+
+
+@pytest.mark.parametrize("functional", ["module", "positional"])
+def test_dropout_modules_and_training_passed_positionally_are_silent(functional):
+    g = _loop(nn.Sequential(Block(functional)), {})
+    assert "dropout-in-eval" not in kinds(g)
+
+
+def test_monte_carlo_dropout_and_attention_dropout_in_eval_are_silent():
+    g = _loop(nn.Sequential(Block("module")), {}, mc=True)
+    assert "dropout-in-eval" not in kinds(g)
+    mha = nn.MultiheadAttention(8, 2, dropout=0.1, batch_first=True)  # torch calls dropout() without training=
+    opt = torch.optim.SGD(mha.parameters(), lr=0.01)
+    with guard(mha, opt, live=False) as g:
+        x = torch.randn(2, 5, 8)
+        out, _ = mha(x, x, x, need_weights=True)
+        out.sum().backward()
+        opt.step()
+    assert "dropout-in-eval" not in kinds(g)
+
+
+def test_dropout_outside_a_forward_is_not_this_checks_pattern():
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        F.dropout(model(torch.randn(4, 8)), 0.5).sum().backward()  # in the loop, not in a module's forward
+        opt.step()
+    assert "dropout-in-eval" not in kinds(g)
+
+
+# --------------------------------------------------------------------------- unshuffled-labels
+
+def test_unshuffled_labels_demo_names_loader_and_evidence_and_twin_is_clean():
+    g = unshuffled_labels.train(live=False)
+    f = only(g, "unshuffled-labels")
+    src = line_of(unshuffled_labels, "for x, y in train_loader:")
+    assert f.severity == "warning" and f.where == "train_loader" and f.step == 0 and f.source == src
+    assert f.message.startswith(f"`train_loader` (iterated at {src}) gives training batches that each hold one class")
+    assert "5 of the first 5 batches hold a single class" in f.message and "shuffle=False" in f.message
+    assert f.details["classes_filling_batches"] == [0, 1] and "shuffle=True" in f.hint
+    assert kinds(g) == ["unshuffled-labels"]
+    assert unshuffled_labels.train(fixed=True, epochs=2, checks="all", live=False).findings == []
+
+
+def _sorted(n_per=32, classes=4, dim=6):
+    y = torch.arange(classes).repeat_interleave(n_per)
+    return torch.randn(len(y), dim), y
+
+
+def _fit(loader, steps=None, backward=True, target=lambda y: y, classes=4):
+    model = nn.Linear(6, classes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for i, (x, y) in enumerate(loader):
+            out = model(x)
+            if backward:
+                loss = F.cross_entropy(out, target(y)) if y.dtype == torch.int64 else F.mse_loss(out[:, 0], y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    return g
+
+
+def test_unshuffled_sorted_labels_found_through_a_dict_batch():
+    x, y = _sorted()
+
+    class DictData(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(y)
+
+        def __getitem__(self, i):
+            return {"x": x[i], "label": y[i]}
+
+    model = nn.Linear(6, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(live=False) as g:
+        for batch in DataLoader(DictData(), batch_size=8):
+            F.cross_entropy(model(batch["x"]), batch["label"]).backward()
+            opt.step()
+            opt.zero_grad()
+    f = only(g, "unshuffled-labels")
+    assert f.where == "DataLoader" and f.details["single_class_batches"] == f.details["batches"] == 5
+
+
+@pytest.mark.parametrize("case", ["shuffled", "sampler", "batch1", "validation", "imbalanced", "float-targets"])
+def test_unshuffled_labels_healthy_patterns_are_silent(case):
+    x, y = _sorted()
+    ds = TensorDataset(x, y)
+    if case == "shuffled":
+        loader = DataLoader(ds, batch_size=8, shuffle=True)
+    elif case == "sampler":
+        loader = DataLoader(ds, batch_size=8, sampler=WeightedRandomSampler(torch.ones(len(y)), len(y)))
+    elif case == "batch1":
+        loader = DataLoader(ds, batch_size=1)
+    elif case == "validation":  # sorted and unshuffled, but no backward: evaluation
+        assert "unshuffled-labels" not in kinds(_fit(DataLoader(ds, batch_size=8), backward=False))
+        return
+    elif case == "imbalanced":  # in random order, 97% one class: single-class batches of one class only
+        y = (torch.rand(len(y)) < 0.03).long()
+        loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    else:  # a time series in time order: float targets, not classes
+        loader = DataLoader(TensorDataset(x, torch.linspace(0, 1, len(y))), batch_size=8)
+    assert "unshuffled-labels" not in kinds(_fit(loader))
+
+
+# --------------------------------------------------------------------------- clip-before-unscale
+
+def test_clip_before_unscale_demo_and_twin():
+    g = clip_before_unscale.train(live=False)
+    f = only(g, "clip-before-unscale")
+    src = line_of(clip_before_unscale, "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)")
+    assert f.severity == "error" and f.where == "clip_grad_norm_" and f.step == 0 and f.source == src
+    assert f.details["scale"] == 65536.0 and f.details["max_norm"] == 1.0
+    assert "scaler.unscale_(optimizer)" in f.hint and f.count == 6
+    assert kinds(g) == ["clip-before-unscale"]
+    assert clip_before_unscale.train(fixed=True, checks="all", live=False).findings == []
+
+
+def _amp(clip, unscale=True, enabled=True, steps=3, mode="warn"):
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    head = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt2 = torch.optim.SGD(head.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+    with guard(live=False, mode=mode) as g:
+        for _ in range(steps):
+            loss = head(model(torch.randn(4, 8))).pow(2).mean()
+            opt.zero_grad()
+            opt2.zero_grad()
+            scaler.scale(loss).backward()
+            if unscale:
+                scaler.unscale_(opt)
+            clip(model, head)
+            scaler.step(opt)
+            scaler.step(opt2)
+            scaler.update()
+    return g
+
+
+def test_clip_value_of_a_list_with_a_parameter_of_an_optimizer_not_unscaled():
+    g = _amp(lambda m, h: nn.utils.clip_grad_value_(list(m.parameters()) + list(h.parameters()), 0.5))
+    f = only(g, "clip-before-unscale")
+    assert f.where == "clip_grad_value_" and f.details["clip_value"] == 0.5
+    assert f.details["parameters"] == ["weight", "bias"]  # the head's (global mode: its own root)
+
+
+def test_clip_before_unscale_raises_in_raise_mode():
+    from guard import GuardError
+
+    with pytest.raises(GuardError, match="clip-before-unscale"):
+        _amp(lambda m, h: nn.utils.clip_grad_norm_(m.parameters(), 1.0), unscale=False, mode="raise")
+
+
+@pytest.mark.parametrize("case", ["documented-order", "no-scaler", "disabled-scaler"])
+def test_clip_before_unscale_healthy_patterns_are_silent(case):
+    clip = lambda m, h: nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # noqa: E731
+    if case == "documented-order":
+        g = _amp(clip)
+    elif case == "disabled-scaler":
+        g = _amp(clip, unscale=False, enabled=False)
+    else:
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with guard(model, opt, live=False) as g:
+            model(torch.randn(3, 4)).sum().backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    assert g.findings == []
+
+
+# --------------------------------------------------------------------------- params-not-updating
+
+def test_params_not_updating_demo_names_lr_and_step_and_twin_is_clean():
+    g = params_not_updating.train(live=False)
+    f = only(g, "params-not-updating")
+    assert f.severity == "warning" and f.where == "Sequential" and f.step == 10
+    assert "lr=0" in f.message and "since step 10" in f.message and "scheduler" in f.message
+    assert f.source == line_of(params_not_updating, "optimizer.step()")
+    assert f.details["lr"] == 0.0 and f.details["steps"] == 20
+    assert kinds(g) == ["params-not-updating"]
+    assert params_not_updating.train(fixed=True, checks="all", live=False).findings == []
+
+
+def _steps(model, opt, n, sched=None, scaler=None, skip=None):
+    with guard(model, opt, live=False, checks="all") as g:
+        for i in range(n):
+            x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                if skip(i):  # an fp16 overflow: the scaler skips this step
+                    next(model.parameters()).grad[0, 0] = float("inf")
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            if sched is not None:
+                sched.step()
+    return g
+
+
+def test_lr_zero_typo_names_the_group():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0}],
+                           lr=1e-3)
+    g = _steps(model, opt, 25)
+    f = only(g, "params-not-updating")
+    assert f.where == "2" and f.step == 0 and f.details["group"] == 1 and "param group 1 of Adam" in f.message
+
+
+def test_optimizer_over_another_copy_of_the_model():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)
+    before = [p.clone() for p in model.parameters()]
+    g = _steps(model, opt, 22)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    f = only(g, "params-not-updating")
+    assert f.where == "Sequential" and "another copy" in f.message and f.details["with_grad"] == 4
+    assert "param-not-in-optimizer" in kinds(g)  # that check names the parameters
+
+
+@pytest.mark.parametrize("case", ["warmup-from-0", "cosine-end", "frozen", "scaler-skipped"])
+def test_params_not_updating_healthy_patterns_are_silent(case):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if case == "warmup-from-0":
+        g = _steps(model, opt, 30, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 5)))
+    elif case == "cosine-end":
+        g = _steps(model, opt, 30, sched=torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=29))
+    elif case == "frozen":
+        model[0].requires_grad_(False)
+        opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters()}],
+                              lr=0.1)
+        g = _steps(model, opt, 30)
+    else:
+        g = _steps(model, opt, 30, scaler=torch.amp.GradScaler("cpu"),
+                   skip=lambda i: i % 3 == 0)
+    assert [f for f in g.findings if f.severity != "info"] == []
+
+
+# --------------------------------------------------------------------------- vanishing-gradients
+
+def test_vanishing_gradients_demo_names_first_and_last_layer_and_twin_is_clean():
+    g = vanishing_gradients.train(live=False)
+    f = only(g, "vanishing-gradients")
+    assert f.severity == "warning" and f.where == "0" and f.step == 0
+    assert f.details["last"] == "17" and f.details["ratio"] < 1e-5 and f.details["sampled_every"] == 5
+    assert "first layer 0" in f.message and "last layer 17" in f.message and "residual" in f.hint
+    assert f.source == line_of(vanishing_gradients, "optimizer.step()")
+    assert kinds(g) == ["vanishing-gradients"]
+    assert vanishing_gradients.train(fixed=True, checks="all", live=False).findings == []
+
+
+class EmbedNet(nn.Module):
+    """A pretrained embedding with tiny gradients (scaled down on the way back) before a healthy MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 16)
+        self.mlp = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.ReLU())], nn.Linear(16, 2))
+
+    def forward(self, idx):
+        e = self.emb(idx).mean(1)
+        return self.mlp(e.detach() + (e - e.detach()) * 1e-7)  # same values; the embedding's gradient x 1e-7
+
+
+@pytest.mark.parametrize("case", ["frozen-early", "embedding"])
+def test_vanishing_gradients_healthy_patterns_are_silent(case):
+    if case == "frozen-early":  # a sigmoid stack whose early (vanishing) layers are frozen on purpose
+        layers = [m for _ in range(14) for m in (nn.Linear(16, 16), nn.Sigmoid())]
+        model = nn.Sequential(nn.Linear(4, 16), *layers, nn.Linear(16, 2))
+        for m in model[:-4]:
+            m.requires_grad_(False)
+        make = lambda: torch.randn(8, 4)  # noqa: E731
+    else:
+        model = EmbedNet()
+        make = lambda: torch.randint(0, 100, (8, 5))  # noqa: E731
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(25):
+            loss = F.cross_entropy(model(make()), torch.randint(0, 2, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "vanishing-gradients" not in kinds(g)
+
+
+# --------------------------------------------------------------------------- grads-all-zero, loss-constant
+
+def test_loss_constant_demo_at_the_loss_line_and_grads_all_zero_names_the_cause():
+    g = loss_constant.train(live=False)
+    assert kinds(g) == ["loss-constant", "grads-all-zero"]
+    lc, gz = g.findings
+    src = line_of(loss_constant, "loss = F.cross_entropy(out, y)")
+    assert lc.severity == "error" and lc.where == "loss" and lc.step == 0 and lc.source == src
+    assert "single class (C = 1)" in lc.message and lc.details["input_shape"] == [32, 1]
+    assert "binary_cross_entropy_with_logits" in lc.hint
+    assert gz.severity == "warning" and gz.details["cause"] == "loss-constant" and src in gz.message
+    assert loss_constant.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_grads_all_zero_demo_and_twin():
+    g = grads_all_zero.train(live=False)
+    f = only(g, "grads-all-zero")
+    assert f.severity == "warning" and f.where == "loss" and f.step == 0 and f.details["steps"] == 5
+    assert f.source == line_of(grads_all_zero, "optimizer.step()") and "round" in f.hint
+    assert kinds(g) == ["grads-all-zero"]
+    assert grads_all_zero.train(fixed=True, checks="all", live=False).findings == []
+
+
+def test_grads_all_zero_is_no_longer_a_grad_explosion_and_interrupted_runs_are_silent():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for i in range(12):
+            out = model(torch.randn(8, 4))
+            loss = (out * (i % 4 == 3)).mean()  # zero gradients 3 steps in 4: training goes on
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == []
+
+
+def test_loss_constant_raises_in_raise_mode_before_the_step():
+    from guard import GuardError
+
+    model = nn.Linear(4, 1)
+    with guard(model, live=False, mode="raise"):
+        with pytest.raises(GuardError, match="loss-constant"):
+            nn.CrossEntropyLoss()(model(torch.randn(8, 4)), torch.zeros(8, dtype=torch.long))
