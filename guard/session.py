@@ -21,7 +21,7 @@ from ._frames import user_source
 from ._dist import rank_info as _dist_rank
 from .checks import registry
 from .checks.base import Check
-from .config import Config, ConfigError, make_config
+from .config import Config, ConfigError, as_list, make_config
 from .findings import ERROR, Finding, GuardError, is_kind, severity_of
 from .record import Record
 from .router import GuardInternalWarning, Router
@@ -34,16 +34,6 @@ MAX_TIMELINE = 4096
 _NO_OUTPUT = object()
 
 __all__ = ["Guard", "GuardInternalWarning", "GradNorms"]
-
-
-def _as_list(obj: Any, what: str, typ: type, allowed: str) -> List[Any]:
-    if obj is None:
-        return []
-    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
-    for it in items:
-        if not isinstance(it, typ):
-            raise ConfigError(f"guard: {what}={type(it).__name__} object is not {allowed}; allowed: {allowed}, a list of them, or None")
-    return items
 
 
 def _delegate(part: str, name: str, doc: str) -> property:
@@ -62,8 +52,8 @@ class Guard:
     def __init__(self, model: Any = None, optimizer: Any = None, *, checks: Any = "default", mode: Any = "warn",
                  report: Any = None, live: Any = None, every: Any = 1, snoop: Any = False,
                  origin: Optional[Dict[str, str]] = None, **extras: Any):
-        models = _as_list(model, "model", nn.Module, "an nn.Module")
-        opts = _as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
+        models = as_list(model, "model", nn.Module, "an nn.Module")
+        opts = as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
         self._registry = registry()
         self.config: Config = make_config(self._registry, checks=checks, mode=mode, report=report, live=live,
                                           every=every, snoop=snoop, origin=origin, **extras)
@@ -375,7 +365,10 @@ class Guard:
         first = id(module) not in self.watched.module_ids
         if first:
             self.watched.record_module(module, output, self.record)
-        self.router.dispatch_forward(module, args, kwargs, output, is_root)
+        r = self.router
+        handlers = r.forward if is_root else r.nonroot(r.post_for, r.forward, module)
+        if handlers:
+            r.dispatch_forward(handlers, module, args, kwargs, output, is_root)
         if first and not is_root and output is not None:
             # A layer no check keeps loses its hooks (model mode): torch's hook-free speed from now on.
             keep_pre, keep_post = self.router.settle(module, output)
