@@ -14,7 +14,8 @@ _SKIP = tuple(
 _cache: dict = {}
 
 
-def _skipped(filename: str) -> bool:
+def is_skipped(filename: str) -> bool:
+    """Whether `filename` belongs to torch, guard or contextlib (not the user's code)."""
     hit = _cache.get(filename)
     if hit is None:
         hit = filename.startswith("<") or os.path.abspath(filename).startswith(_SKIP)
@@ -31,19 +32,19 @@ def user_source(depth: int = 1) -> Optional[str]:
         return None
     while f is not None:
         code = f.f_code
-        if not _skipped(code.co_filename):
-            return f"{_short(code.co_filename)}:{f.f_lineno}"
+        if not is_skipped(code.co_filename):
+            return f"{short_path(code.co_filename)}:{f.f_lineno}"
         f = f.f_back
     return None
 
 
 def user_frame(depth: int = 1):
-    """The innermost user frame itself (for checks that read its locals)."""
+    """The innermost frame that belongs to neither torch nor guard (for checks that read its code)."""
     try:
         f = sys._getframe(depth)
     except ValueError:
         return None
-    while f is not None and _skipped(f.f_code.co_filename):
+    while f is not None and is_skipped(f.f_code.co_filename):
         f = f.f_back
     return f
 
@@ -51,7 +52,8 @@ def user_frame(depth: int = 1):
 _short_cache: dict = {}
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
+    """`path` relative to the working directory, or whole when it lies outside."""
     key = path  # relpath is slow and asked for several times a step (relative to the first working directory)
     hit = _short_cache.get(key)
     if hit is not None:

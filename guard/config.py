@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple, Union
 
 MODES = ("warn", "raise", "record")
 LIVE_VALUES = ("0", "1", "all")
@@ -46,6 +46,17 @@ class Config:
             "snoop": self.snoop,
             "budget": self.budget,
         }
+
+
+def as_list(obj: Any, what: str, typ: type, allowed: str) -> List[Any]:
+    """`obj` as a list of `typ` (None: empty); anything else is a one-line `ConfigError` naming `what`."""
+    if obj is None:
+        return []
+    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    for it in items:
+        if not isinstance(it, typ):
+            raise ConfigError(f"guard: {what}={type(it).__name__} object is not {allowed}; allowed: {allowed}, a list of them, or None")
+    return items
 
 
 def parse_mode(value: Any, origin: str = "mode") -> str:

@@ -26,6 +26,13 @@ class KindTable(Mapping):
 
     def declare(self, kind: str, severity: str, description: str, owner: str) -> None:
         """Add `kind` (declared by check `owner`); a kind two checks declare must agree on its severity."""
+        self.check(kind, severity, owner)
+        if kind not in self._kinds:
+            self._kinds[kind] = (severity, description)
+            self._owners[kind] = owner
+
+    def check(self, kind: str, severity: str, owner: str) -> None:
+        """Raise `TypeError` if check `owner` may not declare `kind` with `severity`."""
         if severity not in SEVERITIES:
             raise TypeError(f"guard: check {owner!r} declares kind {kind!r} with severity {severity!r}; "
                             f"allowed: {', '.join(SEVERITIES)}")
@@ -33,9 +40,6 @@ class KindTable(Mapping):
         if old is not None and old[0] != severity:
             raise TypeError(f"guard: check {owner!r} declares kind {kind!r} as {severity!r}, "
                             f"check {self._owners[kind]!r} as {old[0]!r}; one kind has one severity")
-        if old is None:
-            self._kinds[kind] = (severity, description)
-            self._owners[kind] = owner
 
     def _all(self) -> Dict[str, Tuple[str, str]]:
         if not self._complete:

@@ -163,7 +163,7 @@ _sigterm_installed = False
 def _run_exit_callbacks(reason: str) -> None:
     for obj in list(_exit_callbacks.values()):
         try:
-            obj._on_process_exit(reason)
+            obj.on_process_exit(reason)
         except Exception:  # never let guard break interpreter shutdown
             pass
 
@@ -180,7 +180,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _watch_process_exit(obj: Any) -> _Handle:
-    """Call ``obj._on_process_exit(reason)`` at interpreter exit and on SIGTERM while registered."""
+    """Call ``obj.on_process_exit(reason)`` at interpreter exit and on SIGTERM while registered."""
     global _exit_installed, _prev_sigterm, _sigterm_installed
     with _lock:
         _exit_callbacks[id(obj)] = obj
@@ -314,10 +314,6 @@ class Installer:
         """Subscribe ``middleware(call, args, kwargs)`` to the shared wrapper of `target` (a dotted path)."""
         self._keep(_subscribe(target, middleware))
 
-    def context(self, cm: Any) -> Any:
-        """Enter a context manager now (e.g. ``saved_tensors_hooks``); it is exited on close."""
-        return self._stack.enter_context(cm)
-
     def attr(self, obj: Any, name: str, value: Any) -> _Handle:
         """Set ``obj.<name> = value`` (an instance attribute) until close or the handle's ``remove()``.
 
@@ -356,9 +352,6 @@ class Installer:
 
     def process_exit(self, obj: Any) -> None:
         self._keep(_watch_process_exit(obj))
-
-    def callback(self, fn: Callable[[], None]) -> None:
-        self._stack.callback(fn)
 
     def close(self) -> None:
         stack, self._stack = self._stack, ExitStack()

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Dict, Optional
 
 MAX_PERIOD = 1024
 WINDOW = 8  # steps between two decisions on the period

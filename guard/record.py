@@ -64,6 +64,31 @@ class Record:
         else:
             self.findings[i] = finding
 
+    def repeat(self, kind: str, where: str, step: int) -> bool:
+        """Count one more occurrence of the (kind, where) finding, last seen at `step`; False if there is none."""
+        old = self.finding(kind, where)
+        if old is None:
+            return False
+        self.put(_replace(old, count=old.count + 1, last_step=step))
+        return True
+
+    def update_details(self, kind: str, where: str, details: Dict[str, Any]) -> Optional[Finding]:
+        """Merge `details` into the (kind, where) finding; the updated finding, or None if there is none."""
+        old = self.finding(kind, where)
+        if old is None:
+            return None
+        new = _replace(old, details={**old.details, **details})
+        self.put(new)
+        return new
+
+    def restart_at_step_zero(self) -> None:
+        """Everything so far belongs to step 0 (the steps counted were not steps after all)."""
+        self.findings[:] = [_replace(f, step=0, last_step=0) for f in self.findings]
+        merged: Dict[str, Any] = {"step": 0}
+        for entry in self.timeline:
+            merged.update({k: v for k, v in entry.items() if k != "step"})
+        self.timeline = [merged] if len(merged) > 1 else []
+
     def add_module(self, entry: Dict[str, Any]) -> None:
         """Add a module table entry (one per path)."""
         self.modules.append(entry)

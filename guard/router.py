@@ -107,10 +107,9 @@ class Router:
             except Exception as exc:
                 self.contain(check, exc)
 
-    def dispatch_forward(self, module: Any, args: tuple, kwargs: dict, output: Any, is_root: bool) -> None:
-        handlers = self.forward if is_root else self.nonroot(self.post_for, self.forward, module)
-        if not handlers:
-            return
+    def dispatch_forward(self, handlers: List[Handler], module: Any, args: tuple, kwargs: dict, output: Any,
+                         is_root: bool) -> None:
+        """Run `handlers` (``forward`` if root, else those of ``nonroot(post_for, forward, module)``)."""
         path = self.g.path_of(module)
         for check, fn in handlers:
             try:

@@ -7,7 +7,6 @@ Hooks and patches are installed only through `guard.hooks.Installer`.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import threading
@@ -23,31 +22,25 @@ from ._frames import user_source
 from ._dist import rank_info as _dist_rank
 from .checks import registry
 from .checks.base import Check
-from .config import Config, ConfigError, make_config
+from .config import Config, ConfigError, as_list, make_config
 from .findings import ERROR, Finding, GuardError, is_kind, severity_of
 from .meter import Meter
 from .record import Record
 from .router import GuardInternalWarning, Router
 from .staging import GradNorms, Staging
+from .watched import Watched
 
 MAX_FINDINGS = 1000
 MAX_TIMELINE = 4096
-MAX_MODULES = 5000
 
-_DP_TYPES: Tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 _NO_OUTPUT = object()
 
 __all__ = ["Guard", "GuardInternalWarning", "GradNorms"]
 
 
-def _as_list(obj: Any, what: str, typ: type, allowed: str) -> List[Any]:
-    if obj is None:
-        return []
-    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
-    for it in items:
-        if not isinstance(it, typ):
-            raise ConfigError(f"guard: {what}={type(it).__name__} object is not {allowed}; allowed: {allowed}, a list of them, or None")
-    return items
+def _delegate(part: str, name: str, doc: str) -> property:
+    """A read-only property: ``self.<part>.<name>``."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=doc)
 
 
 class Guard:
@@ -61,13 +54,13 @@ class Guard:
     def __init__(self, model: Any = None, optimizer: Any = None, *, checks: Any = "default", mode: Any = "warn",
                  report: Any = None, live: Any = None, every: Any = 1, snoop: Any = False, budget: Any = None,
                  origin: Optional[Dict[str, str]] = None, **extras: Any):
-        models = _as_list(model, "model", nn.Module, "an nn.Module")
-        opts = _as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
+        models = as_list(model, "model", nn.Module, "an nn.Module")
+        opts = as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
         self._registry = registry()
         self.config: Config = make_config(self._registry, checks=checks, mode=mode, report=report, live=live,
                                           every=every, snoop=snoop, budget=budget, origin=origin,
                                           **extras)
-        self._models = [weakref.ref(m) for m in models]
+        self._models = [weakref.ref(m) for m in models]  # never keep the user's model or optimizer alive
         self._optimizers = [weakref.ref(o) for o in opts]
         self._active = False
         self._closed_once = False
@@ -83,25 +76,22 @@ class Guard:
         self.costly_step = True
         self.meter = Meter(self.config.budget)
         self.record = Record()
-        self._module_ids: set = set()  # ids; only gates the one-time module table entry
-        self._module_paths: set = set()
         self.router = Router(self)
         self.staging = Staging(self.router.contain, self.flush)
+        self.watched = w = Watched(self._models, self._optimizers, self.notice, self.router.contain)
+        self._root_ids, self._paths_weak = w.root_ids, w.paths_weak  # read on every module call
+        # services for checks (see CheckContext), bound once
+        self.path_of, self.known_path, self.named_parameters = w.path_of, w.known_path, w.named_parameters
+        self.stage, self.stage_flag, self.stage_batch = self.staging.stage, self.staging.stage_flag, self.staging.stage_batch
+        self.forget_grad_norms = self.staging.forget_grad_norms
         self._tls = threading.local()
-        self._paths_by_id: Dict[int, str] = {}
-        self._root_ids: set = set()
-        self._paths_weak: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
-        self._roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-        self._opt_watch: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
-        self._seen_optimizers: List[weakref.ref] = list(self._optimizers)
-        self._primary: Optional[weakref.ref] = self._optimizers[0] if self._optimizers else None
+        self.is_primary = w.is_primary
         self._backward_pending = False
-        self._scripted = False  # a TorchScript model runs no Python hooks: own every backward
         self._rank_seen = False
-        self._param_names: Dict[int, str] = {}
         self.report_path: Optional[str] = None
         self.report_error: Optional[str] = None
-        self._installer = _hooks.Installer()
+        self._installer = inst = _hooks.Installer()
+        self.grad_hook, self.graph_prehook, self.replace_attr = inst.grad_hook, inst.graph_prehook, inst.attr
         self._mod_handles: Dict[int, Tuple[Any, Any]] = {}  # id(module) -> (pre, post) hook handles (model mode)
 
     # ------------------------------------------------------------------ public API
@@ -116,29 +106,17 @@ class Guard:
         return list(self.record.findings)
 
     @property
-    def timeline(self) -> List[Dict[str, Any]]:
-        """Per-step values (loss, gradient norm, learning rate, ...), thinned evenly on long runs."""
-        return self.record.timeline
-
-    @property
     def modules(self) -> Dict[str, Dict[str, Any]]:
         """The module table: path -> type, output shape, dtype, device, parameter count."""
         return {m["path"]: m for m in self.record.modules}
 
-    @property
-    def notices(self) -> List[str]:
-        """What guard cannot see (e.g. under torch.compile), said once each; not findings."""
-        return self.record.notices
-
-    @property
-    def internal_errors(self) -> List[Dict[str, Any]]:
-        """guard's own failures (each check switched off once): check, error, where, step."""
-        return self.record.internal_errors
-
-    @property
-    def checks(self) -> List[Check]:
-        """The active checks (one that failed is switched off and leaves this list)."""
-        return self.router.checks
+    timeline = _delegate("record", "timeline", "Per-step values (loss, gradient norm, lr, ...), thinned evenly on long runs.")
+    notices = _delegate("record", "notices", "What guard cannot see (e.g. under torch.compile), said once each.")
+    internal_errors = _delegate("record", "internal_errors", "guard's own failures: check, error, at, step.")
+    checks = _delegate("router", "checks", "The active checks (one that failed is switched off and leaves).")
+    models = _delegate("watched", "models", "The watched models (unwrapped from DataParallel/DDP), alive ones only.")
+    roots = _delegate("watched", "roots", "The watched models, or under a global guard the outermost modules seen.")
+    optimizers = _delegate("watched", "optimizers", "Optimizers given to the guard or seen stepping while it was active.")
 
     def _resolve_for_reader(self) -> None:
         """Resolve what is staged now because the user reads the findings (or the report) mid-step.
@@ -164,26 +142,6 @@ class Guard:
     @property
     def active(self) -> bool:
         return self._active
-
-    @property
-    def models(self) -> List[nn.Module]:
-        """The watched models (unwrapped from DataParallel/DDP), alive ones only."""
-        out = []
-        for r in self._models:
-            m = r()
-            if m is not None:
-                out.append(m.module if isinstance(m, _DP_TYPES) else m)
-        return out
-
-    @property
-    def roots(self) -> List[nn.Module]:
-        """The watched models, or under a global guard the outermost modules seen called."""
-        return self.models or list(self._roots)
-
-    @property
-    def optimizers(self) -> List[torch.optim.Optimizer]:
-        """Optimizers given to the guard or seen stepping while it was active."""
-        return [o for o in (r() for r in self._seen_optimizers) if o is not None]
 
     @property
     def given_optimizers(self) -> bool:
@@ -284,14 +242,6 @@ class Guard:
             self.record.notices.append(message)
             self.console().internal(message)
 
-    def _compiled_notice(self, module: nn.Module) -> None:
-        self.notice(
-            f"guard: {self.path_of(getattr(module, '_orig_mod', module))} runs under torch.compile: module hooks "
-            f"added after its first compiled call do not run inside compiled code (and hooks added before are traced "
-            f"into it: graph breaks, recompiles). Under compile guard reliably checks the outer call's inputs and "
-            f"outputs, losses, gradients and optimizer steps; per-layer checks (NaN origin, BatchNorm, device, "
-            f"eval mode) may see nothing. For full checks run a few steps uncompiled under guard.")
-
     # ------------------------------------------------------------------ findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Optional[Check] = None,
              step: Optional[int] = None, source: Optional[str] = None, details: Optional[Dict[str, Any]] = None,
@@ -304,11 +254,7 @@ class Guard:
         step = self.step if step is None else step
         rec = self.record
         with self._lock:
-            old = rec.finding(kind, where)
-            if old is not None:
-                rec.put(dataclasses.replace(old, count=old.count + 1, last_step=step))
-                return None
-            if len(rec.findings) >= MAX_FINDINGS:
+            if rec.repeat(kind, where, step) or len(rec.findings) >= MAX_FINDINGS:
                 return None
             details = dict(details or {})
             if _dist_rank() is not None:
@@ -325,26 +271,9 @@ class Guard:
     def update_details(self, kind: str, where: str, **details: Any) -> Optional[Finding]:
         """Merge `details` into the recorded (kind, where) finding (e.g. a trace captured later)."""
         with self._lock:
-            old = self.record.finding(kind, where)
-            if old is None:
-                return None
-            new = dataclasses.replace(old, details={**old.details, **details})
-            self.record.put(new)
-            return new
+            return self.record.update_details(kind, where, details)
 
     # ------------------------------------------------------------------ staging (one sync per step)
-    def stage(self, value: torch.Tensor, callback: Callable[[float], None]) -> None:
-        """Keep a 0-dim device tensor until the step is resolved; then ``callback(host_value)``."""
-        self.staging.stage(value, callback)
-
-    def stage_flag(self, ok: torch.Tensor, on_fail: Callable[[], None]) -> None:
-        """Keep a 0-dim bool tensor (True = fine); ``on_fail()`` runs at resolution if it is False."""
-        self.staging.stage_flag(ok, on_fail)
-
-    def stage_batch(self, collect: Callable[[], List[Tuple[torch.Tensor, Callable[[List[float]], None]]]]) -> None:
-        """Register `collect` for this step: at resolution it returns ``[(tensor, callback(values))]``."""
-        self.staging.stage_batch(collect)
-
     def flush(self) -> None:
         """Resolve staged device values now (bounded memory when steps are rare or absent)."""
         self._resolve()
@@ -369,73 +298,14 @@ class Guard:
         """This step's gradient norms (fused ``_foreach_norm``), computed once per optimizer and step."""
         return self.staging.grad_norms(optimizer, lambda: [p for _, p in self.named_parameters()], self.param_name)
 
-    def forget_grad_norms(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Drop this step's cached norms (the gradients changed in place, e.g. ``GradScaler.unscale_``)."""
-        self.staging.forget_grad_norms(optimizer)
-
     # ------------------------------------------------------------------ services for checks
-    def path_of(self, module: nn.Module) -> str:
-        """The module's path in its model (``layer4.1.conv2``); the root is its class name."""
-        p = self._paths_by_id.get(id(module))
-        if p is None:
-            p = self._paths_weak.get(module)
-            if p is None:
-                p = type(module).__name__
-        return p
-
-    def known_path(self, module: Any) -> Optional[str]:
-        """The path of a module of the watched model(s) (or seen under a global guard), else None."""
-        if not isinstance(module, nn.Module):
-            return None
-        p = self._paths_by_id.get(id(module))
-        return p if p is not None else self._paths_weak.get(module)
-
     def param_name(self, param: torch.Tensor) -> str:
         """A parameter's qualified name in the watched model(s), or a positional fallback."""
-        name = self._param_names.get(id(param))
-        if name is None:
-            for m in self.roots:
-                for n, p in m.named_parameters(remove_duplicate=False):
-                    self._param_names.setdefault(id(p), n)
-            name = self._param_names.get(id(param))
-        if name is None:
-            for o in self.optimizers:
-                for gi, group in enumerate(o.param_groups):
-                    for pi, p in enumerate(group["params"]):
-                        if p is param:
-                            return f"param_groups[{gi}].params[{pi}]"
-            return f"param{tuple(param.shape)}"
-        return name
-
-    def named_parameters(self) -> List[Tuple[str, nn.Parameter]]:
-        """Parameters of the watched models (or of the root modules seen, in global mode)."""
-        out, seen = [], set()
-        for m in self.roots:
-            for n, p in m.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((n, p))
-        return out
+        return self.watched.param_name(param, self.optimizers)
 
     @property
     def has_optimizer(self) -> bool:
-        return self._primary is not None
-
-    def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
-        return self._primary is not None and self._primary() is optimizer
-
-    def grad_hook(self, param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> Any:
-        """Call ``fn(param)`` each time backward accumulates into `param`'s gradient, until close or the
-        returned handle's ``remove()``."""
-        return self._installer.grad_hook(param, fn)
-
-    def graph_prehook(self, node: Any, fn: Callable) -> None:
-        """Register ``fn`` as a pre-hook of autograd node `node` through the installer (removed on close)."""
-        self._installer.graph_prehook(node, fn)
-
-    def replace_attr(self, obj: Any, name: str, value: Any) -> Any:
-        """Set ``obj.name = value`` until close or the returned handle's ``remove()`` (then restored)."""
-        return self._installer.attr(obj, name, value)
+        return self.watched.primary is not None
 
     def source(self) -> Optional[str]:
         """``file:line`` of the user's code that is running now."""
@@ -458,19 +328,7 @@ class Guard:
                 model = mref()
                 if model is None:
                     continue
-                inner = model.module if isinstance(model, _DP_TYPES) else model
-                if type(inner).__name__ == "OptimizedModule":
-                    self._compiled_notice(inner)
-                for path, mod in inner.named_modules():
-                    if path.startswith("_orig_mod") and type(inner).__name__ == "OptimizedModule":
-                        path = path[len("_orig_mod."):]  # the user's names, not torch.compile's wrapper
-                    self._paths_by_id[id(mod)] = path or type(mod).__name__
-                self._roots.add(inner)
-                self._root_ids.add(id(inner))
-                if isinstance(inner, torch.jit.ScriptModule):
-                    self._scripted = True
-                    self.notice(f"guard: {type(inner).__name__} is a TorchScript module: it runs no Python hooks, "
-                                f"so guard checks its losses, gradients and optimizer steps, not its layers.")
+                inner = self.watched.index(model)
                 for mod in dict.fromkeys(m for _, m in inner.named_modules()):
                     if isinstance(mod, torch.jit.ScriptModule):
                         continue  # register_forward_*hook raises on ScriptModules
@@ -484,7 +342,6 @@ class Guard:
             for oref in self._optimizers:
                 opt = oref()
                 if opt is not None:
-                    self._opt_watch[opt] = True
                     inst.optimizer_hooks(opt, self._hook_step_pre, self._hook_step_post)
         # Without a given optimizer, any optimizer stepping may be ours (global hooks, filtered).
         if not self._optimizers:
@@ -503,27 +360,11 @@ class Guard:
         depth = self._push_call(sys._getframe(1))
         if depth == 0:
             if module not in self._paths_weak:
-                self._adopt_root(module)
+                self.watched.adopt_root(module)
             self._enter_root()
         if self.router.forward_pre and self._active:
             self.router.dispatch_forward_pre(module, args, {}, depth == 0)
         self.meter.own += _clock() - t0
-
-    def _adopt_root(self, module: nn.Module) -> None:
-        if isinstance(module, _DP_TYPES):  # paths as in the user's model, without DDP's "module."
-            self._paths_weak[module] = type(module).__name__
-            module = module.module
-        if isinstance(module, _DP_TYPES) or type(module).__name__ == "OptimizedModule":
-            if type(module).__name__ == "OptimizedModule":
-                self._compiled_notice(module)
-            return
-        try:
-            for path, mod in module.named_modules():
-                if path == "" or mod not in self._paths_weak or self._paths_weak[mod] == type(mod).__name__:
-                    self._paths_weak[mod] = path or type(mod).__name__
-            self._roots.add(module)
-        except Exception as exc:
-            self.contain(None, exc)
 
     def _enter_root(self) -> None:
         """An outermost model call starts: remember where it came from."""
@@ -589,10 +430,13 @@ class Guard:
             self.meter.own += _clock() - t0
 
     def _after_forward_timed(self, module: nn.Module, args: tuple, kwargs: dict, output: Any, is_root: bool) -> None:
-        first = id(module) not in self._module_ids
+        first = id(module) not in self.watched.module_ids
         if first:
-            self._record_module(module, output)
-        self.router.dispatch_forward(module, args, kwargs, output, is_root)
+            self.watched.record_module(module, output, self.record)
+        r = self.router
+        handlers = r.forward if is_root else r.nonroot(r.post_for, r.forward, module)
+        if handlers:
+            r.dispatch_forward(handlers, module, args, kwargs, output, is_root)
         if first and not is_root and output is not None:
             # A layer no check keeps loses its hooks (model mode): torch's hook-free speed from now on.
             keep_pre, keep_post = self.router.settle(module, output)
@@ -603,47 +447,12 @@ class Guard:
                 if not keep_post:
                     handles[1].remove()
 
-    def _record_module(self, module: nn.Module, output: Any) -> None:
-        try:
-            self._module_ids.add(id(module))
-            if len(self._module_paths) >= MAX_MODULES:
-                return
-            path = self.path_of(module)
-            if path in self._module_paths:
-                return
-            from .tensors import first_tensor
-
-            t = first_tensor(output)
-            self._module_paths.add(path)
-            self.record.add_module({
-                "path": path,
-                "type": type(module).__name__,
-                "output_shape": list(t.shape) if t is not None and not t.is_nested else None,
-                "dtype": str(t.dtype) if t is not None else None,
-                "device": str(t.device) if t is not None else None,
-                "params": sum(p.numel() for p in module.parameters(recurse=True)),
-            })
-        except Exception as exc:
-            self.contain(None, exc)
-
     def _watches_optimizer(self, opt: torch.optim.Optimizer) -> bool:
-        known = self._opt_watch.get(opt)
-        if known is None:
-            models = self.models
-            if not models:
-                known = True
-            else:
-                ids = {id(p) for m in models for p in m.parameters()}
-                known = any(id(p) in ids for g in opt.param_groups for p in g["params"])
-            self._opt_watch[opt] = known
-            if known:
-                if all(r() is not opt for r in self._seen_optimizers):
-                    self._seen_optimizers.append(weakref.ref(opt))
-                if self._primary is None or self._primary() is None:
-                    if self._primary is None and self.step:
-                        self._renumber_to_first_step()
-                    self._primary = weakref.ref(opt)
-                    self._backward_pending = False
+        known, became = self.watched.watch_optimizer(opt)
+        if became is not None:
+            if became and self.step:
+                self._renumber_to_first_step()
+            self._backward_pending = False
         return known
 
     def _renumber_to_first_step(self) -> None:
@@ -651,12 +460,7 @@ class Guard:
         under a global guard): they were all part of step 0, not steps of their own."""
         self.step = 0
         self.sampling = True
-        rec = self.record
-        rec.findings[:] = [dataclasses.replace(f, step=0, last_step=0) for f in rec.findings]
-        merged: Dict[str, Any] = {"step": 0}
-        for entry in rec.timeline:
-            merged.update({k: v for k, v in entry.items() if k != "step"})
-        rec.timeline = [merged] if len(merged) > 1 else []
+        self.record.restart_at_step_zero()
 
     def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self._active or not self._watches_optimizer(opt):
@@ -706,7 +510,7 @@ class Guard:
 
     def _end_step(self, t0: Optional[float] = None) -> None:
         self._tls.forwards = 0  # forwards combined into one loss leave a surplus; a step settles it
-        if self.step == 0 and self._models and not self._module_ids and not self._scripted and "torch._dynamo" in sys.modules:
+        if self.step == 0 and self._models and not self.watched.module_ids and not self.watched.scripted and "torch._dynamo" in sys.modules:
             self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs through "
                         "a torch.compile'd wrapper (compiled code skips module hooks), guard that compiled module "
                         "instead; until then only gradients and parameters are checked.")
@@ -724,12 +528,12 @@ class Guard:
     def _advance_backward_step(self) -> None:
         """Without an optimizer a backward() ends the step; advance lazily at the next forward/backward."""
         self._backward_pending = False
-        if self._primary is None:
+        if self.watched.primary is None:
             self._end_step()
 
     def _mw_backward(self, call: Callable, args: tuple, kwargs: dict) -> Any:
         tls = self._tls
-        if not self._active or getattr(tls, "in_backward", False) or (self._models and not self._scripted and not getattr(tls, "forwards", 0)):
+        if not self._active or getattr(tls, "in_backward", False) or (self._models and not self.watched.scripted and not getattr(tls, "forwards", 0)):
             return call(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
         tls.in_backward = True
@@ -751,7 +555,7 @@ class Guard:
             t0 = _clock()
             try:
                 self.dispatch("backward_done", tensors, kwargs)
-                if self._primary is None:
+                if self.watched.primary is None:
                     if self.sampling:
                         self._resolve()
                     self._backward_pending = True
@@ -768,7 +572,8 @@ class Guard:
             tls.forwards = max(0, getattr(tls, "forwards", 0) - 1)
 
     # ------------------------------------------------------------------ exit & report
-    def _on_process_exit(self, reason: str) -> None:
+    def on_process_exit(self, reason: str) -> None:
+        """The interpreter exits or got SIGTERM (called by the installer): close, never raise."""
         try:
             self.close()
         except BaseException:

@@ -270,3 +270,32 @@ def test_global_guard_with_accumulation_before_the_first_step_counts_optimizer_s
     assert g.step == 4
     assert [e["step"] for e in g.timeline] == [0, 1, 2, 3]
     assert g.findings[0].kind == "nonfinite-input" and g.findings[0].step == 0
+
+
+def _inf_grad_run(checks):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay as they are
+    with torch.no_grad():
+        model.weight.zero_()
+    with guard(model, opt, checks=checks, live=False) as g:
+        for _ in range(2):
+            loss = torch.sqrt(model.weight.abs()).sum() + model(torch.ones(2, 3)).sum()  # d sqrt(|w|)/dw at 0: inf
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g
+
+
+def test_selection_by_check_name_turns_off_only_that_check():
+    g = _inf_grad_run(["default", "-amp-scaler"])
+    assert "amp-scaler" not in [c.name for c in g.checks] and "nonfinite" in [c.name for c in g.checks]
+    assert [f.kind for f in g.findings] == ["nonfinite-grad"]  # nonfinite still reports the kind amp-scaler shares
+    assert g.findings[0].where == "weight"
+
+
+def test_a_kind_can_be_turned_off_on_its_own():
+    g = _inf_grad_run(["default", "-nonfinite-grad"])
+    assert "nonfinite" in [c.name for c in g.checks] and "nonfinite-grad" not in g.config.kinds
+    assert [f.kind for f in g.findings] == []
+    assert "nonfinite-input" in g.config.kinds  # the check's other kinds stay on

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from demos import device_mismatch
 from guard import GuardError, guard
-from guard.checks.device import same_device
+from guard.checks.device_mismatch import same_device
 
 
 def kinds(g):

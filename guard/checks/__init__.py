@@ -1,6 +1,7 @@
 """The check registry: every `Check` subclass in a module of this package.
 
-Adding a check is adding a file here; nothing else needs editing.
+Adding a check is adding a file here; nothing else needs editing (``python -m guard.checks
+--readme-table`` prints the README's checks table from the registry).
 """
 from __future__ import annotations
 
@@ -29,4 +30,13 @@ def registry() -> Dict[str, Type[Check]]:
     return _registry
 
 
-__all__ = ["Check", "registry"]
+def readme_table() -> str:
+    """The README's checks table (markdown, one row per check), generated from the registry."""
+    rows = ["| check | kinds (severity) | what it catches | default |", "|---|---|---|---|"]
+    for name, cls in sorted(registry().items()):
+        kinds = "<br>".join(f"`{k}` ({sev})" for k, (sev, _) in cls.kinds.items())
+        rows.append(f"| `{name}` | {kinds} | {cls.description} | {'on' if cls.default else 'off'} |")
+    return "\n".join(rows) + "\n"
+
+
+__all__ = ["Check", "readme_table", "registry"]

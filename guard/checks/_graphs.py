@@ -1,26 +1,58 @@
-"""Helpers shared by the autograd-graph checks: sizing a graph, formatting bytes."""
+"""Helpers shared by the autograd-graph checks: the one bounded graph walk, graph holders in the
+user's frames, a graph's size, bytes formatted."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Set, Tuple
+import types
+from collections import deque
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
+from torch import nn
 
-from .._frames import _skipped
+from .._frames import is_skipped
+
+MAX_ITEMS = 4096  # items of one list/dict looked at for graph holders
+
+
+class Budget:
+    """How many more graph nodes walks may visit (shared by several walks)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: int):
+        self.left = left
+
+
+def walk(roots: Iterable[Any], budget: Budget, prune: Optional[Callable[[Any], bool]] = None) -> Iterator[Any]:
+    """Each autograd node reachable from `roots` (``grad_fn`` nodes; None is skipped) once, depth first,
+    until `budget` is spent; the inputs of a node for which ``prune(node)`` is true are not followed."""
+    seen: Set[int] = set()
+    keep: List[Any] = []  # node wrappers stay alive during the walk, so their ids stay unique
+    stack = [r for r in roots if r is not None]
+    while stack and budget.left > 0:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        budget.left -= 1
+        yield node
+        if prune is not None and prune(node):
+            continue
+        try:
+            nxt = node.next_functions
+        except Exception:
+            continue
+        stack.extend(n for n, _ in nxt if n is not None and id(n) not in seen)
 
 
 def graph_size(tensors: List[torch.Tensor], limit: int = 100_000) -> Tuple[int, int]:
     """(nodes, bytes of saved tensors still held) of the graphs behind `tensors` (bounded)."""
-    seen: Set[int] = set()
-    keep: List[Any] = []  # keep node wrappers alive so ids stay unique during the walk
     storages: Dict[Tuple[int, int], int] = {}
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    while stack and len(seen) < limit:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        keep.append(node)
+    nodes = 0
+    for node in walk([t.grad_fn for t in tensors], Budget(limit)):
+        nodes += 1
         for attr in dir(node):
             if not attr.startswith("_saved_"):
                 continue
@@ -35,11 +67,48 @@ def graph_size(tensors: List[torch.Tensor], limit: int = 100_000) -> Tuple[int, 
                         storages[(st.data_ptr(), st.nbytes())] = st.nbytes()
                     except Exception:
                         pass
+    return nodes, sum(storages.values())
+
+
+_PLAIN_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
+               str, bytes, int, float, bool, complex, type(None), range)
+
+
+def graph_holders(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, Any, List[torch.Tensor]]]:
+    """(readable name, owner object, tensors with a graph) for a value found in a frame (bounded depth)."""
+    if isinstance(value, torch.Tensor):
+        if value.grad_fn is not None:
+            yield name, value, [value]
+        return
+    if isinstance(value, _PLAIN_TYPES) or depth > 2:
+        return
+    if isinstance(value, (list, tuple, deque)):
+        items = list(value)[-MAX_ITEMS:]
+        ts = [v for v in items if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+        if ts:
+            yield f"{name}[...]", value, ts
+        for i, v in enumerate(items[:64]):
+            if isinstance(v, (dict, list, tuple)) or hasattr(v, "__dict__"):
+                if not isinstance(v, torch.Tensor):
+                    yield from graph_holders(f"{name}[{i}]", v, depth + 1)
+        return
+    if isinstance(value, dict):
+        for k, v in list(value.items())[:MAX_ITEMS]:
+            if isinstance(k, str) and k.startswith("__"):
+                continue
+            yield from graph_holders(f"{name}[{k!r}]", v, depth + 1)
+        return
+    if isinstance(value, nn.Module):
+        attrs = {k: v for k, v in vars(value).items() if k not in ("_parameters", "_buffers", "_modules")}
+    else:
         try:
-            stack.extend(n for n, _ in node.next_functions if n is not None)
-        except Exception:
-            pass
-    return len(seen), sum(storages.values())
+            attrs = vars(value)
+        except TypeError:
+            return
+    for k, v in list(attrs.items())[:256]:
+        if k.startswith("__"):
+            continue
+        yield from graph_holders(f"{name}.{k}", v, depth + 1)
 
 
 def fmt_bytes(n: int) -> str:
@@ -55,7 +124,7 @@ def user_frames(limit: int = 12) -> List[Any]:
     frames = []
     f = sys._getframe(1)
     while f is not None and len(frames) < limit:
-        if not _skipped(f.f_code.co_filename):
+        if not is_skipped(f.f_code.co_filename):
             frames.append(f)
         f = f.f_back
     return frames

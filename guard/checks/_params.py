@@ -38,16 +38,3 @@ def module_prefixes(names: Iterable[str], all_names: Sequence[str], limit: int =
         if len(out) >= limit:
             break
     return out
-
-
-def common_prefix(names: Sequence[str]) -> str:
-    """The longest dotted prefix shared by all `names` ('' if none)."""
-    if not names:
-        return ""
-    split = [n.split(".") for n in names]
-    out = []
-    for parts in zip(*split):
-        if len(set(parts)) != 1:
-            break
-        out.append(parts[0])
-    return ".".join(out)

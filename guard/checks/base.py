@@ -189,6 +189,8 @@ class Check:
                 near = difflib.get_close_matches(attr[3:], sorted(events), n=1)
                 raise TypeError(f"guard: {where}.{attr} handles no event" + (f" (did you mean on_{near[0]}?)" if near else "")
                                 + f"; allowed: {', '.join('on_' + e for e in sorted(events))}")
+        for kind, (severity, _) in cls.kinds.items():
+            KINDS.check(kind, severity, cls.name)  # all of them first: a bad class declares nothing
         for kind, (severity, description) in cls.kinds.items():
             KINDS.declare(kind, severity, description, cls.name)
 

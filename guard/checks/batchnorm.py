@@ -28,7 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import BatchSampler
 
 from .base import Check
-from .state_dict import NOTE_PREFIX, add_guard_note
+from ._notes import NOTE_PREFIX, add_guard_note
 
 SMALL_BATCH = 4
 FIX = ("drop the incomplete last batch with `DataLoader(..., drop_last=True)`, use a batch size that does not leave "

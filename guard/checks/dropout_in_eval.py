@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .._frames import _short
+from .._frames import short_path as _short
 from .base import Check
 
 _GUARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

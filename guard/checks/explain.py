@@ -33,9 +33,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._frames import _short, _skipped
+from .._frames import is_skipped, short_path
 from .base import Check
-from .state_dict import NOTE_PREFIX, add_guard_note
+from ._notes import NOTE_PREFIX, add_guard_note
 
 KIND = "explained-error"
 _DP_RE = re.compile(r"'(DataParallel|DistributedDataParallel)' object has no attribute '([A-Za-z_][\w]*)'")
@@ -57,8 +57,8 @@ def _user_line(exc: BaseException) -> Optional[str]:
     except Exception:
         return None
     for fr in reversed(frames):
-        if not _skipped(fr.filename):
-            return f"{_short(fr.filename)}:{fr.lineno}"
+        if not is_skipped(fr.filename):
+            return f"{short_path(fr.filename)}:{fr.lineno}"
     return None
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .base import Check
-from .state_dict import NOTE_PREFIX, add_guard_note
+from ._notes import NOTE_PREFIX, add_guard_note
 
 ROWS = 64
 _VIEWS = ("Squeeze", "Unsqueeze", "View", "Reshape", "UnsafeView", "Permute", "TBackward", "Transpose",

@@ -25,14 +25,12 @@ import re
 import time
 import types
 import weakref
-from collections import deque
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
-from torch import nn
 
-from .._frames import _short
-from ._graphs import fmt_bytes, graph_size, user_frames
+from .._frames import short_path
+from ._graphs import Budget, fmt_bytes, graph_holders, graph_size, user_frames, walk
 from .base import Check
 
 KEY = "guard.loss_graph"
@@ -42,7 +40,6 @@ MIN_STEPS = 3  # ... and marks of at least this many past steps are alive
 MAX_MARKS = 256
 NODE_BUDGET = 200_000  # graph nodes visited in total while naming the holder
 MAX_FRAMES = 12
-MAX_ITEMS = 4096
 
 
 class _Mark:
@@ -63,82 +60,24 @@ def _roots(tensors: Any) -> List[torch.Tensor]:
 
 
 class _Walker:
-    """Follows ``grad_fn`` chains to the marked loss nodes of past steps (bounded)."""
+    """Follows ``grad_fn`` chains to the marked loss nodes of past steps (one budget for all walks)."""
 
     def __init__(self, before: int, key: str):
         self.before, self.key = before, key  # marks of steps < before count as "old"
-        self.budget = NODE_BUDGET
+        self.budget = Budget(NODE_BUDGET)
 
     def steps_reached(self, t: torch.Tensor, out: Set[int]) -> None:
-        fn = t.grad_fn
-        if fn is None or self.budget <= 0:
-            return
-        seen: Set[int] = set()
-        keep: List[Any] = []  # node wrappers stay alive during the walk, so their ids stay unique
-        stack = [fn]
-        while stack and self.budget > 0:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            keep.append(node)
-            self.budget -= 1
+        def at_mark(node: Any) -> bool:
             try:
                 mark = node.metadata.get(self.key)
             except Exception:
-                mark = None
-            if mark is not None:
-                if mark.step < self.before:
-                    out.add(mark.step)
-                continue  # beyond a loss node lies that step's own forward graph
-            try:
-                nxt = node.next_functions
-            except Exception:
-                continue
-            for n, _ in nxt:
-                if n is not None and id(n) not in seen:
-                    stack.append(n)
+                return False
+            if mark is not None and mark.step < self.before:
+                out.add(mark.step)
+            return mark is not None  # beyond a loss node lies that step's own forward graph
 
-
-_SKIP_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
-               str, bytes, int, float, bool, complex, type(None), range)
-
-
-def _candidates(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, Any, List[torch.Tensor]]]:
-    """(readable name, owner object, tensors with a graph) for a value found in a frame."""
-    if isinstance(value, torch.Tensor):
-        if value.grad_fn is not None:
-            yield name, value, [value]
-        return
-    if isinstance(value, _SKIP_TYPES) or depth > 2:
-        return
-    if isinstance(value, (list, tuple, deque)):
-        items = list(value)[-MAX_ITEMS:]
-        ts = [v for v in items if isinstance(v, torch.Tensor) and v.grad_fn is not None]
-        if ts:
-            yield f"{name}[...]", value, ts
-        for i, v in enumerate(items[:64]):
-            if isinstance(v, (dict, list, tuple)) or hasattr(v, "__dict__"):
-                if not isinstance(v, torch.Tensor):
-                    yield from _candidates(f"{name}[{i}]", v, depth + 1)
-        return
-    if isinstance(value, dict):
-        for k, v in list(value.items())[:MAX_ITEMS]:
-            if isinstance(k, str) and k.startswith("__"):
-                continue
-            yield from _candidates(f"{name}[{k!r}]", v, depth + 1)
-        return
-    if isinstance(value, nn.Module):
-        attrs = {k: v for k, v in vars(value).items() if k not in ("_parameters", "_buffers", "_modules")}
-    else:
-        try:
-            attrs = vars(value)
-        except TypeError:
-            return
-    for k, v in list(attrs.items())[:256]:
-        if k.startswith("__"):
-            continue
-        yield from _candidates(f"{name}.{k}", v, depth + 1)
+        for _ in walk([t.grad_fn], self.budget, prune=at_mark):
+            pass
 
 
 _HARMLESS = re.compile(r"\.item\(\)|\.detach\(\)|\.tolist\(\)|\bfloat\(")
@@ -198,8 +137,8 @@ def _update_source(name: str, frame: Any, parent: Any) -> Optional[str]:
     for filename, lo, hi in places:
         no = _search(filename, lo, hi, target)
         if no is not None:
-            return f"{_short(filename)}:{no}"
-    return f"{_short(code.co_filename)}:{frame.f_lineno}"
+            return f"{short_path(filename)}:{no}"
+    return f"{short_path(code.co_filename)}:{frame.f_lineno}"
 
 
 def _parent_of(name: str, frame: Any) -> Any:
@@ -270,7 +209,7 @@ class LossGraph(Check):
                     continue
                 seen_objs.add(id(value))
                 try:
-                    for cname, owner, ts in _candidates(name, value):
+                    for cname, owner, ts in graph_holders(name, value):
                         steps: Set[int] = set()
                         for t in ts:
                             walker.steps_reached(t, steps)
@@ -278,7 +217,7 @@ class LossGraph(Check):
                             found.append((cname, fr, steps, ts))
                 except Exception:
                     continue
-            if found and walker.budget <= 0:
+            if found and walker.budget.left <= 0:
                 break
         found.sort(key=lambda h: -len(h[2]))
         return found

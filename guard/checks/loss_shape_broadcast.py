@@ -19,7 +19,7 @@ Cost: a shape comparison on the host per loss call; no device work.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
 

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._frames import _short
+from .._frames import short_path as _short
 from .base import Check
 
 DEPTH = 3  # nesting of plain containers searched (list of lists, dict of lists, ...)

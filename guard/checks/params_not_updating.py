@@ -18,7 +18,7 @@ drove it to 0), or an optimizer built over another copy of the model.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 

@@ -18,20 +18,16 @@ import torch
 from torch import nn
 
 from ..findings import Finding, severity_of
+from ._notes import NOTE_PREFIX, add_guard_note
 from .base import Check
 
 KIND = "state-dict-mismatch"
-NOTE_PREFIX = "guard: "
 _PREFIXES = (
     ("module.", "a DataParallel/DistributedDataParallel-wrapped model"),
     ("_orig_mod.", "a torch.compile'd model"),
 )
 _NBT = "num_batches_tracked"
 _MAX_LIST = 8
-
-
-def _shape(v: Any) -> Optional[List[int]]:
-    return list(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _is_lazy(v: Any) -> bool:
@@ -191,17 +187,6 @@ def explain_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> Optio
         return None
     return Finding(kind=KIND, severity=severity_of(KIND), message=res["message"], hint=res["hint"],
                    where=type(model).__name__, step=0, details=res["details"])
-
-
-def add_guard_note(exc: BaseException, text: str) -> bool:
-    """Add `text` as a note unless guard already annotated `exc` (nested guards, two checks)."""
-    if any(isinstance(n, str) and n.startswith(NOTE_PREFIX) for n in getattr(exc, "__notes__", ()) or ()):
-        return False
-    try:
-        exc.add_note(text)
-    except Exception:  # an exception type that refuses notes: the finding still carries it
-        return False
-    return True
 
 
 def _load_location(args: tuple, kwargs: dict) -> str:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .base import Check
-from .eval_train_mode import _sensitive
+from ._modes import mode_sensitive
 
 MAX_NAMED = 4
 OPT_OUT = "guard_eval_mode_ok"
@@ -84,7 +84,7 @@ class TrainInEvalMode(Check):
                 continue
             mods = self._mods.get(model)
             if mods is None:
-                mods = self._mods[model] = _sensitive(model)
+                mods = self._mods[model] = mode_sensitive(model)
             off = [(n, m) for n, r in mods if (m := r()) is not None and not m.training]
             if off:
                 self._emit(model, off, call_src)

@@ -20,7 +20,6 @@ import weakref
 from typing import List, Optional, Tuple
 
 import torch
-from torch import nn
 
 from .base import Check
 

@@ -25,7 +25,7 @@ comparison per ``step()``; device work only in the buggy order. Nothing per modu
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 

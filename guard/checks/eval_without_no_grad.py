@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._graphs import fmt_bytes, graph_size, user_frames
+from ._graphs import Budget, fmt_bytes, graph_holders, graph_size, user_frames, walk
 from .base import Check
 
 KEY = "guard.eval_no_grad"
@@ -147,35 +147,21 @@ class EvalWithoutNoGrad(Check):
 
     def _holders(self, recs: set) -> Tuple[Optional[str], List[torch.Tensor]]:
         """A variable in the user's frames whose graph reaches these forwards (e.g. `val_loss`), and its tensors."""
-        from .loss_graph import _candidates
-
-        budget = WALK_BUDGET
+        budget = Budget(WALK_BUDGET)
         for fr in user_frames():
             for name, value in list(fr.f_locals.items()):
                 try:
-                    cands = list(_candidates(name, value))
+                    cands = list(graph_holders(name, value))
                 except Exception:
                     continue
                 for cname, _, ts in cands:
-                    stack = [t.grad_fn for t in ts]
-                    seen, keep = set(), []
-                    while stack and budget > 0:
-                        node = stack.pop()
-                        if node is None or id(node) in seen:
-                            continue
-                        seen.add(id(node))
-                        keep.append(node)
-                        budget -= 1
+                    for node in walk([t.grad_fn for t in ts], budget):
                         try:
                             tag = node.metadata.get(self._key)
                         except Exception:
                             tag = None
                         if tag is not None and id(tag.rec) in recs:
                             return cname, ts
-                        try:
-                            stack.extend(n for n, _ in node.next_functions if n is not None)
-                        except Exception:
-                            pass
         return None, []
 
     def _report(self, unused: List[_Fwd]) -> None:

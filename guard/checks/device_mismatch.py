@@ -21,7 +21,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ..tensors import iter_named_tensors
 from .base import Check
-from .state_dict import NOTE_PREFIX, add_guard_note
+from ._notes import NOTE_PREFIX, add_guard_note
 
 #: functional losses watched for operands on different devices (nn.*Loss modules call these)
 LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy", "nll_loss",

@@ -23,30 +23,16 @@ import contextlib
 import os
 import sys
 import weakref
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.dropout import _DropoutNd
 
+from ._modes import mode_sensitive
 from .base import Check
 
 MAX_NAMED = 4
 OPT_OUT = "guard_train_mode_ok"
-
-
-def _sensitive(model: nn.Module) -> List[Tuple[str, weakref.ref]]:
-    """(path, module) of the Dropout/BatchNorm modules whose train/eval mode changes the output."""
-    out = []
-    for name, m in model.named_modules():
-        if isinstance(m, _DropoutNd):
-            if float(getattr(m, "p", 0.0) or 0.0) > 0:
-                out.append((name or type(m).__name__, weakref.ref(m)))
-        elif isinstance(m, _BatchNorm):
-            if getattr(m, "track_running_stats", True):
-                out.append((name or type(m).__name__, weakref.ref(m)))
-    return out
 
 
 _TORCH_OPTIM = os.path.dirname(os.path.abspath(torch.optim.__file__)) + os.sep  # swa_utils.update_bn
@@ -99,7 +85,7 @@ class EvalInTrainMode(Check):
             return
         mods = self._mods.get(module)
         if mods is None:
-            mods = self._mods[module] = _sensitive(module)
+            mods = self._mods[module] = mode_sensitive(module)
         if not mods:
             return
         training = [(n, m) for n, r in mods if (m := r()) is not None and m.training

@@ -1,0 +1,199 @@
+"""What a guard watches: the models, their module paths, parameter names and the module table."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .record import Record
+from .tensors import first_tensor
+
+MAX_MODULES = 5000
+
+DP_TYPES: Tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+
+
+def is_compiled(module: Any) -> bool:
+    """A ``torch.compile`` wrapper (``OptimizedModule``)."""
+    return type(module).__name__ == "OptimizedModule"
+
+
+class Watched:
+    """The watched models and optimizers (weakly held) and the names guard gives their modules and parameters.
+
+    `notice(message)` says once what guard cannot see; `contain(None, exc)` reports guard's own failure.
+    """
+
+    def __init__(self, models: List[weakref.ref], optimizers: List[weakref.ref], notice: Callable[[str], None],
+                 contain: Callable[[Any, BaseException], None]):
+        self.refs = models
+        self.seen_optimizers: List[weakref.ref] = list(optimizers)
+        #: the optimizer whose step ends the guard's step (the first given, else the first seen stepping)
+        self.primary: Optional[weakref.ref] = optimizers[0] if optimizers else None
+        self._opt_watch: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        for r in optimizers:
+            if r() is not None:
+                self._opt_watch[r()] = True
+        self._notice = notice
+        self._contain = contain
+        self.paths_by_id: Dict[int, str] = {}
+        self.root_ids: set = set()
+        self.paths_weak: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        self.roots_seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self.scripted = False  # a TorchScript model runs no Python hooks
+        self.module_ids: set = set()  # ids; only gates the one-time module table entry
+        self.module_paths: set = set()
+        self._param_names: Dict[int, str] = {}
+
+    @property
+    def models(self) -> List[nn.Module]:
+        """The watched models (unwrapped from DataParallel/DDP), alive ones only."""
+        out = []
+        for r in self.refs:
+            m = r()
+            if m is not None:
+                out.append(m.module if isinstance(m, DP_TYPES) else m)
+        return out
+
+    @property
+    def optimizers(self) -> List[torch.optim.Optimizer]:
+        """Optimizers given to the guard or seen stepping while it was active."""
+        return [o for o in (r() for r in self.seen_optimizers) if o is not None]
+
+    def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self.primary is not None and self.primary() is optimizer
+
+    def watch_optimizer(self, opt: torch.optim.Optimizer) -> Tuple[bool, Optional[bool]]:
+        """Whether `opt` steps parameters of the watched models (decided once per optimizer), and
+        whether it just became the primary optimizer: None if not, else whether there was none before."""
+        known = self._opt_watch.get(opt)
+        became = None
+        if known is None:
+            models = self.models
+            if not models:
+                known = True
+            else:
+                ids = {id(p) for m in models for p in m.parameters()}
+                known = any(id(p) in ids for g in opt.param_groups for p in g["params"])
+            self._opt_watch[opt] = known
+            if known:
+                if all(r() is not opt for r in self.seen_optimizers):
+                    self.seen_optimizers.append(weakref.ref(opt))
+                if self.primary is None or self.primary() is None:
+                    became = self.primary is None
+                    self.primary = weakref.ref(opt)
+        return known, became
+
+    @property
+    def roots(self) -> List[nn.Module]:
+        """The watched models, or under a global guard the outermost modules seen called."""
+        return self.models or list(self.roots_seen)
+
+    def path_of(self, module: nn.Module) -> str:
+        """The module's path in its model (``layer4.1.conv2``); the root is its class name."""
+        p = self.paths_by_id.get(id(module))
+        if p is None:
+            p = self.paths_weak.get(module)
+            if p is None:
+                p = type(module).__name__
+        return p
+
+    def known_path(self, module: Any) -> Optional[str]:
+        """The path of a module of the watched model(s) (or seen under a global guard), else None."""
+        if not isinstance(module, nn.Module):
+            return None
+        p = self.paths_by_id.get(id(module))
+        return p if p is not None else self.paths_weak.get(module)
+
+    def param_name(self, param: torch.Tensor, optimizers: List[torch.optim.Optimizer]) -> str:
+        """A parameter's qualified name in the watched model(s), or a positional fallback."""
+        name = self._param_names.get(id(param))
+        if name is None:
+            for m in self.roots:
+                for n, p in m.named_parameters(remove_duplicate=False):
+                    self._param_names.setdefault(id(p), n)
+            name = self._param_names.get(id(param))
+        if name is None:
+            for o in optimizers:
+                for gi, group in enumerate(o.param_groups):
+                    for pi, p in enumerate(group["params"]):
+                        if p is param:
+                            return f"param_groups[{gi}].params[{pi}]"
+            return f"param{tuple(param.shape)}"
+        return name
+
+    def named_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """Parameters of the watched models (or of the root modules seen, in global mode)."""
+        out, seen = [], set()
+        for m in self.roots:
+            for n, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((n, p))
+        return out
+
+    def compiled_notice(self, module: nn.Module) -> None:
+        self._notice(
+            f"guard: {self.path_of(getattr(module, '_orig_mod', module))} runs under torch.compile: module hooks "
+            f"added after its first compiled call do not run inside compiled code (and hooks added before are traced "
+            f"into it: graph breaks, recompiles). Under compile guard reliably checks the outer call's inputs and "
+            f"outputs, losses, gradients and optimizer steps; per-layer checks (NaN origin, BatchNorm, device, "
+            f"eval mode) may see nothing. For full checks run a few steps uncompiled under guard.")
+
+    def index(self, model: nn.Module) -> nn.Module:
+        """Name the modules of a watched model (model mode); returns the model inside any DP/DDP wrapper."""
+        inner = model.module if isinstance(model, DP_TYPES) else model
+        if is_compiled(inner):
+            self.compiled_notice(inner)
+        for path, mod in inner.named_modules():
+            if path.startswith("_orig_mod") and is_compiled(inner):
+                path = path[len("_orig_mod."):]  # the user's names, not torch.compile's wrapper
+            self.paths_by_id[id(mod)] = path or type(mod).__name__
+        self.roots_seen.add(inner)
+        self.root_ids.add(id(inner))
+        if isinstance(inner, torch.jit.ScriptModule):
+            self.scripted = True
+            self._notice(f"guard: {type(inner).__name__} is a TorchScript module: it runs no Python hooks, "
+                         f"so guard checks its losses, gradients and optimizer steps, not its layers.")
+        return inner
+
+    def adopt_root(self, module: nn.Module) -> None:
+        """An outermost module call under a global guard: name its modules (paths as in the user's model)."""
+        if isinstance(module, DP_TYPES):  # without DDP's "module."
+            self.paths_weak[module] = type(module).__name__
+            module = module.module
+        if isinstance(module, DP_TYPES) or is_compiled(module):
+            if is_compiled(module):
+                self.compiled_notice(module)
+            return
+        try:
+            for path, mod in module.named_modules():
+                if path == "" or mod not in self.paths_weak or self.paths_weak[mod] == type(mod).__name__:
+                    self.paths_weak[mod] = path or type(mod).__name__
+            self.roots_seen.add(module)
+        except Exception as exc:
+            self._contain(None, exc)
+
+    def record_module(self, module: nn.Module, output: Any, record: Record) -> None:
+        """Add a module's first call to the module table of `record` (path, type, output shape, ...)."""
+        try:
+            self.module_ids.add(id(module))
+            if len(self.module_paths) >= MAX_MODULES:
+                return
+            path = self.path_of(module)
+            if path in self.module_paths:
+                return
+            t = first_tensor(output)
+            self.module_paths.add(path)
+            record.add_module({
+                "path": path,
+                "type": type(module).__name__,
+                "output_shape": list(t.shape) if t is not None and not t.is_nested else None,
+                "dtype": str(t.dtype) if t is not None else None,
+                "device": str(t.device) if t is not None else None,
+                "params": sum(p.numel() for p in module.parameters(recurse=True)),
+            })
+        except Exception as exc:
+            self._contain(None, exc)
