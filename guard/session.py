@@ -19,6 +19,7 @@ from torch import nn
 
 from . import hooks as _hooks
 from ._frames import user_source
+from .callstack import pop_call, push_call
 from ._dist import rank_info as _dist_rank
 from .checks import registry
 from .checks.base import Check
@@ -357,7 +358,7 @@ class Guard:
     # ------------------------------------------------------------------ hooks (hot paths)
     def _hook_pre_global(self, module: nn.Module, args: tuple) -> None:
         t0 = _clock()
-        depth = self._push_call(sys._getframe(1))
+        depth = push_call(self._tls, sys._getframe(1))
         if depth == 0:
             if module not in self._paths_weak:
                 self.watched.adopt_root(module)
@@ -386,36 +387,7 @@ class Guard:
     def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = _NO_OUTPUT) -> None:
         if output is _NO_OUTPUT:  # forward raised: torch calls always_call global hooks as (module, args, result)
             kwargs, output = {}, kwargs
-        calls = getattr(self._tls, "calls", None)
-        if calls:
-            calls.pop()
-        self._after_forward(module, args, kwargs, output, not calls)
-
-    def _push_call(self, frame: Any) -> int:
-        """Record a module call in flight in this thread (its hook-calling frame); returns how many enclose it.
-
-        A counter would stay raised when a KeyboardInterrupt (any BaseException) leaves a forward, since
-        torch then skips the always-called hooks: every later call would look nested. Calls whose frame
-        is no longer on this thread's stack are dropped instead (found in a few frame hops per call).
-        """
-        tls = self._tls
-        calls = getattr(tls, "calls", None)
-        if calls is None:
-            calls = tls.calls = []
-        if calls:
-            top, f, hops = calls[-1], frame.f_back, 8
-            while f is not None and f is not top and hops:
-                f, hops = f.f_back, hops - 1
-            if f is not top:
-                live = set()
-                f = frame.f_back
-                while f is not None:
-                    live.add(id(f))
-                    f = f.f_back
-                while calls and id(calls[-1]) not in live:
-                    calls.pop()
-        calls.append(frame)
-        return len(calls) - 1
+        self._after_forward(module, args, kwargs, output, pop_call(self._tls))
 
     def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self._after_forward(module, args, kwargs, output, id(module) in self._root_ids)
@@ -424,28 +396,25 @@ class Guard:
         if not self._active:
             return
         t0 = _clock()
-        try:
-            self._after_forward_timed(module, args, kwargs, output, is_root)
-        finally:
-            self.meter.own += _clock() - t0
-
-    def _after_forward_timed(self, module: nn.Module, args: tuple, kwargs: dict, output: Any, is_root: bool) -> None:
         first = id(module) not in self.watched.module_ids
         if first:
             self.watched.record_module(module, output, self.record)
         r = self.router
         handlers = r.forward if is_root else r.nonroot(r.post_for, r.forward, module)
-        if handlers:
-            r.dispatch_forward(handlers, module, args, kwargs, output, is_root)
-        if first and not is_root and output is not None:
-            # A layer no check keeps loses its hooks (model mode): torch's hook-free speed from now on.
-            keep_pre, keep_post = self.router.settle(module, output)
-            handles = self._mod_handles.get(id(module))
-            if handles is not None and id(module) not in self._root_ids:
-                if handles[0] is not None and not keep_pre:
-                    handles[0].remove()
-                if not keep_post:
-                    handles[1].remove()
+        try:
+            if handlers:
+                r.dispatch_forward(handlers, module, args, kwargs, output, is_root)
+            if first and not is_root and output is not None:
+                # A layer no check keeps loses its hooks (model mode): torch's hook-free speed from now on.
+                keep_pre, keep_post = self.router.settle(module, output)
+                handles = self._mod_handles.get(id(module))
+                if handles is not None and id(module) not in self._root_ids:
+                    if handles[0] is not None and not keep_pre:
+                        handles[0].remove()
+                    if not keep_post:
+                        handles[1].remove()
+        finally:
+            self.meter.own += _clock() - t0
 
     def _watches_optimizer(self, opt: torch.optim.Optimizer) -> bool:
         known, became = self.watched.watch_optimizer(opt)
