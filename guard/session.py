@@ -7,6 +7,7 @@ the other way round. Hooks and patches are installed only through
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import traceback
@@ -94,7 +95,9 @@ class Guard:
         self._models = [weakref.ref(m) for m in models]
         self._optimizers = [weakref.ref(o) for o in opts]
         self._active = False
+        self._paused = False  # a background guard stepping aside for a guard from the code
         self._closed_once = False
+        self._pid = os.getpid()  # a forked copy (another pid) never writes this guard's report
         self._lock = threading.RLock()
         self._reset()
 
@@ -128,6 +131,9 @@ class Guard:
         self._handlers: Dict[str, List[Tuple[Check, Callable]]] = {}
         self.report_path: Optional[str] = None
         self.report_error: Optional[str] = None
+        self.processes: List[Dict[str, Any]] = []  # other processes' dumps of this run (background guard)
+        self._rank_known = False
+        self.started_at = 0.0  # time.time() of start()
         self._installer = _hooks.Installer()
         self._mod_handles: Dict[int, Tuple[Any, Any]] = {}  # id(module) -> (pre, post) hook handles (model mode)
         self._pre_for: Dict[int, Tuple[Any, list]] = {}
@@ -173,12 +179,25 @@ class Guard:
                 self._installer.close()
                 self._active = False
                 raise
+            self.started_at = __import__("time").time()
+            if self.config.background:
+                import multiprocessing.util
+
+                multiprocessing.util.register_after_fork(self, Guard._after_fork)
+            from . import _procs
+
+            _procs.after_start(self)
             self._dispatch("start")
         return self
 
-    def close(self) -> None:
-        """Resolve what is pending, remove every hook and patch, write the report. Idempotent."""
+    def close(self, *, write_report: bool = True) -> None:
+        """Resolve what is pending, remove every hook and patch, write the report. Idempotent.
+
+        ``write_report=False`` writes no report and prints no summary (the guard is discarded).
+        """
         with self._lock:
+            if self._paused:
+                self._paused, self._active = False, True
             if not self._active:
                 return
             try:
@@ -195,7 +214,40 @@ class Guard:
                 self._staged = []
                 self._grad_norms = {}
                 self._step_loss = None
-                self._finish()
+                from . import _procs
+
+                _procs.after_close(self)
+                if write_report:
+                    self._finish()
+
+    def pause(self, reason: str) -> None:
+        """Ignore every event until `resume()` (hooks stay in place); `reason` goes to the dump's notices."""
+        with self._lock:
+            if self._active:
+                self._active, self._paused = False, True
+            if reason not in self.notices:
+                self.notices.append(reason)
+
+    def resume(self) -> None:
+        """Watch again after `pause()`."""
+        with self._lock:
+            if self._paused:
+                self._active, self._paused = True, False
+
+    def _after_fork(self) -> None:
+        """In a forked multiprocessing child (a worker): record only what this process sees, write it at its exit."""
+        import multiprocessing.util
+        import time
+
+        self._pid = os.getpid()
+        self._tls = threading.local()
+        self.step, self.sampling, self._timeline_stride = 0, True, 1
+        self._findings, self.timeline, self.modules, self._modules_seen = {}, [], {}, set()
+        self.internal_errors, self.notices, self.processes = [], [], []
+        self._staged, self._collectors, self._grad_norms, self._step_loss = [], [], {}, None
+        self.started_at = time.time()
+        # forked children leave through os._exit (no atexit): multiprocessing's own exit runs this
+        multiprocessing.util.Finalize(None, self._on_process_exit, args=("exit",), exitpriority=100)
 
     def __enter__(self) -> "Guard":
         return self.start()
@@ -868,6 +920,8 @@ class Guard:
             self._contain(None, exc)
 
     def _end_step(self) -> None:
+        if not self._rank_known:  # remember the rank while the process group lives (dumps are written at exit)
+            self._rank_known = _dist_rank() is not None
         self._tls.forwards = 0  # forwards combined into one loss leave a surplus; a step settles it
         if self.step == 0 and self._models and not self.modules and not self._scripted and "torch._dynamo" in sys.modules:
             self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs through "
@@ -928,8 +982,13 @@ class Guard:
 
     # ------------------------------------------------------------------ exit & report
     def _on_process_exit(self, reason: str) -> None:
+        """At interpreter exit or on a fatal SIGTERM: close (and write). On a SIGTERM that the program's own
+        handler takes over (``"SIGTERM-handled"``): write the report now and keep watching until the real exit."""
         try:
-            self.close()
+            if reason == "SIGTERM-handled":
+                self.save()
+            else:
+                self.close()
         except BaseException:
             pass
 
@@ -947,19 +1006,32 @@ class Guard:
 
         return build_report(self)
 
-    def _finish(self) -> None:
-        path = self.config.report
-        if path:
-            from ._dist import rank_report_path
+    def save(self) -> Optional[str]:
+        """Write the report now, as it stands, and keep watching (``close()`` writes it again). Returns the path."""
+        return self._write_report()
 
-            path = rank_report_path(path)  # one dump per rank: report.rank{N}.json
-            from .report import write_report
+    def _write_report(self) -> Optional[str]:
+        if os.getpid() != self._pid:
+            return None  # a forked copy of a guard started in the parent: the parent writes this report
+        from . import _procs
 
+        path = _procs.report_path_for(self)
+        if not path:
+            return None
+        from .report import write_report
+
+        for attempt in (1, 2):  # once more: a signal's handler (a DataLoader worker's death) may raise mid-write
             try:
                 self.report_path = write_report(self.report(), path)
+                self.report_error = None
+                return self.report_path
             except Exception as exc:
                 self.report_error = f"{type(exc).__name__}: {exc}"
-                self._console().internal(f"guard: could not write the report to {path!r}: {self.report_error}")
+        self._console().internal(f"guard: could not write the report to {path!r}: {self.report_error}")
+        return None
+
+    def _finish(self) -> None:
+        self._write_report()
         try:
             self._console().summary(self)
         except Exception:

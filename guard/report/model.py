@@ -41,6 +41,9 @@ def environment() -> Dict[str, Any]:
         info = rank_info()
         if info is not None:
             env["rank"], env["world_size"] = info
+    from .._procs import describe
+
+    env.update(describe())  # a process other than the main one: which, and whose
     return env
 
 
@@ -74,6 +77,7 @@ def build_report(g: "Guard") -> Dict[str, Any]:
         "modules": list(g.modules.values()),
         "internal_errors": list(g.internal_errors),
         "notices": list(getattr(g, "notices", [])),
+        **({"processes": list(g.processes)} if getattr(g, "processes", None) else {}),
     })
 
 
