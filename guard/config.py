@@ -247,6 +247,9 @@ def env_options(environ: Optional[Mapping[str, str]] = None) -> Optional[Dict[st
     origin["report"] = f"{ENV_PREFIX}_REPORT"
     if f"{ENV_PREFIX}_CHECKS" in env:
         opts["checks"] = env[f"{ENV_PREFIX}_CHECKS"]
+        if not [t for t in opts["checks"].split(",") if t.strip()]:  # said at start, before torch is imported
+            raise ConfigError(f"guard: {ENV_PREFIX}_CHECKS={opts['checks']!r} selects nothing; "
+                              f"allowed: 'default', 'all', or a list of check names")
         origin["checks"] = f"{ENV_PREFIX}_CHECKS"
     if f"{ENV_PREFIX}_LIVE" in env:
         opts["live"] = parse_live(env[f"{ENV_PREFIX}_LIVE"], f"{ENV_PREFIX}_LIVE")
