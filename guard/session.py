@@ -245,6 +245,12 @@ class Guard:
         self._findings, self.timeline, self.modules, self._modules_seen = {}, [], {}, set()
         self.internal_errors, self.notices, self.processes = [], [], []
         self._staged, self._collectors, self._grad_norms, self._step_loss = [], [], {}, None
+        self._backward_pending = False
+        # the parent's models and the checks' memory of them are not this process's: start them afresh
+        self._roots, self._paths_weak, self._param_names = weakref.WeakSet(), weakref.WeakKeyDictionary(), {}
+        self._pre_for, self._post_for = {}, {}
+        self._build_checks()
+        self._dispatch("start")
         self.started_at = time.time()
         # forked children leave through os._exit (no atexit): multiprocessing's own exit runs this
         multiprocessing.util.Finalize(None, self._on_process_exit, args=("exit",), exitpriority=100)
