@@ -730,7 +730,7 @@ class Guard:
         tls = self._tls
         tls.root_source = user_source(3)
         tls.forwards = getattr(tls, "forwards", 0) + 1
-        if self._backward_pending:
+        if self._backward_pending and self._active:
             self._advance_backward_step()
 
     def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict]) -> None:
