@@ -4,44 +4,80 @@
     with guard(model, optimizer) as g:
         train()
     print(g.findings)
+
+Importing guard is cheap (standard library only): torch and the checks are imported when
+``guard(...)`` is first called or a name below is first used (PEP 562 ``__getattr__``).
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
-
-from .config import ConfigError
-from .findings import Finding, GuardError
-from .session import Guard, GuardInternalWarning
-from .wrap import wrap
-from .checks.state_dict import explain_state_dict
 
 __version__ = "0.1.0"
 
-
-def guard(model: Any = None, optimizer: Any = None, *, checks: Any = "default", mode: Any = "warn",
-          report: Any = None, live: Any = None, every: Any = 1, **options: Any) -> Guard:
-    """Create a `Guard` over `model` and `optimizer` (both optional; either may be a list).
-
-    Use it as ``with guard(...) as g:``, as a decorator, or ``g = guard(...).start()`` ... ``g.close()``.
-    ``checks``: "default", "all", or names (``"-name"`` removes); ``mode``: "warn", "raise" or "record";
-    ``report``: a dump path (``.html`` for HTML, else JSON); ``live``: print findings as they happen;
-    ``every``: run per-step device checks every N steps.
-    """
-    import inspect
-
-    if callable(model) and (inspect.isfunction(model) or inspect.ismethod(model)) and optimizer is None:
-        return Guard(None, None, checks=checks, mode=mode, report=report, live=live, every=every, **options)(model)
-    return Guard(model, optimizer, checks=checks, mode=mode, report=report, live=live, every=every, **options)
+#: public name -> the submodule that defines it (imported on first use)
+_LAZY = {
+    "Guard": "session",
+    "GuardInternalWarning": "session",
+    "wrap": "wrap",
+    "explain_state_dict": "checks.state_dict",
+    "Finding": "findings",
+    "GuardError": "findings",
+    "ConfigError": "config",
+}
 
 
-guard.wrap = wrap  # type: ignore[attr-defined]
-guard.Guard = Guard  # type: ignore[attr-defined]
-guard.explain_state_dict = explain_state_dict  # type: ignore[attr-defined]
+def __getattr__(name: str) -> Any:
+    sub = _LAZY.get(name)
+    if sub is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{sub}"), name)
+    globals()[name] = value  # later uses are plain attribute reads
+    _start_pending()
+    return value
+
+
+def _start_pending() -> None:
+    """TORCH_GUARD: if importing guard's modules is what imported torch, the environment's guard starts now."""
+    auto = __import__("sys").modules.get("_torch_guard_autostart")
+    if auto is not None and getattr(auto, "_pending", False):
+        auto.start_pending()
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _GuardFunction:
+    """``guard(...)``; also carries ``guard.wrap``, ``guard.Guard`` and ``guard.explain_state_dict``."""
+
+    def __call__(self, model: Any = None, optimizer: Any = None, *, checks: Any = "default", mode: Any = "warn",
+                 report: Any = None, live: Any = None, every: Any = 1, **options: Any) -> Any:
+        """Create a `Guard` over `model` and `optimizer` (both optional; either may be a list).
+
+        Use it as ``with guard(...) as g:``, as a decorator, or ``g = guard(...).start()`` ... ``g.close()``.
+        ``checks``: "default", "all", or names (``"-name"`` removes); ``mode``: "warn", "raise" or "record";
+        ``report``: a dump path (``.html`` for HTML, else JSON); ``live``: print findings as they happen;
+        ``every``: run per-step device checks every N steps.
+        """
+        import inspect
+
+        Guard = __getattr__("Guard")
+        if callable(model) and (inspect.isfunction(model) or inspect.ismethod(model)) and optimizer is None:
+            return Guard(None, None, checks=checks, mode=mode, report=report, live=live, every=every, **options)(model)
+        return Guard(model, optimizer, checks=checks, mode=mode, report=report, live=live, every=every, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("wrap", "Guard", "explain_state_dict"):
+            return __getattr__(name)
+        raise AttributeError(f"guard() has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return "<function guard>"
+
+
+guard = _GuardFunction()
+guard.__doc__ = _GuardFunction.__call__.__doc__
+guard.__wrapped__ = _GuardFunction.__call__  # type: ignore[attr-defined]  # inspect.signature(guard)
 
 __all__ = ["guard", "wrap", "Guard", "Finding", "GuardError", "ConfigError", "GuardInternalWarning", "explain_state_dict"]
-
-# TORCH_GUARD: when `import guard` is what imported torch, the environment's guard starts now.
-_autostart = __import__("sys").modules.get("_torch_guard_autostart")
-if _autostart is not None:
-    _autostart.start_pending()
-del _autostart

@@ -1,13 +1,16 @@
-"""What the ``torch_guard_autostart.pth`` line calls: ``TORCH_GUARD=...`` turns on a global guard.
+"""``TORCH_GUARD=...`` turns on a process-wide guard with no change to the program.
 
-The ``.pth`` line loads this file by path (it imports only the standard library, never
-``guard``'s package or torch), only when ``TORCH_GUARD`` is in the environment. `install`
-validates the environment (a bad value: one line on stderr, exit status 2), then puts a
-`sys.meta_path` finder in place that waits for ``import torch``; once torch has finished
-importing, a global guard (``guard()`` with no model) starts with `guard.config.env_options`.
-The report is written at exit (``TORCH_GUARD_REPORT``, default ``guard-report.json``), only
-if the process ran a model, an optimizer step, or produced findings, so helper processes that
-merely import torch (compile workers, spawned DataLoader workers) leave no empty dumps.
+The ``torch_guard_autostart.pth`` line imports the tiny top-level hook ``_torch_guard_autostart``,
+which does nothing unless ``TORCH_GUARD`` is on; then it locates *this* package while ``sys.path``
+holds only the interpreter's and the environment's folders (not yet the script's folder or the
+working directory, so a user's own ``guard.py`` is never taken for guard) and loads this file.
+This module imports only the standard library until torch is imported.
+
+`install` validates the environment (a bad value: one line on stderr, exit status 2; an unknown
+``TORCH_GUARD_*`` variable: a one-line warning), then puts a `sys.meta_path` finder in place that
+waits for ``import torch``; once torch has finished importing, a global guard starts through the
+public API: ``guard(background=True, **env_options())``. A background guard writes one report per
+process, only if that process saw anything, and steps aside while a guard from the code is active.
 """
 from __future__ import annotations
 
@@ -15,8 +18,12 @@ import os
 import sys
 from typing import Any, Optional
 
-#: the name this module is registered under when loaded by the .pth line (runs once per process)
+#: the name this module is registered under (the .pth hook replaces itself with it; runs once per process)
 MODULE_NAME = "_torch_guard_autostart"
+#: the installed package this hook belongs to (its folder), found when the .pth line ran
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: the name the package is loaded under when the program's own ``guard`` module takes the name ``guard``
+ALIAS = "_torch_guard_pkg"
 
 _guard: Any = None  # the started guard (held strongly: the exit hook holds guards weakly)
 _finder: Optional["_TorchFinder"] = None
@@ -24,19 +31,61 @@ _pending = False  # torch is imported but guard itself was still importing
 
 
 def _config_module():
-    """``guard/config.py`` without importing the package (which imports torch)."""
-    loaded = sys.modules.get("guard.config")
-    if loaded is not None:
-        return loaded
+    """``guard/config.py`` (standard library only) without importing the package or naming ``guard``."""
+    import importlib
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.py")
-    spec = importlib.util.spec_from_file_location("_torch_guard_config", path)
+    pkg = _loaded_package()
+    if pkg is not None:
+        return importlib.import_module(pkg.__name__ + ".config")
+
+    spec = importlib.util.spec_from_file_location("_torch_guard_config", os.path.join(PACKAGE_DIR, "config.py"))
     mod = sys.modules.get(spec.name)
     if mod is None:
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
         spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _is_ours(module: Any) -> bool:
+    try:
+        return os.path.dirname(os.path.abspath(module.__file__)) == PACKAGE_DIR
+    except Exception:
+        return False
+
+
+def _loaded_package() -> Any:
+    """This package if it is already imported (as ``guard`` or under the alias), else None."""
+    for name in ("guard", ALIAS):
+        mod = sys.modules.get(name)
+        if mod is not None and _is_ours(mod):
+            return mod
+    return None
+
+
+def _package() -> Any:
+    """This installed package: imported as ``guard`` when that name is ours, else loaded under `ALIAS`."""
+    pkg = _loaded_package()
+    if pkg is not None:
+        return pkg
+    import importlib
+    import importlib.util
+
+    if "guard" not in sys.modules:
+        spec = importlib.util.find_spec("guard")
+        if spec is not None and spec.origin and os.path.dirname(os.path.abspath(spec.origin)) == PACKAGE_DIR:
+            return importlib.import_module("guard")
+    # The program has a `guard` of its own (a guard.py next to the script): leave that name to it.
+    spec = importlib.util.spec_from_file_location(ALIAS, os.path.join(PACKAGE_DIR, "__init__.py"),
+                                                  submodule_search_locations=[PACKAGE_DIR])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[ALIAS] = mod
+    try:
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    except BaseException:
+        sys.modules.pop(ALIAS, None)
+        raise
     return mod
 
 
@@ -63,8 +112,6 @@ def install(environ: Optional[dict] = None) -> bool:
     cfg = _config_module()
     try:
         opts = cfg.env_options(environ)
-        if opts is not None:  # env_options leaves the report path to guard(); check it now, not at import torch
-            cfg.parse_report(opts.get("report"), f"{cfg.ENV_PREFIX}_REPORT")
     except cfg.ConfigError as exc:
         _fail(str(exc))
         return False
@@ -72,6 +119,9 @@ def install(environ: Optional[dict] = None) -> bool:
         return False
     if _guard is not None or _finder is not None:
         return True
+    if "_TORCH_GUARD_MAIN_PID" not in os.environ:  # said once, by the main process, not by each worker
+        for line in cfg.unknown_env(environ):
+            sys.stderr.write(line + "\n")
     if "torch" in sys.modules and getattr(sys.modules["torch"], "nn", None) is not None:
         start()
         return True
@@ -128,19 +178,46 @@ class _StartAfterLoader:
         except Exception:
             pass
         self._loader.exec_module(module)
-        pkg = sys.modules.get("guard")
-        if pkg is not None and getattr(getattr(pkg, "__spec__", None), "_initializing", False):
-            # `import guard` is importing torch: guard/__init__.py calls start_pending() once it is complete.
+        if _guard_importing():
+            # one of guard's own modules is importing torch: start once it is complete (its Guard is needed)
             global _pending
             _pending = True
+            sys.meta_path.insert(0, _PendingStart())
             return
         start()
 
 
+def _guard_importing() -> bool:
+    """Is a module of this package being imported right now (half made)?"""
+    for name, mod in list(sys.modules.items()):
+        if (name == "guard" or name.startswith(("guard.", ALIAS))) and _is_ours(mod) \
+                and getattr(getattr(mod, "__spec__", None), "_initializing", False):
+            return True
+    return False
+
+
+class _PendingStart:
+    """Starts the waiting guard at the next import once guard's own modules are complete."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None):
+        if not _pending:
+            self._remove()
+        elif not _guard_importing():
+            self._remove()
+            start_pending()
+        return None
+
+    def _remove(self) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+
 def start_pending() -> None:
-    """Called at the end of guard/__init__.py: start the guard whose start waited for guard itself."""
+    """Start the guard whose start waited for guard's own modules (called when they are complete)."""
     global _pending
-    if _pending:
+    if _pending and not _guard_importing():
         _pending = False
         start()
 
@@ -150,20 +227,22 @@ def start() -> Any:
     global _guard
     if _guard is not None:
         return _guard
-    from guard.config import ConfigError, env_options
+    pkg = _package()
+    import importlib
 
+    cfg = importlib.import_module(pkg.__name__ + ".config")
     try:
-        opts = env_options()
+        opts = cfg.env_options()
         if opts is None:
             return None
-        from guard.session import Guard
-
-        g = Guard(None, None, **opts)
-        g.process_wide = True  # report only if the process did anything guard saw; remember its rank
+        g = pkg.guard(None, None, background=True, **opts)
         g.start()
-    except ConfigError as exc:
+    except cfg.ConfigError as exc:
         _fail(str(exc))
         return None
+    if g.config.report and os.environ.get("_TORCH_GUARD_MAIN_PID") == str(os.getpid()):
+        # children (subprocesses, spawned workers) write next to this process's report, whatever their cwd
+        os.environ[f"{cfg.ENV_PREFIX}_REPORT"] = g.config.report
     _guard = g
     return g
 
@@ -180,7 +259,4 @@ def discard() -> None:
         _finder.remove()
     g, _guard = _guard, None
     if g is not None:
-        import dataclasses
-
-        g.config = dataclasses.replace(g.config, report=None, live=False)
-        g.close()
+        g.close(write_report=False)

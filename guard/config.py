@@ -31,6 +31,8 @@ class Config:
     every: int = 1
     snoop: bool = False
     budget: Optional[float] = None
+    #: a process-wide guard (what TORCH_GUARD starts): one report per process, steps aside for guards in the code
+    background: bool = False
     extras: Dict[str, Any] = field(default_factory=dict)
     #: the enabled checks' names (a check is built when selected; `kinds` filters what it may report)
     checks: FrozenSet[str] = frozenset()
@@ -114,13 +116,29 @@ def _stderr_is_tty() -> bool:
 
 
 def parse_report(value: Any, origin: str = "report") -> Optional[str]:
+    """The report path made absolute now (a later ``os.chdir`` does not move it), in a folder that exists and
+    can be written; else one `ConfigError` line naming `origin`, the path and why."""
     if value is None:
         return None
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
-    if isinstance(value, str) and value.strip():
-        return value
-    raise ConfigError(f"guard: {origin}={value!r} is not a report path; allowed: a file path (.json or .html) or None")
+    if not (isinstance(value, str) and value.strip()):
+        raise ConfigError(f"guard: {origin}={value!r} is not a report path; allowed: a file path (.json or .html) or None")
+    path = os.path.abspath(os.path.expanduser(value))
+    folder = os.path.dirname(path)
+    why = None
+    if os.path.isdir(path):
+        why = "it is a directory"
+    elif not os.path.exists(folder):
+        why = f"the directory {folder} does not exist"
+    elif not os.path.isdir(folder):
+        why = f"{folder} is not a directory"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        why = f"the directory {folder} is not writable"
+    if why is not None:
+        raise ConfigError(f"guard: {origin}={value!r} cannot be written: {why}; allowed: a file path in an existing, "
+                          f"writable directory")
+    return path
 
 
 def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks") -> Tuple[FrozenSet[str], FrozenSet[str]]:
@@ -131,12 +149,15 @@ def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks"
     reports stays on); a kind turns only that kind's findings on or off (``"-nonfinite-grad"``).
     If the first token is a removal, the base is ``"default"``.
     """
+    allowed_shape = "'default', 'all', or a list of check names"
     if isinstance(spec, str):
         tokens = [t.strip() for t in spec.split(",") if t.strip()]
-    elif isinstance(spec, Iterable):
+    elif isinstance(spec, Iterable) and not isinstance(spec, (Mapping, bytes)):
         tokens = list(spec)
     else:
-        raise ConfigError(f"guard: {origin}={spec!r} is not a checks selection; allowed: 'default', 'all', or a list of check names")
+        raise ConfigError(f"guard: {origin}={spec!r} is not a checks selection; allowed: {allowed_shape}")
+    if not tokens:  # an empty selection is a mistake (an unset variable in a launcher), not "the defaults"
+        raise ConfigError(f"guard: {origin}={spec!r} selects nothing; allowed: {allowed_shape}")
     by_kind: Dict[str, list] = {}
     for name, check in registry.items():
         for kind in check.kinds:
@@ -185,16 +206,15 @@ def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks"
 
 
 def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: Any = "warn", report: Any = None,
-                live: Any = None, every: Any = 1, snoop: Any = False, budget: Any = None,
-                origin: Optional[Mapping[str, str]] = None,
-                **extras: Any) -> Config:
+                live: Any = None, every: Any = 1, snoop: Any = False, budget: Any = None, background: Any = False,
+                origin: Optional[Mapping[str, str]] = None, **extras: Any) -> Config:
     """Validate guard() arguments into a `Config`; `origin` maps an argument to where it came from."""
     o = dict(origin or {})
     if extras:  # a typo such as chekcs="all" must not silently run the defaults
         import difflib
 
         name = sorted(extras)[0]
-        known = ("checks", "mode", "report", "live", "every", "snoop", "budget")
+        known = ("checks", "mode", "report", "live", "every", "snoop", "budget", "background")
         near = difflib.get_close_matches(name, known, n=1)
         raise ConfigError(f"guard: unknown option {name}={extras[name]!r}" + (f" (did you mean {near[0]}?)" if near else "")
                           + f"; allowed: model, optimizer, {', '.join(known)}")
@@ -212,6 +232,7 @@ def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: A
         every=parse_every(every, o.get("every", "every")),
         snoop=snoop,
         budget=parse_budget(budget, o.get("budget", "budget")),
+        background=background if isinstance(background, bool) else parse_bool(background, o.get("background", "background")),
         extras=dict(extras),
     )
 
@@ -228,6 +249,28 @@ def parse_bool(value: Any, origin: str) -> bool:
 
 
 ENV_ON = ("1", "warn", "raise", "record")
+#: every ``TORCH_GUARD*`` variable guard reads
+ENV_KNOWN = (ENV_PREFIX, f"{ENV_PREFIX}_REPORT", f"{ENV_PREFIX}_CHECKS", f"{ENV_PREFIX}_LIVE", f"{ENV_PREFIX}_EVERY",
+             f"{ENV_PREFIX}_SNOOP")
+#: misspellings that are not near in letters but near in meaning
+_ENV_MEANT = {f"{ENV_PREFIX}_MODE": f"{ENV_PREFIX}=<mode>", f"{ENV_PREFIX}_ENABLE": ENV_PREFIX,
+              f"{ENV_PREFIX}_ON": ENV_PREFIX, f"{ENV_PREFIX}_PATH": f"{ENV_PREFIX}_REPORT",
+              f"{ENV_PREFIX}_OUT": f"{ENV_PREFIX}_REPORT", f"{ENV_PREFIX}_OUTPUT": f"{ENV_PREFIX}_REPORT"}
+
+
+def unknown_env(environ: Optional[Mapping[str, str]] = None) -> list:
+    """One warning line per ``TORCH_GUARD_*`` variable guard does not read, with the closest known one."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    lines = []
+    for name in sorted(env):
+        if not name.startswith(f"{ENV_PREFIX}_") or name in ENV_KNOWN:
+            continue
+        near = _ENV_MEANT.get(name) or next(iter(difflib.get_close_matches(name, ENV_KNOWN, n=1, cutoff=0.6)), None)
+        lines.append(f"guard: warning: {name}={env[name]!r} is not a guard variable and is ignored"
+                     + (f" (did you mean {near}?)" if near else "") + f"; known: {', '.join(ENV_KNOWN)}")
+    return lines
 
 
 def env_options(environ: Optional[Mapping[str, str]] = None) -> Optional[Dict[str, Any]]:
@@ -245,12 +288,15 @@ def env_options(environ: Optional[Mapping[str, str]] = None) -> Optional[Dict[st
     opts: Dict[str, Any] = {"mode": "warn" if value == "1" else value}
     origin = {"mode": ENV_PREFIX}
     if f"{ENV_PREFIX}_REPORT" in env:
-        opts["report"] = env[f"{ENV_PREFIX}_REPORT"]
-        origin["report"] = f"{ENV_PREFIX}_REPORT"
+        opts["report"] = parse_report(env[f"{ENV_PREFIX}_REPORT"], f"{ENV_PREFIX}_REPORT")
     else:
-        opts["report"] = "guard-report.json"
+        opts["report"] = parse_report("guard-report.json", f"{ENV_PREFIX}_REPORT (default)")
+    origin["report"] = f"{ENV_PREFIX}_REPORT"
     if f"{ENV_PREFIX}_CHECKS" in env:
         opts["checks"] = env[f"{ENV_PREFIX}_CHECKS"]
+        if not [t for t in opts["checks"].split(",") if t.strip()]:  # said at start, before torch is imported
+            raise ConfigError(f"guard: {ENV_PREFIX}_CHECKS={opts['checks']!r} selects nothing; "
+                              f"allowed: 'default', 'all', or a list of check names")
         origin["checks"] = f"{ENV_PREFIX}_CHECKS"
     if f"{ENV_PREFIX}_LIVE" in env:
         opts["live"] = parse_live(env[f"{ENV_PREFIX}_LIVE"], f"{ENV_PREFIX}_LIVE")

@@ -169,14 +169,41 @@ def _run_exit_callbacks(reason: str) -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    _run_exit_callbacks("SIGTERM")
+    """Write the reports first, shielded from other signals' handlers, then let SIGTERM do what it did before.
+
+    Under SLURM ``scancel`` or ``docker stop`` the whole process group gets SIGTERM: DataLoader workers die too,
+    and torch's SIGCHLD handler raises ("DataLoader worker ... is killed by signal") wherever the main thread
+    is, the report writer included. Held SIGCHLDs are replayed after the write unless the process ends here.
+    A program's own SIGTERM handler (graceful shutdown: a few more steps, a checkpoint) runs after the write,
+    and the guards keep watching until the process really exits.
+    """
     prev = _prev_sigterm
+    fatal = not callable(prev) and prev != signal.SIG_IGN  # SIG_DFL (or unknown): the process ends now
+    held: List[Any] = []
+    chld = getattr(signal, "SIGCHLD", None)
+    old_chld = None
+    if chld is not None:
+        try:
+            old_chld = signal.signal(chld, lambda s, f: held.append(f))
+        except (ValueError, OSError, TypeError):
+            chld = None
+    try:
+        _run_exit_callbacks("SIGTERM" if fatal else "SIGTERM-handled")
+        if fatal:
+            # Re-deliver with the previous disposition so the exit status stays "killed by SIGTERM";
+            # the held SIGCHLDs die with the process.
+            signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        if chld is not None:
+            try:
+                signal.signal(chld, old_chld if old_chld is not None else signal.SIG_DFL)
+            except (ValueError, OSError, TypeError):
+                pass
     if callable(prev):
         prev(signum, frame)
-        return
-    # Re-deliver with the previous disposition so the exit status stays "killed by SIGTERM".
-    signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if held and callable(old_chld):
+        old_chld(chld, held[0])  # what the program would have seen without guard (e.g. torch's worker error)
 
 
 def _watch_process_exit(obj: Any) -> _Handle:

@@ -8,8 +8,10 @@ Hooks and patches are installed only through `guard.hooks.Installer`.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
+import time
 from time import perf_counter as _clock
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -47,11 +49,6 @@ def _delegate(part: str, name: str, doc: str) -> property:
 class Guard:
     """A runtime guard over a model/optimizer; see ``guard()`` for the arguments."""
 
-    #: a process-wide guard (``TORCH_GUARD=1``): it remembers the rank while the process group lives
-    #: and writes its report only if it saw something (a model call, a step, a finding), so helper
-    #: processes that merely import torch (compile workers, DataLoader workers) leave no empty dumps
-    process_wide: bool = False
-
     def __init__(self, model: Any = None, optimizer: Any = None, *, checks: Any = "default", mode: Any = "warn",
                  report: Any = None, live: Any = None, every: Any = 1, snoop: Any = False, budget: Any = None,
                  origin: Optional[Dict[str, str]] = None, **extras: Any):
@@ -64,7 +61,9 @@ class Guard:
         self._models = [weakref.ref(m) for m in models]  # never keep the user's model or optimizer alive
         self._optimizers = [weakref.ref(o) for o in opts]
         self._active = False
+        self._paused = False  # a background guard stepping aside for a guard from the code
         self._closed_once = False
+        self._pid = os.getpid()  # a forked copy (another pid) never writes this guard's report
         self._lock = threading.RLock()
         self._reset()
 
@@ -88,9 +87,11 @@ class Guard:
         self._tls = threading.local()
         self.is_primary = w.is_primary
         self._backward_pending = False
-        self._rank_seen = False
         self.report_path: Optional[str] = None
         self.report_error: Optional[str] = None
+        self.processes: List[Dict[str, Any]] = []  # other processes' dumps of this run (background guard)
+        self._rank_known = False
+        self.started_at = 0.0  # time.time() of start()
         self._installer = inst = _hooks.Installer()
         self.grad_hook, self.graph_prehook, self.replace_attr = inst.grad_hook, inst.graph_prehook, inst.attr
         self._mod_handles: Dict[int, Tuple[Any, Any]] = {}  # id(module) -> (pre, post) hook handles (model mode)
@@ -164,12 +165,25 @@ class Guard:
                 self._installer.close()
                 self._active = False
                 raise
+            self.started_at = time.time()
+            if self.config.background:
+                import multiprocessing.util
+
+                multiprocessing.util.register_after_fork(self, Guard._after_fork)
+            from . import _procs
+
+            _procs.after_start(self)
             self.dispatch("start")
         return self
 
-    def close(self) -> None:
-        """Resolve what is pending, remove every hook and patch, write the report. Idempotent."""
+    def close(self, *, write_report: bool = True) -> None:
+        """Resolve what is pending, remove every hook and patch, write the report. Idempotent.
+
+        ``write_report=False`` writes no report and prints no summary (the guard is discarded).
+        """
         with self._lock:
+            if self._paused:
+                self._paused, self._active = False, True
             if not self._active:
                 return
             try:
@@ -184,7 +198,39 @@ class Guard:
                 self._closed_once = True
                 self._installer.close()
                 self.staging.clear()
-                self._finish()
+                from . import _procs
+
+                _procs.after_close(self)
+                if write_report:
+                    self._finish()
+
+    def pause(self, reason: str) -> None:
+        """Ignore every event until `resume()` (hooks stay in place); `reason` goes to the dump's notices."""
+        with self._lock:
+            if self._active:
+                self._active, self._paused = False, True
+            if reason not in self.record.notices:
+                self.record.notices.append(reason)
+
+    def resume(self) -> None:
+        """Watch again after `pause()`."""
+        with self._lock:
+            if self._paused:
+                self._active, self._paused = True, False
+
+    def _after_fork(self) -> None:
+        """In a forked multiprocessing child (a worker): record only what this process sees, write it at its exit."""
+        import multiprocessing.util
+
+        installer, handles = self._installer, self._mod_handles
+        self._pid = os.getpid()
+        self._reset()  # the parent's records, models and the checks' memory of them are not this process's
+        self._installer, self._mod_handles = installer, handles  # its hooks stay in place (and are removed at close)
+        self._build_checks()
+        self.dispatch("start")
+        self.started_at = time.time()
+        # forked children leave through os._exit (no atexit): multiprocessing's own exit runs this
+        multiprocessing.util.Finalize(None, self.on_process_exit, args=("exit",), exitpriority=100)
 
     def __enter__(self) -> "Guard":
         return self.start()
@@ -372,7 +418,7 @@ class Guard:
         tls = self._tls
         tls.root_source = user_source(3)
         tls.forwards = getattr(tls, "forwards", 0) + 1
-        if self._backward_pending:
+        if self._backward_pending and self._active:
             self._advance_backward_step()
 
     def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict]) -> None:
@@ -483,8 +529,6 @@ class Guard:
             self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs through "
                         "a torch.compile'd wrapper (compiled code skips module hooks), guard that compiled module "
                         "instead; until then only gradients and parameters are checked.")
-        if self.process_wide and not self._rank_seen:  # the rank, while the process group lives (dumps come at exit)
-            self._rank_seen = _dist_rank() is not None
         self.dispatch("step_end", self.step)
         meter = self.meter
         if t0 is not None:
@@ -542,9 +586,14 @@ class Guard:
 
     # ------------------------------------------------------------------ exit & report
     def on_process_exit(self, reason: str) -> None:
-        """The interpreter exits or got SIGTERM (called by the installer): close, never raise."""
+        """At interpreter exit or on a fatal SIGTERM (called by the installer): close (and write), never raise.
+        On a SIGTERM that the program's own handler takes over (``"SIGTERM-handled"``): write the report now
+        and keep watching until the real exit."""
         try:
-            self.close()
+            if reason == "SIGTERM-handled":
+                self.save()
+            else:
+                self.close()
         except BaseException:
             pass
 
@@ -576,19 +625,32 @@ class Guard:
         self._resolve_for_reader()
         return build_report(self)
 
-    def _finish(self) -> None:
-        path = self.config.report
-        if path and not (self.process_wide and self.idle):
-            from ._dist import rank_report_path
+    def save(self) -> Optional[str]:
+        """Write the report now, as it stands, and keep watching (``close()`` writes it again). Returns the path."""
+        return self._write_report()
 
-            path = rank_report_path(path)  # one dump per rank: report.rank{N}.json
-            from .report import write_report
+    def _write_report(self) -> Optional[str]:
+        if os.getpid() != self._pid:
+            return None  # a forked copy of a guard started in the parent: the parent writes this report
+        from . import _procs
 
+        path = _procs.report_path_for(self)
+        if not path:
+            return None
+        from .report import write_report
+
+        for _ in (1, 2):  # once more: a signal's handler (a DataLoader worker's death) may raise mid-write
             try:
                 self.report_path = write_report(self.report(), path)
+                self.report_error = None
+                return self.report_path
             except Exception as exc:
                 self.report_error = f"{type(exc).__name__}: {exc}"
-                self.console().internal(f"guard: could not write the report to {path!r}: {self.report_error}")
+        self.console().internal(f"guard: could not write the report to {path!r}: {self.report_error}")
+        return None
+
+    def _finish(self) -> None:
+        self._write_report()
         try:
             self.console().summary(self)
         except Exception:

@@ -7,6 +7,8 @@ same as a live session.
 from __future__ import annotations
 
 import os
+import secrets
+import threading
 from typing import Any, Dict
 
 from .model import SCHEMA, build_report, load_report
@@ -26,12 +28,18 @@ def write_report(report: Dict[str, Any], path: str) -> str:
 
 
 def atomic_write(path: str, text: str) -> str:
-    """Write to a temp file in the same folder, fsync, then rename over `path`."""
+    """Write to a temp file in the same folder, fsync, then rename over `path`.
+
+    The temp name is unique per writer (pid, thread, random), so two guards of one process writing
+    the same path at once never share a temp file; the last rename wins with a whole file.
+    """
     path = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(path) or "."
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    tag = f"{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{tag}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        # O_EXCL: a temp name is never shared, even by a writer that picked the same random tag
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())

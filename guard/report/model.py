@@ -39,6 +39,9 @@ def environment() -> Dict[str, Any]:
         info = rank_info()
         if info is not None:
             env["rank"], env["world_size"] = info
+    from .._procs import describe
+
+    env.update(describe())  # a process other than the main one: which, and whose
     return env
 
 
@@ -66,6 +69,8 @@ def build_report(g: "Guard") -> Dict[str, Any]:
     rec.config = g.config.to_dict()
     rec.steps = g.step
     rec.cost = g.cost()
+    if g.processes:
+        rec.extra["processes"] = list(g.processes)
     rec.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return rec.to_json()
 
