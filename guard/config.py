@@ -6,7 +6,6 @@ from, the value, and what is allowed (pytest-timeout style).
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, Mapping, Optional, Union
 
@@ -63,25 +62,20 @@ def parse_every(value: Any, origin: str = "every") -> int:
     return n
 
 
-def parse_live(value: Any, origin: str = "live") -> Union[bool, str]:
+def parse_live(value: Any, origin: str = "live", default: bool = True) -> Union[bool, str]:
+    """``live``: None means ``TORCH_GUARD_LIVE`` if set, else `default` (on, TTY or not: off a terminal
+    the console prints plain lines, so CI logs and ``| tee`` show findings too)."""
     if value is None:
         env = os.environ.get(f"{ENV_PREFIX}_LIVE")
         if env is not None:
             return parse_live(env, f"{ENV_PREFIX}_LIVE")
-        return _stderr_is_tty()
+        return default
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in LIVE_VALUES + ("true", "false"):
         v = value.strip().lower()
         return "all" if v == "all" else v in ("1", "true")
     raise ConfigError(f"guard: {origin}={value!r} is not a live setting; allowed: True, False, 'all' (env: 0, 1, all)")
-
-
-def _stderr_is_tty() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except Exception:
-        return False
 
 
 def parse_report(value: Any, origin: str = "report") -> Optional[str]:
@@ -113,13 +107,13 @@ def resolve_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks
             by_kind[kind] = check
     default = frozenset(k for c in registry.values() if c.default for k in c.kinds)
     everything = frozenset(by_kind)
-    allowed = ["default", "all"] + sorted(registry) + sorted(by_kind)
+    allowed = "default, all, a check or a kind (list: python -m guard checks)"
     enabled: set = set()
     if not tokens or (isinstance(tokens[0], str) and tokens[0].startswith("-")):
         enabled |= default
     for tok in tokens:
         if not isinstance(tok, str):
-            raise ConfigError(f"guard: {origin} entry {tok!r} is not a check name; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"guard: {origin} entry {tok!r} is not a check name; allowed: {allowed}")
         neg = tok.startswith("-")
         name = tok[1:] if neg else tok
         if name == "default":
@@ -131,7 +125,11 @@ def resolve_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks
         elif name in by_kind:
             kinds = frozenset([name])
         else:
-            raise ConfigError(f"guard: {origin} has unknown check {name!r}; allowed: {', '.join(allowed)}")
+            import difflib
+
+            near = difflib.get_close_matches(name, ["default", "all", *registry, *by_kind], n=1, cutoff=0.75)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(f"guard: {origin} has unknown check {name!r}; {hint}allowed: {allowed}")
         if neg:
             enabled -= kinds
         else:
@@ -156,12 +154,13 @@ def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: A
     kinds = resolve_checks(checks, registry, o.get("checks", "checks"))
     if not isinstance(snoop, bool):
         snoop = parse_bool(snoop, o.get("snoop", "snoop"))
+    mode = parse_mode(mode, o.get("mode", "mode"))
     return Config(
         kinds=kinds,
         checks_spec=tuple(str(s).strip() for s in spec) if isinstance(spec, tuple) else (str(spec),),
-        mode=parse_mode(mode, o.get("mode", "mode")),
+        mode=mode,
         report=parse_report(report, o.get("report", "report")),
-        live=parse_live(live, o.get("live", "live")),
+        live=parse_live(live, o.get("live", "live"), default=mode != "record"),  # record: collect silently
         every=parse_every(every, o.get("every", "every")),
         snoop=snoop,
         extras=dict(extras),

@@ -1,19 +1,18 @@
-"""The report model: a session turned into the ``guard-report/1`` dict, and back."""
+"""A live session turned into a `Record` (and its ``guard-report/1`` dict); the run's environment."""
 from __future__ import annotations
 
-import datetime as _dt
-import json
+import dataclasses
 import os
 import platform
 import sys
 from typing import TYPE_CHECKING, Any, Dict, List
 
-from ..findings import Finding, json_safe
+from ..record import SCHEMA, Record
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..session import Guard
 
-SCHEMA = "guard-report/1"
+__all__ = ["SCHEMA", "Record", "build_record", "build_report", "environment"]
 
 
 def environment() -> Dict[str, Any]:
@@ -61,30 +60,20 @@ def _devices() -> List[str]:
     return out
 
 
+def build_record(g: "Guard") -> Record:
+    """The `Record` of a live guard, its environment read now (compatibility path until the guard owns one)."""
+    own = getattr(g, "record", None)
+    if isinstance(own, Record):
+        rec = dataclasses.replace(own, findings=list(g.findings))
+    else:
+        rec = Record(findings=list(g.findings), timeline=list(g.timeline), modules=list(g.modules.values()),
+                     notices=list(getattr(g, "notices", [])), internal_errors=list(g.internal_errors))
+    rec.environment = environment()
+    rec.config = g.config.to_dict()
+    rec.steps = g.step
+    return rec
+
+
 def build_report(g: "Guard") -> Dict[str, Any]:
-    """The dump of one guard session (JSON-safe)."""
-    return json_safe({
-        "schema": SCHEMA,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "environment": environment(),
-        "config": g.config.to_dict(),
-        "steps": g.step,
-        "findings": [f.to_dict() for f in g.findings],
-        "timeline": list(g.timeline),
-        "modules": list(g.modules.values()),
-        "internal_errors": list(g.internal_errors),
-        "notices": list(getattr(g, "notices", [])),
-    })
-
-
-def load_report(path: str) -> Dict[str, Any]:
-    """Read a dump and check its schema (one clear line on a wrong file)."""
-    with open(path, encoding="utf-8") as fh:
-        data = json.load(fh)
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ValueError(f"guard: {path} is not a guard report (schema {SCHEMA!r} expected)")
-    return data
-
-
-def findings_of(report: Dict[str, Any]) -> List[Finding]:
-    return [Finding.from_dict(d) for d in report.get("findings", [])]
+    """The dump of one guard session (JSON-safe dict, schema ``guard-report/1``)."""
+    return build_record(g).to_json()
