@@ -131,7 +131,7 @@ def render_table(findings: Iterable[Finding], title: Optional[str] = None):
 
     table = Table(title=Text(title) if title is not None else None, title_justify="left")
     for col in ("severity", "kind", "where", "first step", "count"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a long module path is wrapped, never cut
     for f in findings:
         table.add_row(Text(f.severity, style=_COLOURS.get(f.severity, "white")), Text(f.kind), Text(f.where),
                       str(f.step), str(f.count))
