@@ -13,7 +13,7 @@ from torch import nn
 from guard import guard
 from guard.__main__ import main
 from guard.findings import Finding
-from guard.record import Record, SchemaError, validate
+from guard.record import Record
 from guard.report.console import LiveConsole
 from guard.report.html import render_html
 from guard.report.terminal import render_terminal
@@ -64,6 +64,8 @@ def _hostile_session(tmp_path, live=False, stream=None):
 # --------------------------------------------------------------------------- Record and schema
 
 def test_live_dump_validates_and_round_trips(tmp_path):
+    from guard.record import validate
+
     g = _hostile_session(tmp_path)
     data = json.loads((tmp_path / "h.json").read_text())
     validate(data)
@@ -126,6 +128,8 @@ def test_binary_file_error_names_the_file(tmp_path, monkeypatch, capsys):
 
 
 def test_schema_error_is_a_value_error_with_the_path():
+    from guard.record import SchemaError
+
     with pytest.raises(SchemaError, match=r"^findings\[0\]: expected an object, got 1$"):
         Record.from_json({"schema": "guard-report/1", "findings": [1]})
 
