@@ -148,14 +148,12 @@ class Record:
 
     @classmethod
     def of(cls, obj: Any) -> "Record":
-        """`obj` as a Record: a Record, a ``guard-report/1`` dict, or a live guard (compatibility path)."""
+        """`obj` as a Record: a Record as it is, a ``guard-report/1`` dict validated and converted."""
         if isinstance(obj, Record):
             return obj
         if isinstance(obj, dict):
             return cls.from_json(obj)
-        from .report.model import build_record  # a live guard: its record as of now
-
-        return build_record(obj)
+        raise TypeError(f"a Record or a guard-report/1 dict expected, got {type(obj).__name__}")
 
     # -- several ranks / processes -----------------------------------------------------------------
     @classmethod

@@ -78,9 +78,13 @@ class LiveConsole:
         """The exit summary of `record` (a `Record`; a live guard is still accepted) and the dump's `path`."""
         if not self.enabled:
             return
-        if not isinstance(record, Record):  # compatibility: a live guard, which knows its report path
-            path = path if path is not None else getattr(record, "report_path", None)
+        if isinstance(record, dict):
             record = Record.of(record)
+        elif not isinstance(record, Record):  # compatibility: a live guard, which knows its report path
+            from .model import build_record
+
+            path = path if path is not None else getattr(record, "report_path", None)
+            record = build_record(record)
         findings = record.sorted_findings()
         if not findings and not path:
             return
