@@ -286,6 +286,9 @@ def _dispatch(args: List[str]) -> int:
         build_parsers()[""].print_usage(sys.stderr)
         return 2
     cmd, rest = args[0], args[1:]
+    if cmd == "help":  # `python -m guard help [COMMAND]`
+        args = (rest[:1] if rest[:1] and rest[0] in COMMANDS else []) + ["--help"]
+        cmd, rest = args[0], args[1:]
     if cmd in COMMANDS:
         return COMMANDS[cmd](rest)
     if cmd.startswith("-"):  # --help, or an option before any command

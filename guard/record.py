@@ -225,7 +225,7 @@ _FINDING: Spec = {
     "details": (_OBJ, False), "last_step": (_OPT_INT, False),
 }
 _TIMELINE: Spec = {"step": (_INT, True), "loss": (_VALUE, False), "grad_norm": (_VALUE, False),
-                   "skipped": (("true or false", lambda v: isinstance(v, bool)), False)}
+                   "skipped": (("true, false or null", lambda v: v is None or isinstance(v, (bool, int))), False)}
 _MODULE: Spec = {"path": (_STR, True), "type": (_OPT_STR, False),
                  "output_shape": (("a list, a string or null", lambda v: v is None or isinstance(v, (list, str))), False),
                  "dtype": (_OPT_STR, False), "device": (_OPT_STR, False), "params": (_OPT_INT, False)}

@@ -203,6 +203,7 @@ def test_html_escapes_module_names_and_notices(tmp_path):
 
 @pytest.mark.parametrize("cmd,own", [
     ([], ["run", "report", "checks"]),
+    (["help", "report"], ["FILE.json", "--html"]),
     (["run"], ["--mode", "--report", "--no-live", "--fail-on", "-m MODULE"]),
     (["report"], ["FILE.json", "--html"]),
     (["checks"], ["python -m guard checks"]),
@@ -247,6 +248,17 @@ def test_report_html_also_prints_the_one_line_summary(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- off a terminal
+
+def test_live_is_on_by_default_off_a_terminal_and_off_in_record_mode(monkeypatch):
+    monkeypatch.delenv("TORCH_GUARD_LIVE", raising=False)
+    assert not sys.stderr.isatty()  # pytest captures it, as CI would
+    model = nn.Linear(2, 2)
+    assert guard(model).config.live is True
+    assert guard(model, mode="record").config.live is False
+    assert guard(model, mode="record", live=True).config.live is True
+    monkeypatch.setenv("TORCH_GUARD_LIVE", "0")
+    assert guard(model).config.live is False
+
 
 TRAIN = """\
 import torch
