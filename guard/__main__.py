@@ -23,7 +23,14 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with guard's error style: one line naming what was wrong, exit status 2 (no usage block)."""
+    """argparse with guard's error style: one line naming what was wrong, exit status 2 (no usage block).
+
+    No abbreviations: ``run`` splits its options from the script's by the option names it knows.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments: "):
@@ -85,7 +92,7 @@ _RUN_VALUED = ("--mode", "--report", "--checks", "--every", "--fail-on")
 
 
 def _split_run(argv: Sequence[str]) -> tuple:
-    """guard's options, the target (``script`` or ``-m module``) and the target's own arguments.
+    """``(guard's options and the target, the target's own arguments)``; the target is a script or ``-m module``.
 
     argparse alone would take a script's ``--mode`` for guard's: the split happens at the target.
     """
