@@ -1,23 +1,19 @@
-"""The ``guard`` command line (``python -m guard`` or ``torch-guard``).
+"""The ``guard`` command line (``python -m guard`` or ``torch-guard``), on argparse.
 
     python -m guard run [options] script.py [args...]   run a script under a global guard
     python -m guard run [options] -m module [args...]   ... or a module, like ``python -m``
     python -m guard report FILE.json [FILE...] [--html OUT.html]
     python -m guard checks                               list checks, kinds, severities, defaults
 
-Bad input: one line on stderr, exit status 2.
+``python -m guard COMMAND --help`` explains each. Bad input: one line on stderr, exit status 2.
 """
 from __future__ import annotations
 
+import argparse
+import difflib
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
-
-USAGE = """usage: python -m guard run [--mode warn|raise|record] [--report PATH | --no-report] [--checks SPEC]
-                          [--every N] [--no-live] [--fail-on error|warning] (script.py | -m module) [args...]
-       python -m guard report FILE.json [FILE.json ...] [--html OUT.html]
-       python -m guard checks
-"""
 
 FAIL_ON = ("error", "warning", "info")
 
@@ -26,56 +22,98 @@ class UsageError(Exception):
     """Bad command-line input (printed as one line, exit status 2)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with guard's error style: one line naming what was wrong, exit status 2 (no usage block).
+
+    No abbreviations: ``run`` splits its options from the script's by the option names it knows.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments: "):
+            opts = message.split(": ", 1)[1].split()
+            message = f"unknown option {opts[0]!r}"
+        raise UsageError(f"{self.prog.replace('python -m ', '')}: {message}; see {self.prog} --help")
+
+
 def _fail(message: str) -> int:
     sys.stderr.write(message.rstrip("\n") + "\n")
     sys.stderr.flush()
     return 2
 
 
+def build_parsers() -> Dict[str, argparse.ArgumentParser]:
+    """The top-level parser (``""``) and one per command, each with its own ``--help``."""
+    top = _Parser(prog="python -m guard", description="guard: catch PyTorch training pitfalls as they happen.",
+                  epilog="Run 'python -m guard COMMAND --help' for a command's options.")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    run = sub.add_parser(
+        "run", help="run a script (or -m module) under a global guard",
+        description="Run a Python script, or a module with -m, under a global guard that watches every "
+                    "nn.Module and optimizer. Options go before the script; everything after it is the script's.",
+        usage="python -m guard run [options] (script.py | -m module) [args...]")
+    run.add_argument("--mode", default="warn", help="warn (report, go on), raise (stop at the first error), "
+                                                    "record (collect silently); default: warn")
+    run.add_argument("--report", default="guard-report.json", metavar="PATH",
+                     help="dump path (.html for the HTML report, else JSON); default: guard-report.json")
+    run.add_argument("--no-report", dest="report", action="store_const", const=None, help="write no dump")
+    run.add_argument("--checks", default="default", metavar="SPEC",
+                     help="'default', 'all', check names or kinds, comma-separated; '-name' removes one")
+    run.add_argument("--every", default="1", metavar="N", help="run the per-step device checks every N steps")
+    run.add_argument("--live", dest="live", action="store_const", const=True, default=None,
+                     help="print findings as they happen (the default unless --mode record)")
+    run.add_argument("--no-live", dest="live", action="store_const", const=False,
+                     help="print nothing while running (the dump still holds everything)")
+    run.add_argument("--fail-on", metavar="SEVERITY", default=None,
+                     help="exit status 1 if any finding is this severe or worse: " + ", ".join(FAIL_ON))
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module as 'python -m MODULE' does")
+    run.add_argument("script", nargs="?", help="the script to run, followed by its own arguments")
+    rep = sub.add_parser(
+        "report", help="show a dump in the terminal, or write it as HTML",
+        description="Show guard dumps in the terminal: a summary, every finding with its fix, and the timeline. "
+                    "Several dumps (one per rank or process) are merged into one view.",
+        usage="python -m guard report FILE.json [FILE.json ...] [--html OUT.html]")
+    rep.add_argument("files", nargs="*", metavar="FILE.json", help="guard-report/1 dumps")
+    rep.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML page instead "
+                                                         "(the one-line summary is still printed)")
+    chk = sub.add_parser("checks", help="list checks, their kinds, severities and default on/off",
+                         description="List every check with the finding kinds it reports, their severities, "
+                                     "and whether it is on by default.", usage="python -m guard checks")
+    chk.add_argument("extra", nargs="*", help=argparse.SUPPRESS)
+    return {"": top, "run": run, "report": rep, "checks": chk}
+
+
 # --------------------------------------------------------------------------- run
 
-_RUN_VALUED = {"--mode": "mode", "--report": "report", "--checks": "checks", "--every": "every",
-               "--fail-on": "fail_on"}
+_RUN_VALUED = ("--mode", "--report", "--checks", "--every", "--fail-on")
+
+
+def _split_run(argv: Sequence[str]) -> tuple:
+    """``(guard's options and the target, the target's own arguments)``; the target is a script or ``-m module``.
+
+    argparse alone would take a script's ``--mode`` for guard's: the split happens at the target.
+    """
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            return argv[:i + 2], argv[i + 2:]
+        if a.startswith("-") and a != "-":
+            i += 2 if a in _RUN_VALUED else 1
+            continue
+        return argv[:i + 1], argv[i + 1:]
+    return argv, []
 
 
 def _parse_run(argv: Sequence[str]) -> Dict[str, Any]:
-    """Options up to the script (or ``-m module``); everything after belongs to the script."""
-    opts: Dict[str, Any] = {"mode": "warn", "report": "guard-report.json", "checks": "default", "every": "1",
-                            "live": None, "fail_on": None, "script": None, "module": None, "args": []}
-    i = 0
-    argv = list(argv)
-    while i < len(argv):
-        a = argv[i]
-        name, eq, val = a.partition("=")
-        if name in _RUN_VALUED:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise UsageError(f"guard run: {name} needs a value")
-                i += 1
-                val = argv[i]
-            opts[_RUN_VALUED[name]] = val
-        elif a == "--no-live":
-            opts["live"] = False
-        elif a == "--live":
-            opts["live"] = True
-        elif a == "--no-report":
-            opts["report"] = None
-        elif a == "-m":
-            if i + 1 >= len(argv):
-                raise UsageError("guard run: -m needs a module name")
-            opts["module"] = argv[i + 1]
-            opts["args"] = argv[i + 2:]
-            break
-        elif a in ("-h", "--help"):
-            raise UsageError("help")
-        elif a.startswith("-") and a != "-":
-            raise UsageError(f"guard run: unknown option {a!r}; allowed: {', '.join(sorted(_RUN_VALUED))}, "
-                             f"--no-live, --no-report, -m")
-        else:
-            opts["script"] = a
-            opts["args"] = argv[i + 1:]
-            break
-        i += 1
+    ours, rest = _split_run(argv)
+    ns = build_parsers()["run"].parse_args(ours)
+    opts = vars(ns)
+    opts["args"] = rest
     if opts["script"] is None and opts["module"] is None:
         raise UsageError("guard run: no script given; usage: python -m guard run [options] script.py [args...]")
     if opts["fail_on"] is not None and opts["fail_on"] not in FAIL_ON:
@@ -164,61 +202,50 @@ def cmd_run(argv: Sequence[str]) -> int:
 
 # --------------------------------------------------------------------------- report
 
-def _load_all(files: Sequence[str]) -> List[Dict[str, Any]]:
-    import json
-
-    from .report.model import load_report
+def _load_all(files: Sequence[str]) -> List[Any]:
+    """Each dump as a validated `Record`; any bad file is one line naming it (never a traceback)."""
+    from .record import Record, SchemaError
 
     out = []
     for path in files:
         try:
-            out.append(load_report(path))
+            out.append(Record.load(path))
         except FileNotFoundError:
             raise UsageError(f"guard report: {path}: no such file") from None
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"guard report: {path} is not JSON ({exc.msg} at line {exc.lineno}); "
-                             f"allowed: a guard-report/1 dump") from None
-        except (ValueError, OSError) as exc:
-            raise UsageError(str(exc).splitlines()[0]) from None
+        except IsADirectoryError:
+            raise UsageError(f"guard report: {path} is a directory; allowed: a guard-report/1 JSON dump") from None
+        except OSError as exc:
+            raise UsageError(f"guard report: cannot read {path}: {exc.strerror or exc}") from None
+        except SchemaError as exc:
+            raise UsageError(f"guard report: {exc}") from None
+        except (RecursionError, MemoryError):
+            raise UsageError(f"guard report: {path} is too large or nested too deeply to be a guard report") from None
     return out
 
 
 def cmd_report(argv: Sequence[str]) -> int:
-    files: List[str] = []
-    html_out: Optional[str] = None
-    argv = list(argv)
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--html" or a.startswith("--html="):
-            if "=" in a:
-                html_out = a.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                i += 1
-                html_out = argv[i]
-            if not html_out:
-                raise UsageError("guard report: --html needs an output path")
-        elif a.startswith("-"):
-            raise UsageError(f"guard report: unknown option {a!r}; allowed: --html OUT.html")
-        else:
-            files.append(a)
-        i += 1
-    if not files:
+    ns = build_parsers()["report"].parse_args(list(argv))
+    if not ns.files:
         raise UsageError("guard report: no dump given; usage: python -m guard report FILE.json [...] [--html OUT.html]")
-    from .report.terminal import merge_reports, render_terminal
+    if ns.html is not None and not ns.html.strip():
+        raise UsageError("guard report: --html needs an output path")
+    from .record import Record
 
-    report = merge_reports(_load_all(files), files)
-    if html_out:
+    record = Record.merge(_load_all(ns.files), ns.files)
+    if ns.html:
         from .report import atomic_write
         from .report.html import render_html
 
         try:
-            path = atomic_write(html_out, render_html(report))
+            path = atomic_write(ns.html, render_html(record))
         except OSError as exc:
-            raise UsageError(f"guard report: cannot write {html_out!r}: {exc.strerror or exc}") from None
+            raise UsageError(f"guard report: cannot write {ns.html!r}: {exc.strerror or exc}") from None
+        print(record.summary_line())  # a CI log shows the result without opening the page
         print(f"guard: wrote {path}")
         return 0
-    render_terminal(report, _console())
+    from .report.terminal import render_terminal
+
+    render_terminal(record, _console())
     return 0
 
 
@@ -236,8 +263,9 @@ def _console():
 
 
 def cmd_checks(argv: Sequence[str]) -> int:
-    if argv:
-        raise UsageError(f"guard checks: takes no arguments (got {' '.join(argv)!r})")
+    extra = build_parsers()["checks"].parse_args(list(argv)).extra
+    if extra:
+        raise UsageError(f"guard checks: takes no arguments (got {' '.join(extra)!r})")
     from rich.table import Table
 
     from .checks import registry
@@ -260,17 +288,29 @@ def cmd_checks(argv: Sequence[str]) -> int:
 COMMANDS = {"run": cmd_run, "report": cmd_report, "checks": cmd_checks}
 
 
+def _dispatch(args: List[str]) -> int:
+    if not args:
+        build_parsers()[""].print_usage(sys.stderr)
+        return 2
+    cmd, rest = args[0], args[1:]
+    if cmd == "help":  # `python -m guard help [COMMAND]`
+        args = (rest[:1] if rest[:1] and rest[0] in COMMANDS else []) + ["--help"]
+        cmd, rest = args[0], args[1:]
+    if cmd in COMMANDS:
+        return COMMANDS[cmd](rest)
+    if cmd.startswith("-"):  # --help, or an option before any command
+        build_parsers()[""].parse_args(args)
+        raise UsageError(f"guard: {cmd!r} needs a command first; allowed: {', '.join(COMMANDS)}")
+    near = difflib.get_close_matches(cmd, COMMANDS, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise UsageError(f"guard: unknown command {cmd!r}{hint}; allowed: {', '.join(COMMANDS)}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m guard`` and the ``torch-guard`` console script; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
-        sys.stdout.write(USAGE)
-        return 0 if args else 2
-    cmd, rest = args[0], args[1:]
-    if cmd not in COMMANDS:
-        return _fail(f"guard: unknown command {cmd!r}; allowed: {', '.join(COMMANDS)}")
     try:
-        return COMMANDS[cmd](rest)
+        return _dispatch(args)
     except BrokenPipeError:  # `python -m guard checks | head`: the reader left, not an error of ours
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -278,10 +318,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pass
         return 0
     except UsageError as exc:
-        if str(exc) == "help":
-            sys.stdout.write(USAGE)
-            return 0
         return _fail(str(exc))
+    except SystemExit as exc:  # argparse's --help
+        return exc.code if isinstance(exc.code, int) else 0
 
 
 if __name__ == "__main__":

@@ -94,12 +94,16 @@ def parse_budget(value: Any, origin: str = "budget") -> Optional[float]:
     return f
 
 
-def parse_live(value: Any, origin: str = "live") -> Union[bool, str]:
+def parse_live(value: Any, origin: str = "live", default: Optional[bool] = None) -> Union[bool, str]:
+    """``live``: None means ``TORCH_GUARD_LIVE`` if set, else `default`, else whether stderr is a terminal.
+
+    The environment's guard (``TORCH_GUARD``, ``guard run``) passes ``default=True``: off a terminal its
+    console prints plain lines, so CI logs and ``| tee`` show the findings and the summary."""
     if value is None:
         env = os.environ.get(f"{ENV_PREFIX}_LIVE")
         if env is not None:
             return parse_live(env, f"{ENV_PREFIX}_LIVE")
-        return _stderr_is_tty()
+        return default if default is not None else _stderr_is_tty()
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in LIVE_VALUES + ("true", "false"):
@@ -162,7 +166,7 @@ def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks"
     for name, check in registry.items():
         for kind in check.kinds:
             by_kind.setdefault(kind, []).append(name)
-    allowed = ["default", "all"] + sorted(registry) + sorted(by_kind)
+    allowed = "default, all, a check or a kind (list: python -m guard checks)"
     checks: set = set()
     kinds: set = set()
     removed: set = set()
@@ -177,7 +181,7 @@ def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks"
         add(n for n, c in registry.items() if c.default)
     for tok in tokens:
         if not isinstance(tok, str):
-            raise ConfigError(f"guard: {origin} entry {tok!r} is not a check name; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"guard: {origin} entry {tok!r} is not a check name; allowed: {allowed}")
         neg = tok.startswith("-")
         name = tok[1:] if neg else tok
         if name in ("default", "all") or name in registry:
@@ -197,7 +201,11 @@ def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks"
                 kinds.add(name)
                 checks.update(n for n in by_kind[name] if n not in removed)
         else:
-            raise ConfigError(f"guard: {origin} has unknown check {name!r}; allowed: {', '.join(allowed)}")
+            import difflib
+
+            near = difflib.get_close_matches(name, ["default", "all", *registry, *by_kind], n=1, cutoff=0.75)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(f"guard: {origin} has unknown check {name!r}; {hint}allowed: {allowed}")
     # A check that only adds to other checks' findings (``always``) is on whenever one of its kinds is.
     checks.update(n for n, c in registry.items() if getattr(c, "always", False) and n not in removed
                   and kinds & set(c.kinds))
@@ -222,17 +230,20 @@ def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: A
     names, kinds = select_checks(checks, registry, o.get("checks", "checks"))
     if not isinstance(snoop, bool):
         snoop = parse_bool(snoop, o.get("snoop", "snoop"))
+    mode = parse_mode(mode, o.get("mode", "mode"))
+    bg = background if isinstance(background, bool) else parse_bool(background, o.get("background", "background"))
     return Config(
         kinds=kinds,
         checks=names,
         checks_spec=tuple(str(s).strip() for s in spec) if isinstance(spec, tuple) else (str(spec),),
-        mode=parse_mode(mode, o.get("mode", "mode")),
+        mode=mode,
         report=parse_report(report, o.get("report", "report")),
-        live=parse_live(live, o.get("live", "live")),
+        # record mode collects silently; the environment's guard prints off a terminal too (plain lines)
+        live=parse_live(live, o.get("live", "live"), default=False if mode == "record" else True if bg else None),
         every=parse_every(every, o.get("every", "every")),
         snoop=snoop,
         budget=parse_budget(budget, o.get("budget", "budget")),
-        background=background if isinstance(background, bool) else parse_bool(background, o.get("background", "background")),
+        background=bg,
         extras=dict(extras),
     )
 

@@ -8,12 +8,19 @@ dump written yesterday renders the same as a live session.
 from __future__ import annotations
 
 import datetime as _dt
+import json
+import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .findings import Finding, json_safe
+from .findings import SEVERITIES, Finding, json_safe
 
 SCHEMA = "guard-report/1"
+MAX_DEPTH = 64  # a guard dump nests a few levels (details are cut at 8); deeper is not ours
+
+
+class SchemaError(ValueError):
+    """A dump that is not a valid ``guard-report/1`` document; the message names the first bad field."""
 
 
 @dataclass
@@ -110,6 +117,28 @@ class Record:
             self.timeline_stride = stride = stride * 2
             self.timeline = [e for e in tl if e["step"] % stride == 0]
 
+    def sorted_findings(self) -> List[Finding]:
+        """Findings by severity (errors first), then by first step."""
+        from .findings import SEVERITY_RANK
+
+        return sorted(self.findings, key=lambda f: (SEVERITY_RANK.get(f.severity, 9), f.step))
+
+    def series(self, key: str) -> List[Tuple[int, Any]]:
+        """``(step, value)`` of the timeline entries that hold `key` (values as stored: NaN/Inf are strings)."""
+        return [(e["step"], e[key]) for e in self.timeline if key in e and isinstance(e.get("step"), int)]
+
+    @property
+    def ranks(self) -> List[int]:
+        """The ranks a merged record came from (empty for one process's record)."""
+        r = self.environment.get("ranks")
+        return list(r) if isinstance(r, list) else []
+
+    def summary_line(self) -> str:
+        """One line: findings by severity and steps (for logs)."""
+        c = self.counts()
+        return (f"guard: {len(self.findings)} finding(s) ({c['error']} error, {c['warning']} warning, "
+                f"{c['info']} info) in {self.steps} step(s)")
+
     def counts(self) -> Dict[str, int]:
         """Findings per severity."""
         out = {"error": 0, "warning": 0, "info": 0}
@@ -138,7 +167,8 @@ class Record:
 
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "Record":
-        """A Record from a ``guard-report/1`` dict (assumed valid; see ``guard.report.model.validate``)."""
+        """A Record from a ``guard-report/1`` dict; raises `SchemaError` naming the first bad field."""
+        validate(data)
         known = {"schema", "created", "environment", "config", "steps", "findings", "timeline", "modules",
                  "internal_errors", "notices", "cost"}
         return cls(
@@ -154,6 +184,40 @@ class Record:
             cost=dict(data.get("cost") or {}),
             extra={k: v for k, v in data.items() if k not in known},
         )
+
+    @classmethod
+    def load(cls, path: str) -> "Record":
+        """Read and validate a dump; `SchemaError` (one line naming the file and the first bad field) otherwise.
+
+        Missing files and other OS errors propagate as `OSError`.
+        """
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SchemaError(f"{path} is not a text file (a guard-report/1 JSON dump expected)") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SchemaError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); "
+                              f"a guard-report/1 dump expected") from None
+        except RecursionError:
+            raise SchemaError(f"{path} is not a guard report (nested too deeply)") from None
+        try:
+            return cls.from_json(data)
+        except SchemaError as exc:  # "r.json is not a guard report (...)", "r.json: findings[0]: expected ..."
+            msg = str(exc)
+            raise SchemaError(f"{path} {msg}" if msg.startswith("is ") else f"{path}: {msg}") from None
+
+    @classmethod
+    def of(cls, obj: Any) -> "Record":
+        """`obj` as a Record: a Record as it is, a ``guard-report/1`` dict validated and converted."""
+        if isinstance(obj, Record):
+            return obj
+        if isinstance(obj, dict):
+            return cls.from_json(obj)
+        raise TypeError(f"a Record or a guard-report/1 dict expected, got {type(obj).__name__}")
 
     # -- several ranks / processes -----------------------------------------------------------------
     @classmethod
@@ -197,10 +261,114 @@ class Record:
         )
 
 
+# -- schema validation -----------------------------------------------------------------------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and (not isinstance(v, float) or math.isfinite(v))
+
+
+_STR = ("a string", lambda v: isinstance(v, str))
+_OPT_STR = ("a string or null", lambda v: v is None or isinstance(v, str))
+_INT = ("an integer", _is_int)
+_OPT_INT = ("an integer or null", lambda v: v is None or _is_int(v))
+_OBJ = ("an object", lambda v: isinstance(v, dict))
+_LIST = ("a list", lambda v: isinstance(v, list))
+# dumps store NaN/Inf as strings ("nan", "inf"); None where a value was dropped
+_VALUE = ("a number, a string or null", lambda v: v is None or _is_num(v) or isinstance(v, str))
+
+Spec = Dict[str, Tuple[Tuple[str, Callable[[Any], bool]], bool]]  # field -> ((what, test), required)
+
+_FINDING: Spec = {
+    "kind": (_STR, True), "severity": (("one of " + ", ".join(SEVERITIES), lambda v: v in SEVERITIES), True),
+    "message": (_STR, True), "hint": (_STR, True), "where": (_STR, True), "step": (_INT, True),
+    "count": (("an integer >= 1", lambda v: _is_int(v) and v >= 1), False), "source": (_OPT_STR, False),
+    "details": (_OBJ, False), "last_step": (_OPT_INT, False),
+}
+_TIMELINE: Spec = {"step": (_INT, True), "loss": (_VALUE, False), "grad_norm": (_VALUE, False),
+                   "skipped": (("true, false or null", lambda v: v is None or isinstance(v, (bool, int))), False)}
+_MODULE: Spec = {"path": (_STR, True), "type": (_OPT_STR, False),
+                 "output_shape": (("a list, a string or null", lambda v: v is None or isinstance(v, (list, str))), False),
+                 "dtype": (_OPT_STR, False), "device": (_OPT_STR, False), "params": (_OPT_INT, False)}
+_INTERNAL: Spec = {"check": (_OPT_STR, False), "error": (_OPT_STR, False), "at": (_OPT_STR, False),
+                   "step": (_OPT_INT, False)}
+_ENVIRONMENT: Spec = {"python": (_OPT_STR, False), "torch": (_OPT_STR, False), "platform": (_OPT_STR, False),
+                      "argv": (_LIST, False), "devices": (_LIST, False), "rank": (_INT, False),
+                      "world_size": (_INT, False), "pid": (_INT, False),
+                      "ranks": (("a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v))), False)}
+_CONFIG: Spec = {"checks": (_LIST, False), "mode": (_OPT_STR, False), "every": (_INT, False)}
+_TOP: Spec = {"created": (_OPT_STR, False), "environment": (_OBJ, False), "config": (_OBJ, False),
+              "steps": (("an integer >= 0", lambda v: _is_int(v) and v >= 0), False),
+              "findings": (_LIST, False), "timeline": (_LIST, False), "modules": (_LIST, False),
+              "internal_errors": (_LIST, False),
+              "notices": (("a list of strings", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)), False)}
+
+
+def _shown(v: Any) -> str:
+    text = json.dumps(v)[:40] if _depth(v) <= 2 else type(v).__name__
+    return text if len(text) < 40 else text[:37] + "..."
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of lists/objects, without recursion (a hostile file can nest 100,000 levels)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (list, dict)):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                return d
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _check(obj: Dict[str, Any], spec: Spec, path: str) -> None:
+    for name, ((what, ok), required) in spec.items():
+        where = f"{path}.{name}" if path else name
+        if name not in obj:
+            if required:
+                raise SchemaError(f"{where}: missing ({what} expected)")
+            continue
+        if not ok(obj[name]):
+            raise SchemaError(f"{where}: expected {what}, got {_shown(obj[name])}")
+
+
+def _check_list(items: List[Any], spec: Spec, path: str) -> None:
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise SchemaError(f"{path}[{i}]: expected an object, got {_shown(item)}")
+        _check(item, spec, f"{path}[{i}]")
+
+
+def validate(data: Any) -> None:
+    """Check a loaded dump against the ``guard-report/1`` schema, field by field.
+
+    Raises `SchemaError` whose message starts with the path of the first bad field
+    (``findings[0]: expected an object, got 1``). Unknown keys are allowed (newer writers).
+    """
+    if not isinstance(data, dict):
+        raise SchemaError(f"is not a guard report (a JSON object expected at the top, got {_shown(data)})")
+    if data.get("schema") != SCHEMA:
+        raise SchemaError(f"is not a guard report (schema {SCHEMA!r} expected, got {_shown(data.get('schema'))})")
+    if _depth(data) > MAX_DEPTH:
+        raise SchemaError(f"is not a guard report (nested deeper than {MAX_DEPTH} levels)")
+    _check(data, _TOP, "")
+    if "environment" in data:
+        _check(data["environment"], _ENVIRONMENT, "environment")
+    if "config" in data:
+        _check(data["config"], _CONFIG, "config")
+    for name, spec in (("findings", _FINDING), ("timeline", _TIMELINE), ("modules", _MODULE),
+                       ("internal_errors", _INTERNAL)):
+        _check_list(data.get(name, []), spec, name)
+
+
 def _replace(f: Finding, **changes: Any) -> Finding:
     import dataclasses
 
     return dataclasses.replace(f, **changes)
 
 
-__all__: Tuple[str, ...] = ("SCHEMA", "Record")
+__all__: Tuple[str, ...] = ("SCHEMA", "Record", "SchemaError", "validate")

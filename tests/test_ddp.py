@@ -214,13 +214,21 @@ if __name__ == "__main__":
 '''
 
 
+def _summaries(stderr):
+    return [ln for ln in stderr.splitlines() if ln.startswith("guard: ") and " finding(s) in " in ln]
+
+
 def test_torch_guard_env_with_spawned_ranks(tmp_path):
     (tmp_path / "plain.py").write_text(PLAIN)
     env = _env()
-    env.update(TORCH_GUARD="record", TORCH_GUARD_REPORT=str(tmp_path / "auto.json"))
+    env.update(TORCH_GUARD="record", TORCH_GUARD_REPORT=str(tmp_path / "auto.json"), TORCH_GUARD_LIVE="1")
     r = subprocess.run([sys.executable, "plain.py", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
+    # the dumps are written at exit, after destroy_process_group(): still only rank 0 prints its summary
+    assert len(_summaries(r.stderr)) == 1, r.stderr
+    assert "auto.rank0.json" in r.stderr and "auto.rank1.json" not in r.stderr
+    assert "nonfinite-input" not in r.stderr  # rank 1's finding stays in its dump
     r1 = _load(tmp_path / "auto.rank1.json")
     assert (r1["environment"]["rank"], r1["environment"]["world_size"]) == (1, 2)
     assert r1["findings"][0]["details"]["rank"] == 1
@@ -228,3 +236,15 @@ def test_torch_guard_env_with_spawned_ranks(tmp_path):
     r0 = _load(tmp_path / "auto.rank0.json")
     assert not [f for f in r0["findings"] if f["kind"] == "nonfinite-input"]
     assert not (tmp_path / "auto.json").exists()  # the launcher process ran no model: no dump of its own
+
+
+def test_live_all_prints_every_ranks_summary(tmp_path):
+    (tmp_path / "plain.py").write_text(PLAIN)
+    env = _env()
+    env.update(TORCH_GUARD="1", TORCH_GUARD_REPORT=str(tmp_path / "auto.json"), TORCH_GUARD_LIVE="all")
+    r = subprocess.run([sys.executable, "plain.py", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert len(_summaries(r.stderr)) == 2, r.stderr
+    assert "auto.rank0.json" in r.stderr and "auto.rank1.json" in r.stderr
+    assert "nonfinite-input" in r.stderr  # rank 1's finding, printed live as asked

@@ -1,21 +1,22 @@
-"""Renderers over the report model: console (rich), JSON, HTML.
+"""Renderers over a `guard.record.Record`: console (rich, live), terminal (dumps), JSON, HTML.
 
-`build_report` (in `model`) turns a session into the ``guard-report/1`` dict;
-every renderer reads only that dict, so a dump written yesterday renders the
-same as a live session.
+Every renderer takes a `Record` and reads its typed fields, so a dump written
+yesterday renders the same as a live session. A ``guard-report/1`` dict is still
+accepted (converted with `Record.of`) for callers that hold one.
 """
 from __future__ import annotations
 
 import os
 import secrets
 import threading
-from typing import Any, Dict
+from typing import Union
 
-from .model import SCHEMA, build_report, load_report
+from ..record import SCHEMA, Record
+from .model import build_record, build_report
 
 
-def write_report(report: Dict[str, Any], path: str) -> str:
-    """Write `report` to `path` atomically: HTML for a ``.html`` suffix, JSON otherwise."""
+def write_report(report: Union[Record, dict], path: str) -> str:
+    """Write `report` (a Record or its dict) to `path` atomically: HTML for a ``.html`` suffix, JSON otherwise."""
     if str(path).lower().endswith((".html", ".htm")):
         from .html import render_html
 
@@ -53,4 +54,4 @@ def atomic_write(path: str, text: str) -> str:
     return path
 
 
-__all__ = ["SCHEMA", "build_report", "load_report", "write_report", "atomic_write"]
+__all__ = ["SCHEMA", "Record", "build_record", "build_report", "write_report", "atomic_write"]

@@ -1,33 +1,34 @@
 """Live console renderer: one panel per new finding, a summary table at exit.
 
-On a TTY it uses rich; elsewhere (CI logs) it prints plain lines with no ANSI codes.
+On a TTY it uses rich; elsewhere (CI logs, ``nohup``, ``| tee``) it prints plain lines
+with no ANSI codes. User-derived strings (module paths, messages, file names) reach
+rich only as `Text`, never as markup.
 """
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
-from ..findings import SEVERITY_RANK, Finding
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..session import Guard
+from ..findings import Finding
+from ..record import Record
 
 _COLOURS = {"error": "red", "warning": "yellow", "info": "cyan"}
 
 
 def _rank() -> int:
+    """This process's rank; after ``destroy_process_group()`` the rank it had (summaries print at exit)."""
     try:
-        import torch.distributed as dist
+        from .._dist import rank_info
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
+        info = rank_info()
+        return info[0] if info is not None else 0
     except Exception:
-        pass
-    return 0
+        return 0
 
 
 class LiveConsole:
-    """Prints findings as they happen to stderr (or `stream`)."""
+    """Prints findings as they happen to stderr (or `stream`); under torch.distributed rank 0 only unless
+    ``live="all"``."""
 
     def __init__(self, live: Union[bool, str], stream: Any = None):
         self.live = live
@@ -73,26 +74,36 @@ class LiveConsole:
         except Exception:
             pass
 
-    def summary(self, g: "Guard") -> None:
+    def summary(self, record: Any, path: Optional[str] = None) -> None:
+        """The exit summary of `record` (a `Record`; a live guard is still accepted) and the dump's `path`."""
         if not self.enabled:
             return
-        findings = g.findings
-        path = g.report_path
+        if isinstance(record, dict):
+            record = Record.of(record)
+        elif not isinstance(record, Record):  # compatibility: a live guard, which knows its report path
+            from .model import build_record
+
+            path = path if path is not None else getattr(record, "report_path", None)
+            record = build_record(record)
+        findings = record.sorted_findings()
         if not findings and not path:
             return
+        head = f"guard: {len(findings)} finding(s) in {record.steps} step(s)"
         if self._tty():
+            from rich.text import Text
+
             con = self._rich()
-            con.print(render_table(findings, title=f"guard: {len(findings)} finding(s) in {g.step} step(s)"))
-            cost = _cost_line(g)
+            con.print(render_table(findings, title=head))
+            cost = _cost_line(record)
             if cost:
-                con.print(f"[dim]{cost}[/dim]")
+                con.print(Text(cost, style="dim"))
             if path:
-                con.print(f"[dim]guard report: {path}[/dim]")
+                con.print(Text(f"guard report: {path}", style="dim"))
         else:
-            lines = [f"guard: {len(findings)} finding(s) in {g.step} step(s)"]
-            for f in sorted(findings, key=lambda f: (SEVERITY_RANK[f.severity], f.step)):
+            lines = [head]
+            for f in findings:
                 lines.append(f"  {f.severity:<7} {f.kind:<28} {f.where:<30} step {f.step:<6} x{f.count}")
-            cost = _cost_line(g)
+            cost = _cost_line(record)
             if cost:
                 lines.append(cost)
             if path:
@@ -101,12 +112,9 @@ class LiveConsole:
             self.stream.flush()
 
 
-def _cost_line(g: Any) -> str:
+def _cost_line(record: Any) -> str:
     """``guard cost 3.1% of step time`` (and what a budget sampled), or "" before two steps."""
-    try:
-        cost = g.cost()
-    except Exception:
-        return ""
+    cost = getattr(record, "cost", None) or {}
     ov = cost.get("overhead")
     if ov is None:
         return ""
@@ -134,17 +142,20 @@ def render_panel(f: Finding):
     body.append(f.hint)
     if f.source:
         body.append(f"\nat {f.source}", style="dim")
-    title = f"[bold {colour}]{f.severity.upper()}[/] {f.kind} · {f.where} · step {f.step}"
+    title = Text()
+    title.append(f.severity.upper(), style=f"bold {colour}")
+    title.append(f" {f.kind} · {f.where} · step {f.step}")
     return Panel(body, title=title, title_align="left", border_style=colour, expand=False)
 
 
 def render_table(findings: Iterable[Finding], title: Optional[str] = None):
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=Text(title) if title is not None else None, title_justify="left")
     for col in ("severity", "kind", "where", "first step", "count"):
-        table.add_column(col)
-    for f in sorted(findings, key=lambda f: (SEVERITY_RANK[f.severity], f.step)):
-        colour = _COLOURS.get(f.severity, "white")
-        table.add_row(f"[{colour}]{f.severity}[/]", f.kind, f.where, str(f.step), str(f.count))
+        table.add_column(col, overflow="fold")  # a long module path is wrapped, never cut
+    for f in findings:
+        table.add_row(Text(f.severity, style=_COLOURS.get(f.severity, "white")), Text(f.kind), Text(f.where),
+                      str(f.step), str(f.count))
     return table

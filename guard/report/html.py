@@ -8,9 +8,10 @@ from __future__ import annotations
 import html
 import json
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..findings import SEVERITIES, SEVERITY_RANK
+from ..findings import SEVERITIES, SEVERITY_RANK, Finding
+from ..record import Record
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1100px;color:#222;padding:0 1em}
@@ -45,7 +46,7 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
-def _plot(report_id: str, title: str, points: Sequence[Tuple[int, Any]], marks: Dict[int, List[Dict[str, Any]]],
+def _plot(report_id: str, title: str, points: Sequence[Tuple[int, Any]], marks: Dict[int, List[Finding]],
           steps_max: int) -> str:
     """An inline SVG line plot of `points` (step, value); non-finite values as red ticks; findings as lines."""
     finite = [(s, _num(v)) for s, v in points]
@@ -85,8 +86,8 @@ def _plot(report_id: str, title: str, points: Sequence[Tuple[int, Any]], marks: 
         out.append(f"<text x='{X(s):.1f}' y='{_PLOT_H - _PAD_B + 16}' font-size='11' text-anchor='middle' fill='#555'>{s}</text>")
     out.append(f"<text x='{_PAD_L + iw / 2:.1f}' y='{_PLOT_H - 4}' font-size='11' text-anchor='middle' fill='#555'>step</text>")
     for s, fs in sorted(marks.items()):  # findings on the step axis
-        sev = min((f.get("severity", "info") for f in fs), key=lambda v: SEVERITY_RANK.get(v, 9))
-        tip = "; ".join(f"{f.get('kind')} at {f.get('where')}" for f in fs)
+        sev = min((f.severity for f in fs), key=lambda v: SEVERITY_RANK.get(v, 9))
+        tip = "; ".join(f"{f.kind} at {f.where}" for f in fs)
         out.append(f"<g class='finding-mark' data-step='{s}'><title>step {s}: {_e(tip)}</title>"
                    f"<line x1='{X(s):.1f}' x2='{X(s):.1f}' y1='{_PAD_T}' y2='{_PAD_T + ih}' stroke='{_SEV_COLOUR.get(sev, '#999')}'"
                    f" stroke-dasharray='4 3' stroke-width='1.5'/>"
@@ -112,42 +113,40 @@ def _plot(report_id: str, title: str, points: Sequence[Tuple[int, Any]], marks: 
     return "".join(out)
 
 
-def _finding_html(f: Dict[str, Any]) -> str:
-    sev = _e(f.get("severity"))
-    details = dict(f.get("details") or {})
-    rank = details.get("rank")
-    steps = f"step {_e(f.get('step'))}"
-    if f.get("last_step") not in (None, f.get("step")):
-        steps += f"–{_e(f.get('last_step'))}"
-    parts = [f"<div class='finding {sev}' data-kind='{_e(f.get('kind'))}'>",
-             f"<div class='head'><span class='badge b-{sev}'>{sev}</span> {_e(f.get('kind'))} · "
-             f"<span class='where'>{_e(f.get('where'))}</span> · {steps} · seen {_e(f.get('count', 1))}×"
+def _finding_html(f: Finding) -> str:
+    sev = _e(f.severity)
+    rank = f.details.get("rank")
+    steps = f"step {_e(f.step)}"
+    if f.last_step not in (None, f.step):
+        steps += f"–{_e(f.last_step)}"
+    parts = [f"<div class='finding {sev}' data-kind='{_e(f.kind)}'>",
+             f"<div class='head'><span class='badge b-{sev}'>{sev}</span> {_e(f.kind)} · "
+             f"<span class='where'>{_e(f.where)}</span> · {steps} · seen {_e(f.count)}×"
              + (f" · rank {_e(rank)}" if rank is not None else "") + "</div>",
-             f"<div class='message'>{_e(f.get('message'))}</div>",
-             f"<div class='hint'><b>fix:</b> {_e(f.get('hint'))}</div>"]
-    if f.get("source"):
-        parts.append(f"<div class='src'>at <code>{_e(f.get('source'))}</code></div>")
-    if details:
-        parts.append(f"<details><summary class='small'>details</summary><pre>{_e(json.dumps(details, indent=2, default=str))}</pre></details>")
+             f"<div class='message'>{_e(f.message)}</div>",
+             f"<div class='hint'><b>fix:</b> {_e(f.hint)}</div>"]
+    if f.source:
+        parts.append(f"<div class='src'>at <code>{_e(f.source)}</code></div>")
+    if f.details:
+        parts.append(f"<details><summary class='small'>details</summary>"
+                     f"<pre>{_e(json.dumps(f.details, indent=2, default=str))}</pre></details>")
     parts.append("</div>")
     return "".join(parts)
 
 
-def render_html(report: Dict[str, Any]) -> str:
-    """The report as a self-contained HTML page."""
-    env = report.get("environment", {}) or {}
-    cfg = report.get("config", {}) or {}
-    findings: List[Dict[str, Any]] = sorted(report.get("findings", []),
-                                            key=lambda f: (SEVERITY_RANK.get(f.get("severity"), 9), f.get("step", 0)))
-    timeline = report.get("timeline", []) or []
-    steps = report.get("steps", 0) or 0
-    counts = {s: sum(1 for f in findings if f.get("severity") == s) for s in SEVERITIES}
+def render_html(record: Union[Record, dict]) -> str:
+    """The record as a self-contained HTML page (every user-derived string escaped)."""
+    rec = Record.of(record)
+    env, cfg = rec.environment, rec.config
+    findings = rec.sorted_findings()
+    steps = rec.steps
+    counts = rec.counts()
     run = " ".join(map(str, env.get("argv") or [])) or "?"
-    meta = [("run", f"<code>{_e(run)}</code>"), ("created", _e(report.get("created"))), ("steps", _e(steps)),
+    meta = [("run", f"<code>{_e(run)}</code>"), ("created", _e(rec.created)), ("steps", _e(steps)),
             ("torch / python", f"{_e(env.get('torch'))} / {_e(env.get('python'))}"),
             ("platform", _e(env.get("platform"))), ("devices", _e(", ".join(map(str, env.get("devices") or []))))]
-    if env.get("ranks"):
-        meta.append(("ranks (merged)", _e(", ".join(map(str, env["ranks"])))))
+    if rec.ranks:
+        meta.append(("ranks (merged)", _e(", ".join(map(str, rec.ranks)))))
     elif "rank" in env:
         meta.append(("rank", f"{_e(env.get('rank'))} of {_e(env.get('world_size'))}"))
     meta.append(("guard config", f"mode {_e(cfg.get('mode'))} · checks {_e(', '.join(map(str, cfg.get('checks') or [])))}"
@@ -166,45 +165,41 @@ def render_html(report: Dict[str, Any]) -> str:
     if not findings:
         parts.append("<p class='none'>No findings: guard saw none of the pitfalls it checks for.</p>")
     for sev in SEVERITIES:
-        group = [f for f in findings if f.get("severity") == sev]
+        group = [f for f in findings if f.severity == sev]
         if group:
             parts.append(f"<section class='severity-group' id='sev-{sev}'><h3>{sev} ({len(group)})</h3>")
             parts.extend(_finding_html(f) for f in group)
             parts.append("</section>")
     parts.append("</div>")
-    marks: Dict[int, List[Dict[str, Any]]] = {}
+    marks: Dict[int, List[Finding]] = {}
     for f in findings:
-        if isinstance(f.get("step"), int):
-            marks.setdefault(f["step"], []).append(f)
+        marks.setdefault(f.step, []).append(f)
     parts.append("<h2>Timeline</h2>")
-    loss = [(e["step"], e["loss"]) for e in timeline if "loss" in e and isinstance(e.get("step"), int)]
-    gnorm = [(e["step"], e["grad_norm"]) for e in timeline if "grad_norm" in e and isinstance(e.get("step"), int)]
+    loss, gnorm = rec.series("loss"), rec.series("grad_norm")
     if loss or gnorm or marks:
         parts.append("<p class='small'>Dashed lines and triangles on the step axis: the first step of each finding"
                      " (hover for what). Red ticks at the top: non-finite values.</p>")
         parts.append(_plot("plot-loss", "loss", loss, marks, steps))
         parts.append(_plot("plot-grad-norm", "total gradient norm", gnorm, marks, steps))
-        skipped = [e["step"] for e in timeline if e.get("skipped")]
+        skipped = [s for s, v in rec.series("skipped") if v]
         if skipped:
             parts.append(f"<p class='small'>steps skipped by the AMP GradScaler: {_e(', '.join(map(str, skipped[:50])))}</p>")
     else:
         parts.append("<p class='small'>No loss or gradient norm was measured (no backward/optimizer step seen).</p>")
-    modules = report.get("modules", []) or []
-    parts.append(f"<h2>Modules ({len(modules)})</h2><table id='modules'><tr><th>path</th><th>type</th>"
+    parts.append(f"<h2>Modules ({len(rec.modules)})</h2><table id='modules'><tr><th>path</th><th>type</th>"
                  "<th>output shape</th><th>dtype</th><th>device</th><th>parameters</th></tr>")
-    for m in modules:
+    for m in rec.modules:
         shape = m.get("output_shape")
-        parts.append(f"<tr><td><code>{_e(m.get('path'))}</code></td><td>{_e(m.get('type'))}</td>"
-                     f"<td>{_e('×'.join(map(str, shape)) if isinstance(shape, list) else shape)}</td>"
-                     f"<td>{_e(m.get('dtype'))}</td><td>{_e(m.get('device'))}</td><td>{_e(m.get('params'))}</td></tr>")
+        shape = "×".join(map(str, shape)) if isinstance(shape, list) else shape
+        parts.append("<tr>" + f"<td><code>{_e(m['path'])}</code></td>"
+                     + "".join(f"<td>{_e(v)}</td>" for v in (m.get("type"), shape, m.get("dtype"), m.get("device"),
+                                                              m.get("params"))) + "</tr>")
     parts.append("</table>")
-    errors = report.get("internal_errors") or []
-    if errors:
+    if rec.internal_errors:
         parts.append("<h2>guard's own errors</h2><ul>" + "".join(
             f"<li>check <code>{_e(e.get('check'))}</code>: {_e(e.get('error'))} at {_e(e.get('at'))}"
-            f" (step {_e(e.get('step'))}); the check was switched off</li>" for e in errors) + "</ul>")
-    notices = report.get("notices") or []
-    if notices:
-        parts.append("<h2>Notices</h2><ul>" + "".join(f"<li>{_e(n)}</li>" for n in notices) + "</ul>")
+            f" (step {_e(e.get('step'))}); the check was switched off</li>" for e in rec.internal_errors) + "</ul>")
+    if rec.notices:
+        parts.append("<h2>Notices</h2><ul>" + "".join(f"<li>{_e(n)}</li>" for n in rec.notices) + "</ul>")
     parts.append("<p class='small'>written by guard (torch-runtime-guard)</p></body></html>\n")
     return "".join(parts)

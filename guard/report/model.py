@@ -1,17 +1,19 @@
-"""The report model: a session turned into the ``guard-report/1`` dict, and back."""
+"""A live session turned into a `Record` (and its ``guard-report/1`` dict); the run's environment."""
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
-import json
 import os
 import platform
 import sys
 from typing import TYPE_CHECKING, Any, Dict, List
 
-from ..record import SCHEMA
+from ..record import SCHEMA, Record
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..session import Guard
+
+__all__ = ["SCHEMA", "Record", "build_record", "build_report", "environment"]
 
 
 def environment() -> Dict[str, Any]:
@@ -62,23 +64,25 @@ def _devices() -> List[str]:
     return out
 
 
-def build_report(g: "Guard") -> Dict[str, Any]:
-    """The dump of one guard session (JSON-safe): its record, with environment, config and steps filled in."""
-    rec = g.record
+def build_record(g: "Guard") -> Record:
+    """The `Record` of a live guard, its environment read now (compatibility path until the guard owns one)."""
+    own = getattr(g, "record", None)
+    if isinstance(own, Record):
+        rec = dataclasses.replace(own, findings=list(g.findings))
+    else:
+        rec = Record(findings=list(g.findings), timeline=list(g.timeline), modules=list(g.modules.values()),
+                     notices=list(getattr(g, "notices", [])), internal_errors=list(g.internal_errors))
     rec.environment = environment()
     rec.config = g.config.to_dict()
     rec.steps = g.step
-    rec.cost = g.cost()
-    if g.processes:
-        rec.extra["processes"] = list(g.processes)
+    cost = getattr(g, "cost", None)
+    rec.cost = cost() if callable(cost) else {}
+    if getattr(g, "processes", None):
+        rec.extra = {**rec.extra, "processes": list(g.processes)}
     rec.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    return rec.to_json()
+    return rec
 
 
-def load_report(path: str) -> Dict[str, Any]:
-    """Read a dump and check its schema (one clear line on a wrong file)."""
-    with open(path, encoding="utf-8") as fh:
-        data = json.load(fh)
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ValueError(f"guard: {path} is not a guard report (schema {SCHEMA!r} expected)")
-    return data
+def build_report(g: "Guard") -> Dict[str, Any]:
+    """The dump of one guard session (JSON-safe dict, schema ``guard-report/1``)."""
+    return build_record(g).to_json()
