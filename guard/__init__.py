@@ -78,6 +78,5 @@ class _GuardFunction:
 
 guard = _GuardFunction()
 guard.__doc__ = _GuardFunction.__call__.__doc__
-guard.__wrapped__ = _GuardFunction.__call__  # type: ignore[attr-defined]  # inspect.signature(guard)
 
 __all__ = ["guard", "wrap", "Guard", "Finding", "GuardError", "ConfigError", "GuardInternalWarning", "explain_state_dict"]
