@@ -262,7 +262,7 @@ def parse_bool(value: Any, origin: str) -> bool:
 ENV_ON = ("1", "warn", "raise", "record")
 #: every ``TORCH_GUARD*`` variable guard reads
 ENV_KNOWN = (ENV_PREFIX, f"{ENV_PREFIX}_REPORT", f"{ENV_PREFIX}_CHECKS", f"{ENV_PREFIX}_LIVE", f"{ENV_PREFIX}_EVERY",
-             f"{ENV_PREFIX}_SNOOP")
+             f"{ENV_PREFIX}_SNOOP", f"{ENV_PREFIX}_BUDGET")
 #: misspellings that are not near in letters but near in meaning
 _ENV_MEANT = {f"{ENV_PREFIX}_MODE": f"{ENV_PREFIX}=<mode>", f"{ENV_PREFIX}_ENABLE": ENV_PREFIX,
               f"{ENV_PREFIX}_ON": ENV_PREFIX, f"{ENV_PREFIX}_PATH": f"{ENV_PREFIX}_REPORT",
