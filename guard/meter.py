@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 
 MAX_PERIOD = 1024
 WINDOW = 8  # steps between two decisions on the period
+WARMUP = 3  # steps (after the first) not counted: guard's one-time work happens there
 
 
 class Meter:
@@ -27,7 +28,7 @@ class Meter:
     """
 
     __slots__ = ("budget", "period", "own", "total_own", "total_wall", "steps", "max_period", "_last_end",
-                 "_n", "_own_costly", "_own_cheap", "_rest", "_was_costly")
+                 "_n", "_seen", "_own_costly", "_own_cheap", "_rest", "_was_costly")
 
     def __init__(self, budget: Optional[float]):
         self.budget = budget
@@ -39,6 +40,7 @@ class Meter:
         self.steps = 0
         self._last_end: Optional[float] = None
         self._n = 0
+        self._seen = 0
         self._own_costly: Optional[float] = None  # moving averages, seconds per step
         self._own_cheap: Optional[float] = None
         self._rest: Optional[float] = None
@@ -62,6 +64,9 @@ class Meter:
             return
         wall = now - self._last_end
         self._last_end = now
+        self._seen += 1
+        if self._seen < WARMUP:
+            return  # first calls of every layer, the first steps' extra explanations: one-time costs
         if wall <= own:
             return
         self.total_own += own

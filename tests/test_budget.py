@@ -85,7 +85,7 @@ def test_budget_in_config_and_dump():
             step()
     rep = g.report()
     assert rep["config"]["budget"] == 0.05
-    assert rep["cost"]["budget"] == 0.05 and rep["cost"]["steps_measured"] == 4
+    assert rep["cost"]["budget"] == 0.05 and rep["cost"]["steps_measured"] == 2  # the first steps are one-time work
     assert rep["cost"]["overhead"] is not None and rep["cost"]["overhead"] >= 0
 
 
