@@ -114,7 +114,8 @@ class LiveConsole:
 
 def _cost_line(record: Any) -> str:
     """``guard cost 3.1% of step time`` (and what a budget sampled), or "" before two steps."""
-    cost = getattr(record, "cost", None) or {}
+    cost = getattr(record, "cost", None)  # a Record's field, or a live guard's method
+    cost = (cost() if callable(cost) else cost) or {}
     ov = cost.get("overhead")
     if ov is None:
         return ""
