@@ -19,6 +19,7 @@ from torch import nn
 
 from . import hooks as _hooks
 from ._frames import user_source
+from ._modules import tree_stats
 from ._dist import rank_info as _dist_rank
 from .checks import registry
 from .checks.base import Check
@@ -103,6 +104,8 @@ class Guard:
         self.step = 0
         self.sampling = True
         self._mid_step = False
+        self._deep = 0  # nesting depth of a deep watched model (0: none deeper than 32 levels)
+        self._limit: Optional[Tuple[int, int]] = None  # (user's recursion limit, the raised one)
         self._findings: Dict[Tuple[str, str], Finding] = {}
         self.internal_errors: List[Dict[str, Any]] = []
         self.notices: List[str] = []  # what guard cannot see (e.g. under torch.compile), said once each
@@ -220,6 +223,7 @@ class Guard:
             finally:
                 self._active = False
                 self._closed_once = True
+                self._restore_recursion_limit()
                 self._installer.close()
                 self._staged = []
                 self._grad_norms = {}
@@ -610,6 +614,7 @@ class Guard:
                     self._paths_by_id[id(mod)] = path or type(mod).__name__
                 self._roots.add(inner)
                 self._root_ids.add(id(inner))
+                self._note_depth(inner)
                 if isinstance(inner, torch.jit.ScriptModule):
                     self._scripted = True
                     self.notice(f"guard: {type(inner).__name__} is a TorchScript module: it runs no Python hooks, "
@@ -678,6 +683,28 @@ class Guard:
         if self._h_forward_pre and self._active:
             self._dispatch_forward_pre(module, args, {}, depth == 0)
 
+    def _note_depth(self, module: nn.Module) -> None:
+        """Remember how deeply `module`'s layers nest (models with dozens of nested levels are rare)."""
+        depth = tree_stats(module)[0]
+        if depth > 32 and depth > self._deep:
+            self._deep = depth
+
+    def _make_room(self) -> None:
+        """Raise the recursion limit by what hooked calls add (torch runs hooked calls one frame deeper per
+        level, and guard's hooks run at the deepest point), so that a model nested as deep as plain
+        PyTorch runs also runs guarded. Put back on close unless someone changed it meanwhile."""
+        limit = sys.getrecursionlimit()
+        if self._limit is not None and limit == self._limit[1]:
+            return
+        raised = limit + self._deep + 24
+        self._limit = (limit, raised)
+        sys.setrecursionlimit(raised)
+
+    def _restore_recursion_limit(self) -> None:
+        if self._limit is not None and sys.getrecursionlimit() == self._limit[1]:
+            sys.setrecursionlimit(self._limit[0])
+        self._limit = None
+
     def _adopt_root(self, module: nn.Module) -> None:
         if isinstance(module, _DP_TYPES):  # paths as in the user's model, without DDP's "module."
             self._paths_weak[module] = type(module).__name__
@@ -691,11 +718,14 @@ class Guard:
                 if path == "" or mod not in self._paths_weak or self._paths_weak[mod] == type(mod).__name__:
                     self._paths_weak[mod] = path or type(mod).__name__
             self._roots.add(module)
+            self._note_depth(module)
         except Exception as exc:
             self._contain(None, exc)
 
     def _enter_root(self) -> None:
         """An outermost model call starts: remember where it came from."""
+        if self._deep:
+            self._make_room()
         tls = self._tls
         tls.root_source = user_source(3)
         tls.forwards = getattr(tls, "forwards", 0) + 1
@@ -840,7 +870,7 @@ class Guard:
                 "output_shape": list(t.shape) if t is not None and not t.is_nested else None,
                 "dtype": str(t.dtype) if t is not None else None,
                 "device": str(t.device) if t is not None else None,
-                "params": sum(p.numel() for p in module.parameters(recurse=True)),
+                "params": tree_stats(module)[1],  # no recursion: this runs at the deepest point of a forward
             }
         except Exception as exc:
             self._contain(None, exc)
