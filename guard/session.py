@@ -22,6 +22,7 @@ from torch import nn
 from . import hooks as _hooks
 from ._frames import user_source
 from .callstack import pop_call, push_call
+from ._modules import RecursionRoom
 from ._dist import rank_info as _dist_rank
 from .checks import registry
 from .checks.base import Check
@@ -72,6 +73,7 @@ class Guard:
         self.step = 0
         self.sampling = True
         self._mid_step = False
+        self.room = RecursionRoom()  # recursion-limit room for deep models
         #: whether the costly checks (`Check.costly`) run this step: always, unless a budget samples them
         self.costly_step = True
         self.meter = Meter(self.config.budget)
@@ -196,6 +198,7 @@ class Guard:
             finally:
                 self._active = False
                 self._closed_once = True
+                self.room.restore()
                 self._installer.close()
                 self.staging.clear()
                 from . import _procs
@@ -376,6 +379,7 @@ class Guard:
                 if model is None:
                     continue
                 inner = self.watched.index(model)
+                self.room.note(inner)
                 for mod in dict.fromkeys(m for _, m in inner.named_modules()):
                     if isinstance(mod, torch.jit.ScriptModule):
                         continue  # register_forward_*hook raises on ScriptModules
@@ -408,6 +412,7 @@ class Guard:
         if depth == 0:
             if module not in self._paths_weak:
                 self.watched.adopt_root(module)
+                self.room.note(module)
             self._enter_root()
         if self.router.forward_pre and self._active:
             self.router.dispatch_forward_pre(module, args, {}, depth == 0)
@@ -415,6 +420,9 @@ class Guard:
 
     def _enter_root(self) -> None:
         """An outermost model call starts: remember where it came from."""
+        self.room.make()
+        if self._deep:
+            self._make_room()
         tls = self._tls
         tls.root_source = user_source(3)
         tls.forwards = getattr(tls, "forwards", 0) + 1

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ._modules import tree_stats
 from .record import Record
 from .tensors import first_tensor
 
@@ -193,7 +194,7 @@ class Watched:
                 "output_shape": list(t.shape) if t is not None and not t.is_nested else None,
                 "dtype": str(t.dtype) if t is not None else None,
                 "device": str(t.device) if t is not None else None,
-                "params": sum(p.numel() for p in module.parameters(recurse=True)),
+                "params": tree_stats(module)[1],  # no recursion: this runs at the deepest point of a forward
             })
         except Exception as exc:
             self._contain(None, exc)

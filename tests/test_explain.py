@@ -254,7 +254,7 @@ def _nonfinite_output(g):
 
 
 def test_snoop_traces_the_module_line_that_made_nan(capsys):
-    pytest.importorskip("torchsnooper", reason="torchsnooper needs setuptools<82 (make setup pins it)")
+    pytest.importorskip("torchsnooper")
     g, model = _train_log_model(snoop=True, live=True)
     f = _nonfinite_output(g)
     assert f.where == "1" and f.step == 0 and f.details["trace_step"] == 1
@@ -268,7 +268,7 @@ def test_snoop_traces_the_module_line_that_made_nan(capsys):
 
 
 def test_snoop_env_var_and_cap(monkeypatch):
-    pytest.importorskip("torchsnooper", reason="torchsnooper needs setuptools<82 (make setup pins it)")
+    pytest.importorskip("torchsnooper")
     from guard.checks import snoop
 
     monkeypatch.setenv("TORCH_GUARD_SNOOP", "1")

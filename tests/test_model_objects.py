@@ -368,3 +368,52 @@ def test_interrupted_child_call_leaves_its_enclosing_call_nested():
         model(torch.full((2, 3), float("nan")))
         g.flush()
         assert [(f.kind, f.where) for f in g.findings] == [("nonfinite-input", "input")]
+
+
+# ----------------------------------------------------------------------------- deep models
+
+class Nest(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _nested(levels):
+    m = nn.Linear(2, 2)
+    for _ in range(levels):
+        m = Nest(m)
+    return m
+
+
+def _deepest(scope):
+    """The deepest nesting whose forward runs (binary search), plain or under a guard."""
+    lo, hi = 50, 700
+    errors = []
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        model = _nested(mid)
+        g = None if scope == "plain" else guard(model if scope == "model" else None, live=False).start()
+        try:
+            model(torch.ones(1, 2))
+            ok = True
+        except RecursionError:
+            ok = False
+        finally:
+            if g is not None:
+                g.close()
+                errors += g.internal_errors
+        lo, hi = (mid, hi) if ok else (lo, mid - 1)
+    return lo, errors
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_model_nested_as_deep_as_plain_pytorch_runs_guarded(scope):
+    limit = sys.getrecursionlimit()
+    plain, _ = _deepest("plain")
+    guarded, errors = _deepest(scope)
+    assert plain - 2 <= guarded <= plain + 8, (plain, guarded)  # torch's hooked calls nest one frame deeper
+    assert errors == []
+    assert sys.getrecursionlimit() == limit  # put back on close

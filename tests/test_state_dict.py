@@ -170,3 +170,42 @@ def test_mode_raise_keeps_the_original_exception():
             model.load_state_dict(Net(classes=3).state_dict())
     assert type(ei.value) is RuntimeError and "size mismatch" in str(ei.value)
     assert "guard:" in _notes(ei.value)
+
+
+class NetNoStats(Net):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4, track_running_stats=False)
+
+
+def test_batchnorm_without_running_stats_named_with_its_setting_and_the_fix_loads():
+    sd = Net().state_dict()
+    model = NetNoStats()
+    with guard(model, checks="all", live=False) as g:
+        with pytest.raises(RuntimeError) as ei:
+            model.load_state_dict(sd)
+        note = _notes(ei.value)
+        assert "'bn' (BatchNorm2d)" in note and "track_running_stats=False" in note
+        assert "different architecture" not in note
+        (f,) = g.findings
+        assert f.kind == "state-dict-mismatch" and f.details["running_stats_unexpected"] == ["bn"]
+        assert "track_running_stats=True" in f.hint
+        # the hint's second fix, as written: drop those keys
+        ns = {"state_dict": sd}
+        exec(f.hint.split("statistics: ", 1)[1].rstrip("."), {}, ns)
+        assert model.load_state_dict(ns["state_dict"]) is not None
+    assert len(g.findings) == 1
+
+
+def test_checkpoint_without_running_stats_into_tracking_batchnorm():
+    f = explain_state_dict(Net(), NetNoStats().state_dict())
+    assert f.details["running_stats_missing"] == ["bn"]
+    assert "'bn' (BatchNorm2d)" in f.message and "track_running_stats=True" in f.message
+    assert "track_running_stats=False" in f.hint
+
+
+def test_running_stats_mismatch_next_to_another_difference_explains_both():
+    sd = Net(classes=10).state_dict()
+    f = explain_state_dict(NetNoStats(), sd)
+    assert "track_running_stats=False" in f.message and "fc.weight: checkpoint [10, 4] vs model [4, 4]" in f.message
+    assert "different architecture" not in f.hint

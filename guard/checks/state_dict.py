@@ -82,6 +82,59 @@ def _renames(missing: List[str], unexpected: List[str]) -> List[Tuple[str, str]]
     return [(old, new) for old, so in unexp.items() for new, sn in miss.items() if so == sn]
 
 
+_STATS = ("running_mean", "running_var", _NBT)
+
+
+def _running_stats(model: nn.Module, missing: List[str], unexpected: List[str], parts: List[str],
+                   hints: List[str], details: Dict[str, Any]) -> Tuple[List[str], List[str]]:
+    """Explain running-statistics keys of BatchNorm/InstanceNorm layers built with another
+    ``track_running_stats`` than the checkpoint's; returns the keys left to explain."""
+    def norm_layers(keys: List[str], tracking: bool) -> Dict[str, List[str]]:
+        found: Dict[str, List[str]] = {}
+        for k in keys:
+            prefix, _, leaf = k.rpartition(".")
+            if leaf not in _STATS:
+                continue
+            try:
+                mod = model.get_submodule(prefix)
+            except (AttributeError, ValueError):
+                continue
+            if isinstance(mod, nn.modules.batchnorm._NormBase) and bool(mod.track_running_stats) == tracking:
+                found.setdefault(prefix, []).append(k)
+        # num_batches_tracked alone is the PyTorch-version case, explained below
+        return {p: ks for p, ks in found.items() if any(not k.endswith(_NBT) for k in ks)}
+
+    def layers(found: Dict[str, List[str]]) -> str:
+        names = [f"{p!r} ({type(model.get_submodule(p)).__name__})" if p else
+                 f"the model itself ({type(model).__name__})" for p in sorted(found)]
+        return ", ".join(names[:_MAX_LIST]) + (" ..." if len(names) > _MAX_LIST else "")
+
+    def drop(found: Dict[str, List[str]]) -> str:
+        keys = sorted(k for ks in found.values() for k in ks)
+        return (f"state_dict = {{k: v for k, v in state_dict.items() if k not in {keys[:6]!r}"
+                f"{'...' if len(keys) > 6 else ''}}}")
+
+    extra = norm_layers(unexpected, tracking=False)
+    if extra:
+        details["running_stats_unexpected"] = sorted(extra)
+        parts.append(f"the checkpoint has running statistics ({', '.join(_STATS)}) for {len(extra)} normalisation "
+                     f"layer(s) the model built with track_running_stats=False: {layers(extra)}; the checkpoint was "
+                     f"saved from layers with track_running_stats=True")
+        hints.append(f"Build these layers with the checkpoint's setting (e.g. nn.BatchNorm2d(C, "
+                     f"track_running_stats=True)) to use its statistics in eval(), or drop those keys to keep "
+                     f"normalising with batch statistics: {drop(extra)}.")
+    absent = norm_layers(missing, tracking=True)
+    if absent:
+        details["running_stats_missing"] = sorted(absent)
+        parts.append(f"the checkpoint has no running statistics for {len(absent)} normalisation layer(s) the model "
+                     f"built with track_running_stats=True: {layers(absent)}; the checkpoint was saved from layers "
+                     f"with track_running_stats=False")
+        hints.append("Build these layers with track_running_stats=False as in the checkpoint; loading with "
+                     "strict=False instead would leave running_mean=0, running_var=1, wrong in eval().")
+    done = {k for found in (extra, absent) for ks in found.values() for k in ks}
+    return [k for k in missing if k not in done], [k for k in unexpected if k not in done]
+
+
 def analyse(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Optional[Dict[str, Any]]:
     """``{"message", "hint", "details"}`` explaining how `state_dict` differs from `model`, or None if it fits."""
     if not isinstance(state_dict, Mapping):
@@ -130,6 +183,7 @@ def analyse(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
     details.update(missing=missing[:50], unexpected=unexpected[:50], missing_count=len(missing),
                    unexpected_count=len(unexpected), shape_mismatches=shapes[:50])
     parts, hints = [], []
+    missing, unexpected = _running_stats(model, missing, unexpected, parts, hints, details)
     diff = missing + unexpected
     if diff and all(k.endswith(_NBT) for k in diff):
         which = ", ".join(diff[:_MAX_LIST]) + (" ..." if len(diff) > _MAX_LIST else "")
