@@ -421,8 +421,6 @@ class Guard:
     def _enter_root(self) -> None:
         """An outermost model call starts: remember where it came from."""
         self.room.make()
-        if self._deep:
-            self._make_room()
         tls = self._tls
         tls.root_source = user_source(3)
         tls.forwards = getattr(tls, "forwards", 0) + 1
