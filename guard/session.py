@@ -825,9 +825,48 @@ class Guard:
             merged.update({k: v for k, v in entry.items() if k != "step"})
         self.timeline = [merged] if len(merged) > 1 else []
 
-    def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         if not self._active or not self._watches_optimizer(opt):
-            return
+            return None
+        # torch passes the bound call's args: (optimizer, closure?) — the optimizer first.
+        closure = args[1] if len(args) > 1 and args[0] is opt else (args[0] if args and args[0] is not opt else kwargs.get("closure"))
+        if callable(closure) and not getattr(closure, "_guard_closure", False):
+            return self._wrap_closure(opt, closure, args, kwargs)
+        self._before_update(opt)
+        return None
+
+    def _wrap_closure(self, opt: torch.optim.Optimizer, closure: Callable, args: tuple, kwargs: dict) -> Any:
+        """``optimizer.step(closure)``: the closure's forward and backward belong to the step it serves.
+
+        The step's pre-update work (``step_pre`` and the resolution of the closure's screens) runs
+        after the closure's first call, before the optimizer applies anything, so a NaN input is
+        reported as such and ``mode="raise"`` stops before the update. Later calls (LBFGS line
+        search) are resolved each in turn.
+        """
+        calls = [0]
+
+        def guarded_closure(*a: Any, **k: Any) -> Any:
+            result = closure(*a, **k)
+            calls[0] += 1
+            if self._active:
+                if calls[0] == 1:
+                    self._before_update(opt)
+                elif self.is_primary(opt):
+                    try:
+                        self._resolve()
+                    except GuardError:
+                        raise
+                    except Exception as exc:
+                        self._contain(None, exc)
+            return result
+
+        guarded_closure._guard_closure = True  # type: ignore[attr-defined]
+        lead = 1 if args and args[0] is opt else 0
+        if len(args) > lead:
+            return tuple(args[:lead]) + (guarded_closure,) + tuple(args[lead + 1:]), kwargs
+        return args, {**kwargs, "closure": guarded_closure}
+
+    def _before_update(self, opt: torch.optim.Optimizer) -> None:
         try:
             self._dispatch("step_pre", opt)
             if self.is_primary(opt):

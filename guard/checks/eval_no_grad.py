@@ -19,6 +19,7 @@ Reported once; afterwards the check stops tracking.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -136,9 +137,20 @@ class EvalWithoutNoGrad(Check):
         if unused:
             self._report(unused)
 
+    def on_exception(self, exc):
+        self._crashed()
+
+    def _crashed(self) -> None:
+        """The step crashed (target out of range, a failing loss): its forwards never got to backward(),
+        which is the exception's doing, not an evaluation outside no_grad."""
+        step = self.g.step
+        self._pending = [r for r in self._pending if r.step < step or r.used]
+
     def on_exit(self):
         if self._done or not self._any_backward:
             return
+        if getattr(sys, "last_value", None) is not None:
+            self._crashed()  # an uncaught exception ends the process (a global guard closes at exit)
         unused = [r for r in self._pending if not r.used]
         if unused:
             self._report(unused)

@@ -222,8 +222,14 @@ class NonFinite(Check):
                 self._losses.append((self._flag(t), self.g.root_source, self.g.step))
 
     def on_backward_done(self, tensors, kwargs):
-        if not self.g.has_optimizer and self.g.sampling:
+        if not self.g.has_optimizer and self.g.sampling and not self._scaled(tensors):
             self._stage_grads(None)
+
+    def _scaled(self, tensors) -> bool:
+        """`tensors` came from an enabled ``GradScaler.scale``: its gradients are the scaler's to judge
+        (before the first optimizer step of a global guard is seen, a skipped step shows no step hook)."""
+        amp = next((c for c in self.g.checks if c.name == "amp-scaler"), None)
+        return amp is not None and amp.scaled(tensors)
 
     def on_step_pre(self, optimizer):
         # A GradScaler's fused step (found_inf set on the optimizer) skips NaN/Inf grads itself: expected.
@@ -280,10 +286,23 @@ class NonFinite(Check):
         self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
         if self._check_params():
             return
-        for call in calls:
-            if call.is_root and any(i in bad for _, i in call.inputs):
+        # A root call whose NaN input some earlier call made (a loss module, or any module called on
+        # the model's outputs under a global guard) is not fed dirty data: the origin lies upstream.
+        # A root call whose NaN input an earlier call made (a loss module, any module called on the
+        # model's outputs under a global guard) is not fed dirty data: the origin lies upstream. Calls
+        # are listed as they return, so the calls before a root call's own inner calls (those up to the
+        # previous root call) ran before it; matching by flag misses reshaped outputs (logits.view(-1, C)).
+        produced = {i for call in calls for _, i in call.outputs}
+        upstream = False  # some call that ended before the current root call began made NaN/Inf
+        done = 0
+        for k, call in enumerate(calls):
+            if not call.is_root:
+                continue
+            if not upstream and any(i in bad and i not in produced for _, i in call.inputs):
                 self._report_input(call, bad, refs)
                 return
+            upstream = upstream or any(i in bad for c in calls[done:k + 1] for _, i in c.outputs)
+            done = k + 1
         for call in calls:
             if any(i in bad for _, i in call.outputs) and not any(i in bad for _, i in call.inputs):
                 if self._report_output(call, bad, refs):
