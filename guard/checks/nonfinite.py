@@ -97,6 +97,7 @@ class NonFinite(Check):
         self._passthrough: Dict[type, bool] = {}
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
         self._update: Optional[Tuple[int, Optional[str]]] = None  # (step, source line) of the last update
+        self._in_update: Optional[Tuple[int, Optional[str]]] = None  # an update under way (between step hooks)
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -232,6 +233,8 @@ class NonFinite(Check):
         return amp is not None and amp.scaled(tensors)
 
     def on_step_pre(self, optimizer):
+        # Resolutions until step_post (an LBFGS closure's later calls) happen mid-update: this step's.
+        self._in_update = (self.g.step, self.g.source())
         # A GradScaler's fused step (found_inf set on the optimizer) skips NaN/Inf grads itself: expected.
         if self.g.sampling and not isinstance(getattr(optimizer, "found_inf", None), torch.Tensor):
             self._stage_grads(optimizer)
@@ -245,6 +248,7 @@ class NonFinite(Check):
     # loss) non-finite, and only then, at that resolution, are the weights looked at, before any module
     # is blamed. The step and line of the last update are kept to say when they went bad.
     def on_step_post(self, optimizer):
+        self._in_update = None
         self._update = (self.g.step, self.g.source())
 
     def on_exit(self):
@@ -253,9 +257,10 @@ class NonFinite(Check):
 
     def _check_params(self) -> bool:
         """NaN/Inf weights after an update: True when that was just reported (later findings are its effects)."""
-        if self._update is None:
+        update = self._in_update or self._update
+        if update is None:
             return False
-        step, source = self._update
+        step, source = update
         params = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"] if screenable(p)]
         if not params:
             return False
