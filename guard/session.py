@@ -561,6 +561,30 @@ class Guard:
         """Source line of the current (outermost) model call in this thread."""
         return getattr(self._tls, "root_source", None)
 
+    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.<name> = value`` through the installer: put back as it was when the guard closes."""
+        self._installer.attr(obj, name, value)
+
+    def model_call(self, module: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` as a call of the watched `module` with those arguments.
+
+        For frameworks whose step method is the model call (a LightningModule's ``training_step``
+        calling ``self.net(x)``): the batch is the model's input, the step's forward is the model's,
+        and the user's method is the source line. Nested real calls of `module` stay correct.
+        """
+        if not self._active or id(module) not in self._root_ids:
+            return fn(*args, **kwargs)
+        self._hook_pre(module, args, kwargs)
+        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+        if code is not None:
+            from ._frames import _level, _short
+
+            if _level(code.co_filename) == 0:
+                self._tls.root_source = f"{_short(code.co_filename)}:{code.co_firstlineno}"
+        out = fn(*args, **kwargs)
+        self._hook_post(module, args, kwargs, out)
+        return out
+
     # ------------------------------------------------------------------ installation
     def _install(self) -> None:
         inst = self._installer
