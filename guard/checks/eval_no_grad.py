@@ -90,10 +90,17 @@ class EvalWithoutNoGrad(Check):
         self._backward_in_step = False
         self._any_backward = False
         self._done = False
+        self._backwards = self._backwards_at_call = 0  # backward() calls seen, and at the last root call's start
+
+    def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if is_root:
+            self._backwards_at_call = self._backwards
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root or self._done or not torch.is_grad_enabled():
             return
+        if self._backwards != self._backwards_at_call:
+            return  # back-propagated inside the call itself (Lightning manual optimization in training_step)
         outs = _outputs(output)
         if not outs or len(self._pending) >= MAX_PENDING:
             return
@@ -112,6 +119,7 @@ class EvalWithoutNoGrad(Check):
 
     def on_backward(self, tensors, kwargs):
         self._backward_in_step = self._any_backward = True
+        self._backwards += 1
 
     def on_autograd_grad(self, args, kwargs):
         self._backward_in_step = self._any_backward = True
