@@ -98,6 +98,7 @@ class NonFinite(Check):
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
         self._update: Optional[Tuple[int, Optional[str]]] = None  # (step, source line) of the last update
         self._in_update: Optional[Tuple[int, Optional[str]]] = None  # an update under way (between step hooks)
+        self._pending_update: Optional[Tuple[int, Optional[str]]] = None  # step_pre seen, not yet resolved
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -233,8 +234,9 @@ class NonFinite(Check):
         return amp is not None and amp.scaled(tensors)
 
     def on_step_pre(self, optimizer):
-        # Resolutions until step_post (an LBFGS closure's later calls) happen mid-update: this step's.
-        self._in_update = (self.g.step, self.g.source())
+        # The resolution that follows is before the update; later ones until step_post (an LBFGS
+        # closure's further calls) happen mid-update, and NaN weights then are this step's.
+        self._pending_update = (self.g.step, self.g.source())
         # A GradScaler's fused step (found_inf set on the optimizer) skips NaN/Inf grads itself: expected.
         if self.g.sampling and not isinstance(getattr(optimizer, "found_inf", None), torch.Tensor):
             self._stage_grads(optimizer)
@@ -248,7 +250,7 @@ class NonFinite(Check):
     # loss) non-finite, and only then, at that resolution, are the weights looked at, before any module
     # is blamed. The step and line of the last update are kept to say when they went bad.
     def on_step_post(self, optimizer):
-        self._in_update = None
+        self._in_update = self._pending_update = None
         self._update = (self.g.step, self.g.source())
 
     def on_exit(self):
@@ -282,6 +284,14 @@ class NonFinite(Check):
 
     # resolution -------------------------------------------------------------
     def on_resolved(self):
+        promote, self._pending_update = self._pending_update, None
+        try:
+            self._on_resolved()
+        finally:
+            if promote is not None:
+                self._in_update = promote
+
+    def _on_resolved(self):
         bad = self._bad
         window = (self._calls, self._losses, self._grads, self._refs)
         self._new_window()
