@@ -28,8 +28,9 @@ warnings.filterwarnings("ignore", ".*has no logger configured.*")
 class Data(Dataset):
     def __init__(self, fault=None, seed=0):
         g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(N, 4, generator=g)
-        self.y = torch.randint(0, 3, (N,), generator=g)
+        n = N + 1 if fault == "bn-last" else N  # a last batch of one
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
         if fault == "nan-input":
             self.x[BAD, 0] = float("nan")
         elif fault == "nan-module":
@@ -38,7 +39,7 @@ class Data(Dataset):
             self.y[BAD] = 5
 
     def __len__(self):
-        return N
+        return len(self.x)
 
     def __getitem__(self, i):
         return {"x": self.x[i], "labels": self.y[i]}
@@ -52,10 +53,11 @@ class Gate(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, bn=False):
         super().__init__()
         self.gate = Gate()
-        self.body = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16) if bn else nn.Identity(), nn.ReLU(),
+                                  nn.Linear(16, 3))
 
     def forward(self, x, labels=None):
         logits = self.body(self.gate(x))
@@ -76,7 +78,7 @@ def loader(fault):
 
 def run_loop(fault, closure=False):
     torch.manual_seed(0)
-    model = Net()
+    model = Net(bn=fault == "bn-last")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     keep = Holder()
     try:
@@ -96,15 +98,15 @@ def run_loop(fault, closure=False):
                     else:
                         step()
                         opt.step()
-    except (IndexError, RuntimeError):
-        assert fault == "target"
+    except (IndexError, RuntimeError, ValueError):
+        assert fault in ("target", "bn-last")
     return g
 
 
 class Lit(L.LightningModule):
     def __init__(self, fault=None, manual=False):
         super().__init__()
-        self.net, self.fault, self.total = Net(), fault, 0.0
+        self.net, self.fault, self.total = Net(bn=fault == "bn-last"), fault, 0.0
         self.automatic_optimization = not manual
         self.losses = []
 
@@ -142,8 +144,8 @@ def run_lightning(fault, manual=False, cb=True, val=False, **kw):
     cbk = LightningGuard(live=False)
     try:
         trainer([cbk] if cb else [], **kw).fit(lit, loader(fault), loader(None) if val else None)
-    except (IndexError, RuntimeError):
-        assert fault == "target"
+    except (IndexError, RuntimeError, ValueError):
+        assert fault in ("target", "bn-last")
     return cbk.guard, lit
 
 
@@ -170,13 +172,13 @@ def hf_args(tmp, **kw):
 def run_hf(fault, tmp, cb=True, **kw):
     torch.manual_seed(0)
     cbk = HFGuard(live=False)
-    tr = HFTrainer(model=Net(), args=hf_args(tmp, **kw), train_dataset=Data(fault),
+    tr = HFTrainer(model=Net(bn=fault == "bn-last"), args=hf_args(tmp, **kw), train_dataset=Data(fault),
                    eval_dataset=Data(None, seed=1) if kw.get("eval_strategy") else None, callbacks=[cbk] if cb else [])
     tr.fault = fault
     try:
         tr.train()
-    except (IndexError, RuntimeError):
-        assert fault == "target"
+    except (IndexError, RuntimeError, ValueError):
+        assert fault in ("target", "bn-last")
     finally:
         cbk.close()
     return cbk.guard, tr
@@ -186,7 +188,7 @@ def run_hf(fault, tmp, cb=True, **kw):
 
 EXPECTED = {"nan-input": ("nonfinite-input", "input"), "nan-module": ("nonfinite-output", "gate"),
             "target": ("target-out-of-range", "loss"), "retained": ("loss-graph-retained", "total"),
-            "no-zero-grad": ("missing-zero-grad", "SGD")}
+            "no-zero-grad": ("missing-zero-grad", "SGD"), "bn-last": ("batchnorm-last-batch", "input")}
 STACKS = ["loop", "closure", "lightning", "lightning-manual", "hf"]
 
 
