@@ -1,8 +1,14 @@
-"""Finding the user's source line: the first frame outside torch and guard."""
+"""Finding the user's source line: the first frame outside torch, guard, frameworks and the standard library.
+
+Frames inside site-packages (Lightning, transformers, accelerate, ...) and the standard library
+are not the user's: the line to show is their ``training_step``, ``compute_loss`` or training
+loop. Only when no frame of the user's own is on the stack does a framework frame stand in.
+"""
 from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 from typing import Optional
 
 import torch
@@ -11,31 +17,69 @@ _SKIP = tuple(
     os.path.dirname(os.path.abspath(p)) + os.sep
     for p in (torch.__file__, os.path.dirname(__file__) + os.sep + "__init__.py")
 ) + (os.path.dirname(os.path.abspath(__import__("contextlib").__file__)) + os.sep + "contextlib.py",)
-_cache: dict = {}
 
 
-def is_skipped(filename: str) -> bool:
-    """Whether `filename` belongs to torch, guard or contextlib (not the user's code)."""
+def _library_roots() -> tuple:
+    roots = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        try:
+            path = sysconfig.get_paths().get(key)
+        except Exception:
+            path = None
+        if path:
+            roots.add(os.path.abspath(path) + os.sep)
+    for path in sys.path:
+        if path and os.path.basename(path.rstrip(os.sep)) in ("site-packages", "dist-packages"):
+            roots.add(os.path.abspath(path) + os.sep)
+    return tuple(sorted(roots))
+
+
+_LIBS = _library_roots()
+_MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+_cache: dict = {}  # filename -> 0 (user), 1 (library: a framework or the stdlib), 2 (torch, guard, <...>)
+
+
+def _level(filename: str) -> int:
     hit = _cache.get(filename)
     if hit is None:
-        hit = filename.startswith("<") or os.path.abspath(filename).startswith(_SKIP)
+        path = os.path.abspath(filename)
+        if filename.startswith("<") or path.startswith(_SKIP):
+            hit = 2
+        elif path.startswith(_LIBS) or any(m in path for m in _MARKERS):
+            hit = 1
+        else:
+            hit = 0
         if len(_cache) < 10000:
             _cache[filename] = hit
     return hit
 
 
+def _skipped(filename: str) -> bool:
+    """Not the user's code: torch, guard, a library in site-packages, or the standard library."""
+    return _level(filename) > 0
+
+
+def is_skipped(filename: str) -> bool:
+    """Whether `filename` is not the user's code (torch, guard, the standard library, installed packages)."""
+    return _level(filename) != 0
+
+
 def user_source(depth: int = 1) -> Optional[str]:
-    """``file:line`` of the innermost frame that belongs to neither torch nor guard."""
+    """``file:line`` of the innermost user frame (a framework frame when no user frame is on the stack)."""
     try:
         f = sys._getframe(depth)
     except ValueError:
         return None
+    fallback = None
     while f is not None:
         code = f.f_code
-        if not is_skipped(code.co_filename):
+        level = _level(code.co_filename)
+        if level == 0:
             return f"{short_path(code.co_filename)}:{f.f_lineno}"
+        if level == 1 and fallback is None:
+            fallback = f
         f = f.f_back
-    return None
+    return f"{short_path(fallback.f_code.co_filename)}:{fallback.f_lineno}" if fallback is not None else None
 
 
 def user_frame(depth: int = 1):

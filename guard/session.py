@@ -366,6 +366,26 @@ class Guard:
         """Source line of the current (outermost) model call in this thread."""
         return getattr(self._tls, "root_source", None)
 
+    def model_call(self, module: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` as a call of the watched `module` with those arguments.
+
+        For frameworks whose step method is the model call (a LightningModule's ``training_step``
+        calling ``self.net(x)``): the batch is the model's input, the step's forward is the model's,
+        and the user's method is the source line. Nested real calls of `module` stay correct.
+        """
+        if not self._active or id(module) not in self._root_ids:
+            return fn(*args, **kwargs)
+        self._hook_pre(module, args, kwargs)
+        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+        if code is not None:
+            from ._frames import is_skipped, short_path
+
+            if not is_skipped(code.co_filename):
+                self._tls.root_source = f"{short_path(code.co_filename)}:{code.co_firstlineno}"
+        out = fn(*args, **kwargs)
+        self._hook_post(module, args, kwargs, out)
+        return out
+
     # ------------------------------------------------------------------ installation
     def _install(self) -> None:
         inst = self._installer
@@ -483,9 +503,48 @@ class Guard:
         self.sampling = True
         self.record.restart_at_step_zero()
 
-    def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         if not self._active or not self._watches_optimizer(opt):
-            return
+            return None
+        # torch passes the bound call's args: (optimizer, closure?) — the optimizer first.
+        closure = args[1] if len(args) > 1 and args[0] is opt else (args[0] if args and args[0] is not opt else kwargs.get("closure"))
+        if callable(closure) and not getattr(closure, "_guard_closure", False):
+            return self._wrap_closure(opt, closure, args, kwargs)
+        self._before_update(opt)
+        return None
+
+    def _wrap_closure(self, opt: torch.optim.Optimizer, closure: Callable, args: tuple, kwargs: dict) -> Any:
+        """``optimizer.step(closure)``: the closure's forward and backward belong to the step it serves.
+
+        The step's pre-update work (``step_pre`` and the resolution of the closure's screens) runs
+        after the closure's first call, before the optimizer applies anything, so a NaN input is
+        reported as such and ``mode="raise"`` stops before the update. Later calls (LBFGS line
+        search) are resolved each in turn.
+        """
+        calls = [0]
+
+        def guarded_closure(*a: Any, **k: Any) -> Any:
+            result = closure(*a, **k)
+            calls[0] += 1
+            if self._active:
+                if calls[0] == 1:
+                    self._before_update(opt)
+                elif self.is_primary(opt):
+                    try:
+                        self._resolve()
+                    except GuardError:
+                        raise
+                    except Exception as exc:
+                        self.contain(None, exc)
+            return result
+
+        guarded_closure._guard_closure = True  # type: ignore[attr-defined]
+        lead = 1 if args and args[0] is opt else 0
+        if len(args) > lead:
+            return tuple(args[:lead]) + (guarded_closure,) + tuple(args[lead + 1:]), kwargs
+        return args, {**kwargs, "closure": guarded_closure}
+
+    def _before_update(self, opt: torch.optim.Optimizer) -> None:
         t0 = _clock()
         try:
             self.dispatch("step_pre", opt)

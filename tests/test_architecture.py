@@ -13,7 +13,7 @@ LAYERS = [
     {"findings", "record", "config", "tensors", "hooks", "_frames", "_dist", "meter", "callstack", "_modules", "_procs"},
     {"checks", "report"},
     {"staging", "router", "watched", "session"},
-    {"wrap", "__init__", "__main__", "pytest_plugin", "_autostart"},
+    {"wrap", "__init__", "__main__", "pytest_plugin", "_autostart", "integrations"},
 ]
 
 

@@ -62,10 +62,23 @@ class AmpScaler(Check):
         self._fused_note: Optional[tuple] = None  # (skipped, grad scale) of this step's fused AMP step
         self._fused_ids: set = set()
         self._scaler_of: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+        self._scaled_out: Dict[int, weakref.ref] = {}  # id -> outputs of scaler.scale (losses to back-propagate)
 
     # scaler.scale(loss): the timeline's loss is the unscaled one --------------------------
+    def scaled(self, tensors) -> bool:
+        """Whether `tensors` (what ``backward()`` got) is the output of an enabled ``scaler.scale``."""
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
+        return any(isinstance(t, torch.Tensor) and self._scaled_out.get(id(t), lambda: None)() is t for t in ts)
+
     def on_scaler_scale_done(self, args, kwargs, result):
         scaler = args[0]
+        if getattr(scaler, "_enabled", False) and isinstance(result, torch.Tensor):
+            if len(self._scaled_out) > 64:
+                self._scaled_out = {k: r for k, r in self._scaled_out.items() if r() is not None}
+            try:
+                self._scaled_out[id(result)] = weakref.ref(result)
+            except TypeError:
+                pass
         scale = getattr(scaler, "_scale", None)
         if (not self.g.sampling or not getattr(scaler, "_enabled", False) or not isinstance(result, torch.Tensor)
                 or result.numel() != 1 or not isinstance(scale, torch.Tensor)):

@@ -19,6 +19,7 @@ Reported once; afterwards the check stops tracking.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -91,10 +92,17 @@ class EvalWithoutNoGrad(Check):
         self._backward_in_step = False
         self._any_backward = False
         self._done = False
+        self._backwards = self._backwards_at_call = 0  # backward() calls seen, and at the last root call's start
+
+    def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if is_root:
+            self._backwards_at_call = self._backwards
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root or self._done or not torch.is_grad_enabled():
             return
+        if self._backwards != self._backwards_at_call:
+            return  # back-propagated inside the call itself (Lightning manual optimization in training_step)
         outs = _outputs(output)
         if not outs or len(self._pending) >= MAX_PENDING:
             return
@@ -113,6 +121,7 @@ class EvalWithoutNoGrad(Check):
 
     def on_backward(self, tensors, kwargs):
         self._backward_in_step = self._any_backward = True
+        self._backwards += 1
 
     def on_autograd_grad(self, args, kwargs):
         self._backward_in_step = self._any_backward = True
@@ -138,9 +147,20 @@ class EvalWithoutNoGrad(Check):
         if unused:
             self._report(unused)
 
+    def on_exception(self, exc):
+        self._crashed()
+
+    def _crashed(self) -> None:
+        """The step crashed (target out of range, a failing loss): its forwards never got to backward(),
+        which is the exception's doing, not an evaluation outside no_grad."""
+        step = self.g.step
+        self._pending = [r for r in self._pending if r.step < step or r.used]
+
     def on_exit(self):
         if self._done or not self._any_backward:
             return
+        if getattr(sys, "last_value", None) is not None:
+            self._crashed()  # an uncaught exception ends the process (a global guard closes at exit)
         unused = [r for r in self._pending if not r.used]
         if unused:
             self._report(unused)

@@ -38,6 +38,8 @@ OLD = 2        # a mark this many steps old (or more) belongs to a step that is 
 MIN_AGE = 5    # report once the oldest live mark is at least this old ...
 MIN_STEPS = 3  # ... and marks of at least this many past steps are alive
 MAX_MARKS = 256
+DEEP_EVERY = 8  # steps whose whole graph is marked (one walk of its nodes); the others mark the loss only
+DEEP_BUDGET = 20_000  # graph nodes visited by one such walk
 NODE_BUDGET = 200_000  # graph nodes visited in total while naming the holder
 MAX_FRAMES = 12
 
@@ -57,6 +59,12 @@ def _roots(tensors: Any) -> List[torch.Tensor]:
     if isinstance(tensors, (list, tuple)):
         return [t for t in tensors if isinstance(t, torch.Tensor)]
     return []
+
+
+def _graph_outputs(output: Any) -> List[torch.Tensor]:
+    from .eval_no_grad import _outputs
+
+    return _outputs(output)
 
 
 class _Walker:
@@ -160,6 +168,8 @@ class LossGraph(Check):
         super().__init__(guard)
         self._key = f"{KEY}.{id(self)}"  # per guard: nested guards keep their own marks
         self._marks: List[Tuple[int, weakref.ref]] = []
+        self._step_mark: Optional[Tuple[int, weakref.ref]] = None  # (step, its one mark)
+        self._deep_step = -1  # the last step whose graph was walked and marked
         self._done = False
 
     def on_backward(self, tensors, kwargs):
@@ -177,6 +187,10 @@ class LossGraph(Check):
             self._done = True
             self._report(step, old)
             return
+        mark, _ = self._mark_for(step)
+        deep = step % DEEP_EVERY == 0 and self._deep_step != step
+        if deep:
+            self._deep_step = step
         for t in _roots(tensors):
             fn = t.grad_fn
             if fn is None:
@@ -184,11 +198,81 @@ class LossGraph(Check):
             md = fn.metadata
             if self._key in md:
                 continue  # the same graph back-propagated again (retain_graph=True)
-            mark = _Mark(step)
             md[self._key] = mark
-            self._marks.append((step, weakref.ref(mark)))
+            if deep:
+                self._mark_deep(fn, mark)
         if len(self._marks) > MAX_MARKS:
             self._marks = self._marks[-MAX_MARKS:]
+
+    def _mark_for(self, step: int) -> Tuple[_Mark, bool]:
+        """The one mark of `step` (shared by all its marked nodes), and whether it is new."""
+        cur = self._step_mark
+        mark = cur[1]() if cur is not None and cur[0] == step else None
+        if mark is not None:
+            return mark, False
+        mark = _Mark(step)
+        self._step_mark = (step, weakref.ref(mark))
+        self._marks.append((step, self._step_mark[1]))
+        return mark, True
+
+    def watches(self, module) -> bool:
+        return False  # model calls (roots) only
+
+    def on_forward(self, module, path, args, kwargs, output, is_root):
+        """Mark the model's outputs: a kept output, or a loss computed from it (scaled or not for
+        backward()), keeps them alive. One metadata write per output of a model call."""
+        if not is_root or self._done or not torch.is_grad_enabled():
+            return
+        outs = _graph_outputs(output)
+        if not outs:
+            return
+        mark, _ = self._mark_for(self.g.step)
+        for t in outs:
+            md = t.grad_fn.metadata
+            if self._key not in md:
+                md[self._key] = mark
+
+    def _mark_deep(self, root: Any, mark: _Mark) -> None:
+        """Mark the nodes that use leaves (parameters): every tensor of this step's graph reaches one.
+
+        The loss passed to ``backward()`` is often not the tensor that is kept: ``(loss / accum).backward()``
+        with ``total += loss``, a kept output or intermediate. Whichever it is, its ``grad_fn`` chain ends
+        at the nodes that consume the parameters, so marks there live exactly as long as any part of the
+        step's graph. A node marked by an earlier step is part of this backward (a graph legitimately
+        reused, retain_graph=True): it takes this step's mark.
+        """
+        key = self._key
+        seen: Set[int] = set()
+        keep: List[Any] = []
+        stack = [root]
+        budget = DEEP_BUDGET
+        while stack and budget > 0:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            keep.append(node)
+            budget -= 1
+            try:
+                nxt = node.next_functions
+            except Exception:
+                continue
+            leafy = False
+            for n, _ in nxt:
+                if n is None:
+                    continue
+                if type(n).__name__ == "AccumulateGrad":
+                    leafy = True
+                elif id(n) not in seen:
+                    stack.append(n)
+            if leafy or node is root:
+                try:
+                    md = node.metadata
+                    prev = md.get(key)
+                    if prev is None or prev.step != mark.step:
+                        md[key] = mark
+                except Exception:
+                    continue
 
     # ------------------------------------------------------------------ naming the holder
     def _holders(self, before: int):

@@ -103,6 +103,8 @@ class NonFinite(Check):
         self._passthrough: Dict[type, bool] = {}
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
         self._update: Optional[Tuple[int, Optional[str]]] = None  # (step, source line) of the last update
+        self._in_update: Optional[Tuple[int, Optional[str]]] = None  # an update under way (between step hooks)
+        self._pending_update: Optional[Tuple[int, Optional[str]]] = None  # step_pre seen, not yet resolved
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -228,10 +230,19 @@ class NonFinite(Check):
                 self._losses.append((self._flag(t), self.g.root_source, self.g.step))
 
     def on_backward_done(self, tensors, kwargs):
-        if not self.g.has_optimizer and self.g.sampling:
+        if not self.g.has_optimizer and self.g.sampling and not self._scaled(tensors):
             self._stage_grads(None)
 
+    def _scaled(self, tensors) -> bool:
+        """`tensors` came from an enabled ``GradScaler.scale``: its gradients are the scaler's to judge
+        (before the first optimizer step of a global guard is seen, a skipped step shows no step hook)."""
+        amp = next((c for c in self.g.checks if c.name == "amp-scaler"), None)
+        return amp is not None and amp.scaled(tensors)
+
     def on_step_pre(self, optimizer):
+        # The resolution that follows is before the update; later ones until step_post (an LBFGS
+        # closure's further calls) happen mid-update, and NaN weights then are this step's.
+        self._pending_update = (self.g.step, self.g.source())
         # A GradScaler's fused step (found_inf set on the optimizer) skips NaN/Inf grads itself: expected.
         if self.g.sampling and not isinstance(getattr(optimizer, "found_inf", None), torch.Tensor):
             self._stage_grads(optimizer)
@@ -245,6 +256,7 @@ class NonFinite(Check):
     # loss) non-finite, and only then, at that resolution, are the weights looked at, before any module
     # is blamed. The step and line of the last update are kept to say when they went bad.
     def on_step_post(self, optimizer):
+        self._in_update = self._pending_update = None
         self._update = (self.g.step, self.g.source())
 
     def on_exit(self):
@@ -253,9 +265,10 @@ class NonFinite(Check):
 
     def _check_params(self) -> bool:
         """NaN/Inf weights after an update: True when that was just reported (later findings are its effects)."""
-        if self._update is None:
+        update = self._in_update or self._update
+        if update is None:
             return False
-        step, source = self._update
+        step, source = update
         params = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"] if screenable(p)]
         if not params:
             return False
@@ -277,6 +290,14 @@ class NonFinite(Check):
 
     # resolution -------------------------------------------------------------
     def on_resolved(self):
+        promote, self._pending_update = self._pending_update, None
+        try:
+            self._on_resolved()
+        finally:
+            if promote is not None:
+                self._in_update = promote
+
+    def _on_resolved(self):
         bad = self._bad
         window = (self._calls, self._losses, self._grads, self._refs)
         self._new_window()
@@ -286,10 +307,23 @@ class NonFinite(Check):
         self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
         if self._check_params():
             return
-        for call in calls:
-            if call.is_root and any(i in bad for _, i in call.inputs):
+        # A root call whose NaN input some earlier call made (a loss module, or any module called on
+        # the model's outputs under a global guard) is not fed dirty data: the origin lies upstream.
+        # A root call whose NaN input an earlier call made (a loss module, any module called on the
+        # model's outputs under a global guard) is not fed dirty data: the origin lies upstream. Calls
+        # are listed as they return, so the calls before a root call's own inner calls (those up to the
+        # previous root call) ran before it; matching by flag misses reshaped outputs (logits.view(-1, C)).
+        produced = {i for call in calls for _, i in call.outputs}
+        upstream = False  # some call that ended before the current root call began made NaN/Inf
+        done = 0
+        for k, call in enumerate(calls):
+            if not call.is_root:
+                continue
+            if not upstream and any(i in bad and i not in produced for _, i in call.inputs):
                 self._report_input(call, bad, refs)
                 return
+            upstream = upstream or any(i in bad for c in calls[done:k + 1] for _, i in c.outputs)
+            done = k + 1
         for call in calls:
             if any(i in bad for _, i in call.outputs) and not any(i in bad for _, i in call.inputs):
                 if self._report_output(call, bad, refs):

@@ -1,0 +1,1 @@
+"""Framework integrations (optional extras): ``guard.integrations.lightning``, ``guard.integrations.transformers``."""

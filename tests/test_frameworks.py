@@ -1,0 +1,241 @@
+"""The same planted pitfalls under a plain loop, a closure loop, Lightning and the Hugging Face Trainer.
+
+Each stack must give the same kind at the same `where`, with a `source` in this file; the healthy
+twins must give no finding and exactly the losses of the unguarded run. CPU, tiny synthetic data.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from guard import guard
+
+L = pytest.importorskip("lightning.pytorch")
+transformers = pytest.importorskip("transformers")
+from guard.integrations.lightning import GuardCallback as LightningGuard  # noqa: E402
+from guard.integrations.transformers import GuardCallback as HFGuard  # noqa: E402
+
+HERE = os.path.relpath(__file__)
+N, BATCH, BAD = 96, 8, 40  # row BAD carries the planted fault
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*has no logger configured.*")
+
+
+class Data(Dataset):
+    def __init__(self, fault=None, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        n = N + 1 if fault == "bn-last" else N  # a last batch of one
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        if fault == "nan-input":
+            self.x[BAD, 0] = float("nan")
+        elif fault == "nan-module":
+            self.x[BAD, 0] = 7.0  # Gate divides by zero on it
+        elif fault == "target":
+            self.y[BAD] = 5
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class Gate(nn.Module):
+    """Divides by zero on rows whose first feature is 7 (the planted NaN/Inf of a module)."""
+
+    def forward(self, x):
+        return x / (x[:, :1] != 7.0).float()
+
+
+class Net(nn.Module):
+    def __init__(self, bn=False):
+        super().__init__()
+        self.gate = Gate()
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16) if bn else nn.Identity(), nn.ReLU(),
+                                  nn.Linear(16, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.body(self.gate(x))
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+class Holder:
+    total = 0.0
+
+
+def loader(fault):
+    return DataLoader(Data(fault), batch_size=BATCH, shuffle=False)
+
+
+# --------------------------------------------------------------------------- the four stacks
+
+def run_loop(fault, closure=False):
+    torch.manual_seed(0)
+    model = Net(bn=fault == "bn-last")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    keep = Holder()
+    try:
+        with guard(model, opt, live=False) as g:
+            for _ in range(2):
+                for batch in loader(fault):
+                    def step():
+                        if fault != "no-zero-grad":
+                            opt.zero_grad()
+                        loss = model(**batch)["loss"]
+                        if fault == "retained":
+                            keep.total = keep.total + loss
+                        loss.backward()
+                        return loss
+                    if closure:
+                        opt.step(step)
+                    else:
+                        step()
+                        opt.step()
+    except (IndexError, RuntimeError, ValueError):
+        assert fault in ("target", "bn-last")
+    return g
+
+
+class Lit(L.LightningModule):
+    def __init__(self, fault=None, manual=False):
+        super().__init__()
+        self.net, self.fault, self.total = Net(bn=fault == "bn-last"), fault, 0.0
+        self.automatic_optimization = not manual
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(**batch)["loss"]
+        if self.fault == "retained":
+            self.total = self.total + loss
+        self.losses.append(loss.item())
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            self.manual_backward(loss / 2)
+            if batch_idx % 2 == 1:  # accumulate two batches by hand
+                opt.step()
+                if self.fault != "no-zero-grad":
+                    opt.zero_grad()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.net(**batch)["loss"], batch_size=BATCH)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)}
+
+
+def trainer(callbacks, **kw):
+    return L.Trainer(max_epochs=2, callbacks=callbacks, accelerator="cpu", devices=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, **kw)
+
+
+def run_lightning(fault, manual=False, cb=True, val=False, **kw):
+    L.seed_everything(0, verbose=False)
+    lit = Lit(fault, manual)
+    cbk = LightningGuard(live=False)
+    try:
+        trainer([cbk] if cb else [], **kw).fit(lit, loader(fault), loader(None) if val else None)
+    except (IndexError, RuntimeError, ValueError):
+        assert fault in ("target", "bn-last")
+    return cbk.guard, lit
+
+
+class HFTrainer(transformers.Trainer):
+    fault = None
+    total = 0.0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(**inputs)
+        loss = out["loss"]
+        if self.fault == "retained":
+            self.total = self.total + loss
+        return (loss, out) if return_outputs else loss
+
+
+def hf_args(tmp, **kw):
+    base = dict(output_dir=str(tmp), per_device_train_batch_size=BATCH, gradient_accumulation_steps=2,
+                num_train_epochs=2, learning_rate=0.05, logging_steps=1, report_to=[], save_strategy="no",
+                use_cpu=True, disable_tqdm=True, dataloader_pin_memory=False, seed=0)
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+def run_hf(fault, tmp, cb=True, **kw):
+    torch.manual_seed(0)
+    cbk = HFGuard(live=False)
+    tr = HFTrainer(model=Net(bn=fault == "bn-last"), args=hf_args(tmp, **kw), train_dataset=Data(fault),
+                   eval_dataset=Data(None, seed=1) if kw.get("eval_strategy") else None, callbacks=[cbk] if cb else [])
+    tr.fault = fault
+    try:
+        tr.train()
+    except (IndexError, RuntimeError, ValueError):
+        assert fault in ("target", "bn-last")
+    finally:
+        cbk.close()
+    return cbk.guard, tr
+
+
+# --------------------------------------------------------------------------- the matrix
+
+EXPECTED = {"nan-input": ("nonfinite-input", "input"), "nan-module": ("nonfinite-output", "gate"),
+            "target": ("target-out-of-range", "loss"), "retained": ("loss-graph-retained", "total"),
+            "no-zero-grad": ("missing-zero-grad", "SGD"), "bn-last": ("batchnorm-last-batch", "input")}
+STACKS = ["loop", "closure", "lightning", "lightning-manual", "hf"]
+
+
+@pytest.fixture(scope="module")
+def hf_tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf")
+
+
+@pytest.mark.parametrize("fault", list(EXPECTED))
+@pytest.mark.parametrize("stack", STACKS)
+def test_planted_pitfall(stack, fault, hf_tmp):
+    if fault == "no-zero-grad" and stack in ("lightning", "hf"):
+        pytest.skip("automatic optimization zeroes the gradients itself")
+    if stack == "loop":
+        g = run_loop(fault)
+    elif stack == "closure":
+        g = run_loop(fault, closure=True)
+    elif stack == "lightning":
+        g, _ = run_lightning(fault)
+    elif stack == "lightning-manual":
+        g, _ = run_lightning(fault, manual=True)
+    else:
+        g, _ = run_hf(fault, hf_tmp)
+    kind, where = EXPECTED[fault]
+    first = g.findings[0]
+    assert first.kind == kind, g.findings
+    assert first.where.endswith(where)  # the holder may be `total`, `keep.total`, `lit.total`
+    assert first.source and first.source.startswith(HERE + ":"), first.source
+    assert not [f for f in g.findings if f.kind in ("eval-without-no-grad", "nonfinite-param")]
+
+
+# --------------------------------------------------------------------------- healthy twins
+
+def test_lightning_healthy_twin_is_silent_and_bit_identical():
+    kw = dict(accumulate_grad_batches=2, gradient_clip_val=1.0, precision="bf16-mixed", val=True)
+    g, guarded = run_lightning(None, **kw)
+    _, plain = run_lightning(None, cb=False, **kw)
+    assert g.findings == []
+    assert guarded.losses == plain.losses and len(plain.losses) == 2 * N // BATCH
+    assert not g.active and g.step == 2 * N // BATCH // 2  # Lightning's global_step
+
+
+def test_hf_healthy_twin_is_silent_and_bit_identical(hf_tmp):
+    kw = dict(max_grad_norm=1.0, eval_strategy="epoch", warmup_steps=2, weight_decay=0.01, prediction_loss_only=True)
+    g, guarded = run_hf(None, hf_tmp, **kw)
+    _, plain = run_hf(None, hf_tmp, cb=False, **kw)
+    assert g.findings == []
+    losses = [e["loss"] for e in guarded.state.log_history if "loss" in e]
+    assert losses == [e["loss"] for e in plain.state.log_history if "loss" in e] and losses
+    assert all(e["guard/errors"] == 0 for e in guarded.state.log_history if "loss" in e)
