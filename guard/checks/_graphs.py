@@ -128,3 +128,18 @@ def user_frames(limit: int = 12) -> List[Any]:
             frames.append(f)
         f = f.f_back
     return frames
+
+
+def graph_outputs(output: Any, limit: int = 64) -> List[torch.Tensor]:
+    """The tensors of a module's `output` (any structure) that carry an autograd graph, at most `limit`."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.grad_fn is not None else []
+    from ..tensors import iter_tensors
+
+    out = []
+    for t in iter_tensors(output):
+        if t.grad_fn is not None:
+            out.append(t)
+            if len(out) >= limit:
+                break
+    return out

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._graphs import Budget, fmt_bytes, graph_holders, graph_size, user_frames, walk
+from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, user_frames, walk
 from .base import Check
 
 KEY = "guard.eval_no_grad"
@@ -60,20 +60,6 @@ class _Fwd:
         return any(t() is not None for t in self.tags)
 
 
-def _outputs(output: Any) -> List[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output] if output.grad_fn is not None else []
-    from ..tensors import iter_tensors
-
-    out = []
-    for t in iter_tensors(output):
-        if t.grad_fn is not None:
-            out.append(t)
-            if len(out) >= MAX_OUTPUTS:
-                break
-    return out
-
-
 class EvalWithoutNoGrad(Check):
     name = "eval-without-no-grad"
     kinds = {
@@ -103,7 +89,7 @@ class EvalWithoutNoGrad(Check):
             return
         if self._backwards != self._backwards_at_call:
             return  # back-propagated inside the call itself (Lightning manual optimization in training_step)
-        outs = _outputs(output)
+        outs = graph_outputs(output, MAX_OUTPUTS)
         if not outs or len(self._pending) >= MAX_PENDING:
             return
         rec = _Fwd(self.g.step, self.g.root_source, path)

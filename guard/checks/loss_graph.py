@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from .._frames import short_path
-from ._graphs import Budget, fmt_bytes, graph_holders, graph_size, user_frames, walk
+from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, user_frames, walk
 from .base import Check
 
 KEY = "guard.loss_graph"
@@ -59,12 +59,6 @@ def _roots(tensors: Any) -> List[torch.Tensor]:
     if isinstance(tensors, (list, tuple)):
         return [t for t in tensors if isinstance(t, torch.Tensor)]
     return []
-
-
-def _graph_outputs(output: Any) -> List[torch.Tensor]:
-    from .eval_no_grad import _outputs
-
-    return _outputs(output)
 
 
 class _Walker:
@@ -223,7 +217,7 @@ class LossGraph(Check):
         backward()), keeps them alive. One metadata write per output of a model call."""
         if not is_root or self._done or not torch.is_grad_enabled():
             return
-        outs = _graph_outputs(output)
+        outs = graph_outputs(output)
         if not outs:
             return
         mark, _ = self._mark_for(self.g.step)
