@@ -290,11 +290,10 @@ class Guard:
 
     def _compiled_notice(self, module: nn.Module) -> None:
         self.notice(
-            f"guard: {self.path_of(getattr(module, '_orig_mod', module))} runs under torch.compile: module hooks "
-            f"added after its first compiled call do not run inside compiled code (and hooks added before are traced "
-            f"into it: graph breaks, recompiles). Under compile guard reliably checks the outer call's inputs and "
-            f"outputs, losses, gradients and optimizer steps; per-layer checks (NaN origin, BatchNorm, device, "
-            f"eval mode) may see nothing. For full checks run a few steps uncompiled under guard.")
+            f"guard: {self.path_of(getattr(module, '_orig_mod', module))} runs under torch.compile: guard checks it at "
+            f"the compiled call's boundary (its inputs and outputs, the loss, gradients, parameters and optimizer "
+            f"steps) and stays out of the compiled code (no graph break, no recompile); checks of the layers inside "
+            f"(NaN origin, BatchNorm, device, eval mode) do not run there. For them run a few steps uncompiled.")
 
     # ------------------------------------------------------------------ findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Optional[Check] = None,
@@ -573,24 +572,28 @@ class Guard:
                 if model is None:
                     continue
                 inner = model.module if isinstance(model, _DP_TYPES) else model
-                if type(inner).__name__ == "OptimizedModule":
-                    self._compiled_notice(inner)
                 for path, mod in inner.named_modules():
-                    if path.startswith("_orig_mod") and type(inner).__name__ == "OptimizedModule":
+                    if type(inner).__name__ == "OptimizedModule":
                         path = path[len("_orig_mod."):]  # the user's names, not torch.compile's wrapper
-                    self._paths_by_id[id(mod)] = path or type(mod).__name__
+                        mod_type = type(inner._orig_mod).__name__ if mod is inner else type(mod).__name__
+                    else:
+                        mod_type = type(mod).__name__
+                    self._paths_by_id[id(mod)] = path or mod_type
                 self._roots.add(inner)
                 self._root_ids.add(id(inner))
                 if isinstance(inner, torch.jit.ScriptModule):
                     self._scripted = True
                     self.notice(f"guard: {type(inner).__name__} is a TorchScript module: it runs no Python hooks, "
                                 f"so guard checks its losses, gradients and optimizer steps, not its layers.")
-                for mod in dict.fromkeys(m for _, m in inner.named_modules()):
+                compiled = self._compiled_root(inner)
+                for mod in dict.fromkeys(m for _, m in inner.named_modules()) if not compiled else (inner,):
                     if isinstance(mod, torch.jit.ScriptModule):
                         continue  # register_forward_*hook raises on ScriptModules
                     wanted = mod is inner or (every_pre and self._nonroot(self._pre_for, self._h_forward_pre, mod))
+                    if compiled and getattr(mod, "_compiled_call_impl", None) is not None:
+                        continue  # model.compile(): the boundary around its compiled call does the root's part
                     handles = inst.module_hooks(mod, self._hook_pre if wanted else None, self._hook_post)
-                    if mod is not inner and id(mod) not in self._mod_handles:
+                    if id(mod) not in self._mod_handles:
                         self._mod_handles[id(mod)] = (handles[0] if wanted else None, handles[-1])
         else:
             inst.global_module_hooks(self._hook_pre_global, self._hook_post_global)
@@ -604,12 +607,98 @@ class Guard:
         if not self._optimizers:
             inst.optimizer_hooks(None, self._hook_step_pre, self._hook_step_post)
         inst.patch("torch.autograd.backward", self._mw_backward)
+        inst.patch("torch.compile", self._mw_compile)
+        inst.patch("torch.nn.Module.compile", self._mw_module_compile)
+        _hooks.eager_frames()
+        if not self._models:  # the global hooks fire for torch.compile's wrapper too; guard counts it once
+            inst.ignore_warning(r"Using `torch\.compile\(module\)` when there are global hooks on modules")
         for ev, target in self._patch_targets().items():
             try:
                 inst.patch(target, self._make_patch_middleware(ev))
             except (AttributeError, ImportError, ValueError):
                 pass  # a target this torch version lacks (private hooks points): the check does without
         inst.process_exit(self)
+
+    # ------------------------------------------------------------------ torch.compile boundary
+    def _compiled_root(self, model: nn.Module) -> bool:
+        """A watched model that torch.compile runs: hooks only at its boundary, outside the compiled code.
+
+        Hooks inside are traced by dynamo (they return at once there, see hooks._eager_only), so
+        per-layer hooks would cost without seeing anything.
+        """
+        if type(model).__name__ == "OptimizedModule":
+            self._compiled_notice(model)
+            return True
+        if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile()
+            self._compiled_notice(model)
+            self._wrap_compiled_call(model)
+            return True
+        return False
+
+    def _wrap_compiled_call(self, module: nn.Module) -> None:
+        """After ``module.compile()`` even its own hooks run inside the compiled call: check around it."""
+        compiled = module._compiled_call_impl
+        if getattr(compiled, "_guard_boundary", None) is self:
+            return
+        model_mode = bool(self._models)
+
+        def boundary(*args: Any, **kwargs: Any) -> Any:
+            if model_mode:
+                self._hook_pre(module, args, kwargs)
+            else:
+                self._hook_pre_global(module, args)
+            try:
+                out = compiled(*args, **kwargs)
+            except BaseException as exc:
+                if not model_mode:
+                    self._hook_post_global(module, args, exc)
+                raise
+            if model_mode:
+                self._hook_post(module, args, kwargs, out)
+            else:
+                self._hook_post_global(module, args, kwargs, out)
+            return out
+
+        boundary._guard_boundary = self  # type: ignore[attr-defined]
+        self._installer.attr(module, "_compiled_call_impl", boundary)
+
+    def _drop_module_hooks(self, model: nn.Module) -> None:
+        """The model is compiled now: its layers' hooks would only be traced, the boundary replaces its own."""
+        for mod in model.modules():
+            for h in self._mod_handles.pop(id(mod), ()) or ():
+                if h is not None:
+                    h.remove()
+
+    def _mw_compile(self, call: Callable, args: tuple, kwargs: dict) -> Any:
+        """``torch.compile(model)`` while guard runs: the wrapper becomes the model's checked boundary."""
+        result = call(*args, **kwargs)
+        try:
+            orig = getattr(result, "_orig_mod", None)
+            if self._active and self._models and type(result).__name__ == "OptimizedModule" and id(orig) in self._root_ids:
+                self._compiled_notice(result)
+                self._paths_by_id[id(result)] = self.path_of(orig)
+                self._root_ids.add(id(result))
+                self._drop_module_hooks(orig)
+                self._installer.module_hooks(result, self._hook_pre, self._hook_post)
+            _hooks.eager_frames()
+        except Exception as exc:
+            self._contain(None, exc)
+        return result
+
+    def _mw_module_compile(self, call: Callable, args: tuple, kwargs: dict) -> Any:
+        """``model.compile()`` while guard runs: check around the compiled call of a watched model."""
+        result = call(*args, **kwargs)
+        try:
+            module = args[0] if args else None
+            if self._active and isinstance(module, nn.Module) and (not self._models or id(module) in self._root_ids):
+                self._compiled_notice(module)
+                if self._models:
+                    self._drop_module_hooks(module)
+                self._wrap_compiled_call(module)
+            _hooks.eager_frames()
+        except Exception as exc:
+            self._contain(None, exc)
+        return result
 
     def _patch_targets(self) -> Dict[str, str]:
         targets: Dict[str, str] = {}
@@ -655,9 +744,12 @@ class Guard:
         if isinstance(module, _DP_TYPES):  # paths as in the user's model, without DDP's "module."
             self._paths_weak[module] = type(module).__name__
             module = module.module
-        if isinstance(module, _DP_TYPES) or type(module).__name__ == "OptimizedModule":
-            if type(module).__name__ == "OptimizedModule":
-                self._compiled_notice(module)
+        if type(module).__name__ == "OptimizedModule":
+            # torch.compile's wrapper runs eagerly (hooks fire here); its _orig_mod carries the user's names.
+            self._compiled_notice(module)
+            self._paths_weak[module] = type(module._orig_mod).__name__
+            module = module._orig_mod
+        if isinstance(module, _DP_TYPES):
             return
         try:
             for path, mod in module.named_modules():

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .._frames import _short, _skipped
+from ..hooks import eager
 from .base import Check
 from .state_dict import NOTE_PREFIX, add_guard_note
 
@@ -110,12 +111,14 @@ class ExplainErrors(Check):
             n += 1
         return None
 
+    @eager
     def _pack(self, t: torch.Tensor) -> Any:
         try:
             return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)))
         except Exception:  # e.g. no version counter: keep PyTorch's own handling for this tensor
             return t.detach()
 
+    @eager
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is not tuple:
             return packed
