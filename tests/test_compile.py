@@ -95,7 +95,8 @@ def test_nan_input_of_compiled_model_is_named_at_its_boundary(mode, when, style)
 def test_global_guard_leaves_no_global_hook_behind():
     from torch.nn.modules import module as M
 
-    before = bool(M._has_any_global_hook())
+    before = (len(M._global_forward_hooks), len(M._global_forward_hooks_with_kwargs))
     with guard.guard(live=False):
         nn.Linear(2, 2)(torch.randn(1, 2))
-    assert bool(M._has_any_global_hook()) == before
+    # torch leaves the with_kwargs entry: alone it makes every torch.compile'd call warn about global hooks
+    assert (len(M._global_forward_hooks), len(M._global_forward_hooks_with_kwargs)) == before
