@@ -18,6 +18,8 @@ import importlib
 import os
 import signal
 import sys
+import types
+import warnings
 import threading
 import weakref
 from contextlib import ExitStack
@@ -128,11 +130,19 @@ class _Patch:
         func = raw.__func__ if kind is not None else self.original
         patch = self
 
+        reattribute = _warns_at_caller(owner, attr)
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             subs = patch.subscribers
             if not subs or _compiling():  # traced by torch.compile: the plain function, nothing of guard's
                 return func(*args, **kwargs)
-            return patch._chain(func, subs, 0, args, kwargs)
+            try:
+                if reattribute:
+                    return _as_caller(sys._getframe(1), patch._chain, func, subs, args, kwargs)
+                return patch._chain(func, subs, 0, args, kwargs)
+            except BaseException as exc:
+                _drop_own_frames(exc)
+                raise
 
         wrapper.__wrapped__ = func  # type: ignore[attr-defined]
         wrapper.__name__ = getattr(func, "__name__", attr)
@@ -164,6 +174,60 @@ class _Patch:
             except AttributeError:
                 setattr(self.owner, self.attr, self.original)
         return True
+
+
+_GUARD_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warns_at_caller(owner: Any, attr: str) -> bool:
+    """Functions whose own warnings name their caller (``stacklevel=2``): the losses, torch.load, ..."""
+    name = getattr(owner, "__name__", "")
+    return name.startswith("torch.nn.functional") or name == "torch" or attr == "load_state_dict"
+
+
+def _as_caller(caller: Any, chain: Callable, func: Callable, subs: list, args: tuple, kwargs: dict) -> Any:
+    """Run the patched call; warnings that would name a guard frame (the wrapped function warned with
+    ``stacklevel=2``) are re-issued at `caller`, the line that called the function, as without guard."""
+    cm = warnings.catch_warnings(record=True)
+    caught = cm.__enter__()
+    try:
+        warnings.simplefilter("always")  # recorded here; the user's filters apply when re-issued
+        return chain(func, subs, 0, args, kwargs)
+    finally:
+        cm.__exit__(None, None, None)
+        if caught:
+            _reissue(caught, caller)
+
+
+def _reissue(pending: list, caller: Any) -> None:
+    for w in pending:
+        if w.filename.startswith(_GUARD_DIR):
+            g = caller.f_globals
+            warnings.warn_explicit(w.message, w.category, caller.f_code.co_filename, caller.f_lineno,
+                                   module=g.get("__name__"), registry=g.setdefault("__warningregistry__", {}),
+                                   module_globals=g, source=w.source)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _drop_own_frames(exc: BaseException) -> None:
+    """Leave only the outermost guard frame (the wrapper itself) in a traceback that passes through guard."""
+    tb = exc.__traceback__
+    if tb is None:
+        return
+    try:
+        kept = []
+        t = tb.tb_next
+        while t is not None:
+            if not t.tb_frame.f_code.co_filename.startswith(_GUARD_DIR):
+                kept.append(t)
+            t = t.tb_next
+        new = None
+        for t in reversed(kept):
+            new = types.TracebackType(new, t.tb_frame, t.tb_lasti, t.tb_lineno)
+        exc.__traceback__ = types.TracebackType(new, tb.tb_frame, tb.tb_lasti, tb.tb_lineno)
+    except Exception:
+        pass
 
 
 _patches: Dict[Tuple[int, str], _Patch] = {}
