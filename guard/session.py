@@ -293,7 +293,8 @@ class Guard:
             f"guard: {self.path_of(getattr(module, '_orig_mod', module))} runs under torch.compile: guard checks it at "
             f"the compiled call's boundary (its inputs and outputs, the loss, gradients, parameters and optimizer "
             f"steps) and stays out of the compiled code (no graph break, no recompile); checks of the layers inside "
-            f"(NaN origin, BatchNorm, device, eval mode) do not run there. For them run a few steps uncompiled.")
+            f"(NaN origin, BatchNorm, device, eval mode) do not run there. For full checks run a few steps uncompiled "
+            f"under guard.")
 
     # ------------------------------------------------------------------ findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Optional[Check] = None,
