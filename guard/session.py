@@ -150,7 +150,10 @@ class Guard:
         for r in self._models:
             m = r()
             if m is not None:
-                out.append(m.module if isinstance(m, _DP_TYPES) else m)
+                m = m.module if isinstance(m, _DP_TYPES) else m
+                if type(m).__name__ == "OptimizedModule":  # torch.compile's wrapper: the user's names
+                    m = m._orig_mod
+                out.append(m)
         return out
 
     @property

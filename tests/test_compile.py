@@ -100,3 +100,28 @@ def test_global_guard_leaves_no_global_hook_behind():
         nn.Linear(2, 2)(torch.randn(1, 2))
     # torch leaves the with_kwargs entry: alone it makes every torch.compile'd call warn about global hooks
     assert (len(M._global_forward_hooks), len(M._global_forward_hooks_with_kwargs)) == before
+
+
+def test_compiled_model_parameters_and_eval_mode_are_named_as_in_the_users_model():
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cm = torch.compile(model, backend="eager")
+    with guard.guard(cm, opt, live=False) as g:
+        for _ in range(3):
+            loss = cm(torch.randn(8, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            cm(torch.randn(8, 8))  # evaluation with Dropout still in training mode
+            model.c.weight[0, 0] = float("inf")
+        loss = cm(torch.randn(8, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    found = {f.kind: f for f in g.findings}
+    assert found["nonfinite-param"].where == "c.weight"  # not _orig_mod.c.weight
+    assert found["eval-in-train-mode"].where == "Net"
+    dynamo.reset()
