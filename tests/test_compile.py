@@ -59,7 +59,7 @@ def _train(guarded, mode, when, style, kind, backend, nan_at=None, steps=5):
             g.close()
     finally:
         caught_cm.__exit__(None, None, None)
-    seen = {k: dict(v) for k, v in counters.items() if k in ("graph_break", "recompiles", "stats")}
+    seen = {k: dict(v) for k, v in counters.items() if k in ("graph_break", "recompiles", "stats") and v}
     return torch.stack(losses), seen, [str(w.message)[:120] for w in caught], g
 
 
