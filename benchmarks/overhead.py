@@ -82,7 +82,101 @@ def deep_mlp(depth: int = 120):
     return nn.Sequential(*layers), lambda: (torch.randn(16, 32), torch.randint(0, 32, (16,)))
 
 
-MODELS = {"cnn": cnn, "transformer": transformer, "lstm": lstm, "deep-mlp": deep_mlp}
+# Loops with many tiny steps (issue 19): pytorch/examples' reinforce and actor_critic (one forward per
+# environment step, one update per episode, the loss summed over the episode) and the tutorials'
+# dynamic_net (control flow: the model's graph changes on every forward). A model factory may return a
+# third element: a step factory ``make(model, opt, batch) -> step`` used instead of `step_fn`.
+
+EPISODE = 20  # environment steps per episode (fixed, so every configuration does the same work)
+
+
+class _Policy(nn.Module):
+    def __init__(self, critic: bool):
+        super().__init__()
+        self.affine1 = nn.Linear(4, 128)
+        self.dropout = nn.Dropout(0.6) if not critic else nn.Identity()
+        self.action_head = nn.Linear(128, 2)
+        self.value_head = nn.Linear(128, 1) if critic else None
+
+    def forward(self, x):
+        x = torch.relu(self.dropout(self.affine1(x)))
+        probs = torch.softmax(self.action_head(x), dim=-1)
+        return probs if self.value_head is None else (probs, self.value_head(x))
+
+
+def _episode_step(critic: bool):
+    def make(model, opt, batch):
+        def step():
+            state = torch.randn(1, 4)
+            log_probs, values = [], []
+            for _ in range(EPISODE):  # one tiny forward per environment step
+                out = model(state)
+                probs, value = out if critic else (out, None)
+                action = torch.multinomial(probs, 1)
+                log_probs.append(torch.log(probs.gather(1, action)).reshape(()))
+                if critic:
+                    values.append(value.reshape(()))
+                state = 0.9 * state + 0.3 * torch.randn(1, 4)
+            returns, r = [], 0.0
+            for _ in range(EPISODE):
+                r = 1.0 + 0.99 * r
+                returns.insert(0, r)
+            returns = torch.tensor(returns)
+            returns = (returns - returns.mean()) / (returns.std() + 1e-6)
+            if critic:
+                v = torch.stack(values)
+                loss = (-torch.stack(log_probs) * (returns - v.detach())).sum() \
+                    + nn.functional.smooth_l1_loss(v, returns, reduction="sum")
+            else:
+                loss = (-torch.stack(log_probs) * returns).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+    return make
+
+
+def reinforce():
+    return _Policy(critic=False), lambda: (torch.randn(1, 4), None), _episode_step(False)
+
+
+def actor_critic():
+    return _Policy(critic=True), lambda: (torch.randn(1, 4), None), _episode_step(True)
+
+
+class _DynamicNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e = (nn.Parameter(torch.randn(())) for _ in range(5))
+
+    def forward(self, x):
+        import random
+
+        y = self.a + self.b * x + self.c * x ** 2 + self.d * x ** 3
+        for exp in range(4, random.randint(4, 6)):  # 0, 1 or 2 extra terms: the graph changes per forward
+            y = y + self.e * x ** exp
+        return y
+
+
+def dynamic_net():
+    x = torch.linspace(-3.14159, 3.14159, 2000)
+
+    def make(model, opt, batch):
+        y = torch.sin(x)
+
+        def step():
+            loss = (model(x) - y).pow(2).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+    return _DynamicNet(), lambda: (x, None), make
+
+
+MODELS = {"cnn": cnn, "transformer": transformer, "lstm": lstm, "deep-mlp": deep_mlp,
+          "reinforce": reinforce, "actor-critic": actor_critic, "dynamic-net": dynamic_net}
 
 
 # ------------------------------------------------------------------ configurations
@@ -139,6 +233,12 @@ def count_module_calls(model, batch):
     return calls[0]
 
 
+def _make(name):
+    """(model, batch, step factory) of a benchmark model."""
+    made = MODELS[name]()
+    return made[0], made[1], made[2] if len(made) > 2 else step_fn
+
+
 def bench_model(name, reps, steps, warmup, configs, settle=3):
     """Median step time per configuration, interleaved step by step.
 
@@ -156,12 +256,12 @@ def bench_model(name, reps, steps, warmup, configs, settle=3):
     import copy
 
     torch.manual_seed(0)
-    model0, batch = MODELS[name]()
+    model0, batch, make_step = _make(name)
     copies = []
     for _ in configs:
         model = copy.deepcopy(model0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        copies.append((model, opt, step_fn(model, opt, batch)))
+        copies.append((model, opt, make_step(model, opt, batch)))
     times = {c: [] for c in configs}
     n = len(configs)
     with warnings.catch_warnings():
@@ -202,11 +302,11 @@ def snooper_time(name, steps=3):
     import torchsnooper
 
     torch.manual_seed(0)
-    model, batch = MODELS[name]()
+    model, batch, make_step = _make(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     fwd = model.forward
     model.forward = torchsnooper.snoop(output=io.StringIO())(fwd)
-    step = step_fn(model, opt, batch)
+    step = make_step(model, opt, batch)
     step()
     per = []
     for _ in range(steps):
@@ -221,8 +321,8 @@ def peak_rss_kb(model_name, config, steps):
     """Peak RSS of a fresh process running `steps` steps of one configuration."""
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(HERE)!r}); sys.path.insert(0, {HERE!r});"
             f"import torch, resource; torch.set_num_threads(1); import overhead as o;"
-            f"torch.manual_seed(0); m, b = o.MODELS[{model_name!r}](); opt = torch.optim.AdamW(m.parameters());"
-            f"s = o.step_fn(m, opt, b)\n"
+            f"torch.manual_seed(0); m, b, mk = o._make({model_name!r}); opt = torch.optim.AdamW(m.parameters());"
+            f"s = mk(m, opt, b)\n"
             f"with o.CONFIGS[{config!r}](m, opt):\n"
             f"    [s() for _ in range({steps})]\n"
             f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
@@ -235,7 +335,9 @@ def cuda_syncs_per_step(name, steps=5):
     if not torch.cuda.is_available():
         return None
     torch.manual_seed(0)
-    model, batch0 = MODELS[name]()
+    model, batch0, make_step = _make(name)
+    if make_step is not step_fn:
+        return None  # the episodic and dynamic loops build their tensors on the CPU
     model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

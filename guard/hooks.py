@@ -17,6 +17,9 @@ import atexit
 import importlib
 import os
 import signal
+import sys
+import types
+import warnings
 import threading
 import weakref
 from collections import OrderedDict
@@ -29,6 +32,57 @@ from torch.nn.modules import module as _module_mod
 from torch.optim import optimizer as _optim_mod
 
 Middleware = Callable[[Callable[..., Any], tuple, dict], Any]
+
+# torch.compile traces module hooks and patched functions called inside a compiled region. Guard's
+# code must never enter a graph (graph breaks move random ops and change RNG consumption; recompiles
+# on its closures): every hook and wrapper returns at once when dynamo traces it. Dynamo folds this call
+# to True while tracing, so the hook inlines to nothing (no graph break, no guard on guard's state).
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def _eager_only(fn: Callable) -> Callable:
+    """`fn` as a hook that does nothing inside code torch.compile traces."""
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if _compiling():
+            return None
+        return fn(*args, **kwargs)
+
+    hook.__wrapped__ = fn  # type: ignore[attr-defined]
+    return hook
+
+
+def eager_frames() -> None:
+    """Have dynamo run guard's hook and wrapper frames eagerly, with all they call, when torch code it
+    does not trace (``Module._call_impl`` under a compiled call) calls them.
+
+    Otherwise dynamo compiles such a frame on its own, where `_compiling()` is folded to True: the
+    check would silently never run. Inlined into a traced frame they still fold to nothing. Only
+    once ``torch._dynamo`` is loaded (guard never imports it itself).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        with _lock:
+            codes = {_HOOK_CODE} | _EAGER_CODES | {p.wrapper.__code__ for p in list(_patches.values()) + _orphans}
+        for code in codes:
+            set_code_exec_strategy(code, strategy)
+    except Exception:  # a torch without these internals: hooks entered that way are skipped, nothing breaks
+        pass
+
+
+_HOOK_CODE = _eager_only(len).__code__
+_EAGER_CODES: set = set()
+
+
+def eager(fn: Callable) -> Callable:
+    """Mark a callback torch calls by itself (a saved-tensors hook) to run eagerly, see `eager_frames`."""
+    _EAGER_CODES.add(fn.__code__)
+    return fn
 
 _lock = threading.RLock()
 
@@ -81,11 +135,19 @@ class _Patch:
         func = raw.__func__ if kind is not None else self.original
         patch = self
 
+        reattribute = _warns_at_caller(owner, attr)
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             subs = patch.subscribers
-            if not subs:
+            if not subs or _compiling():  # traced by torch.compile: the plain function, nothing of guard's
                 return func(*args, **kwargs)
-            return patch._chain(func, subs, 0, args, kwargs)
+            try:
+                if reattribute:
+                    return _as_caller(sys._getframe(1), patch._chain, func, subs, args, kwargs)
+                return patch._chain(func, subs, 0, args, kwargs)
+            except BaseException as exc:
+                _drop_own_frames(exc)
+                raise
 
         wrapper.__wrapped__ = func  # type: ignore[attr-defined]
         wrapper.__name__ = getattr(func, "__name__", attr)
@@ -117,6 +179,60 @@ class _Patch:
             except AttributeError:
                 setattr(self.owner, self.attr, self.original)
         return True
+
+
+_GUARD_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warns_at_caller(owner: Any, attr: str) -> bool:
+    """Functions whose own warnings name their caller (``stacklevel=2``): the losses, torch.load, ..."""
+    name = getattr(owner, "__name__", "")
+    return name.startswith("torch.nn.functional") or name == "torch" or attr == "load_state_dict"
+
+
+def _as_caller(caller: Any, chain: Callable, func: Callable, subs: list, args: tuple, kwargs: dict) -> Any:
+    """Run the patched call; warnings that would name a guard frame (the wrapped function warned with
+    ``stacklevel=2``) are re-issued at `caller`, the line that called the function, as without guard."""
+    cm = warnings.catch_warnings(record=True)
+    caught = cm.__enter__()
+    try:
+        warnings.simplefilter("always")  # recorded here; the user's filters apply when re-issued
+        return chain(func, subs, 0, args, kwargs)
+    finally:
+        cm.__exit__(None, None, None)
+        if caught:
+            _reissue(caught, caller)
+
+
+def _reissue(pending: list, caller: Any) -> None:
+    for w in pending:
+        if w.filename.startswith(_GUARD_DIR):
+            g = caller.f_globals
+            warnings.warn_explicit(w.message, w.category, caller.f_code.co_filename, caller.f_lineno,
+                                   module=g.get("__name__"), registry=g.setdefault("__warningregistry__", {}),
+                                   module_globals=g, source=w.source)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _drop_own_frames(exc: BaseException) -> None:
+    """Leave only the outermost guard frame (the wrapper itself) in a traceback that passes through guard."""
+    tb = exc.__traceback__
+    if tb is None:
+        return
+    try:
+        kept = []
+        t = tb.tb_next
+        while t is not None:
+            if not t.tb_frame.f_code.co_filename.startswith(_GUARD_DIR):
+                kept.append(t)
+            t = t.tb_next
+        new = None
+        for t in reversed(kept):
+            new = types.TracebackType(new, t.tb_frame, t.tb_lasti, t.tb_lineno)
+        exc.__traceback__ = types.TracebackType(new, tb.tb_frame, tb.tb_lasti, tb.tb_lineno)
+    except Exception:
+        pass
 
 
 _patches: Dict[Tuple[int, str], _Patch] = {}
@@ -266,9 +382,10 @@ class Installer:
         self._strip_on_copy()
         handles = []
         if pre is not None:
-            handles.append(self._keep(module.register_forward_pre_hook(pre, with_kwargs=True)))
+            handles.append(self._keep(module.register_forward_pre_hook(_eager_only(pre), with_kwargs=True)))
         if post is not None:
-            handles.append(self._keep(module.register_forward_hook(post, with_kwargs=True, always_call=True)))
+            handles.append(self._keep(module.register_forward_hook(_eager_only(post), with_kwargs=True,
+                                                                   always_call=True)))
         self._hook_ids.update(h.id for h in handles)
         return handles
 
@@ -306,9 +423,17 @@ class Installer:
     def global_module_hooks(self, pre: Optional[Callable], post: Optional[Callable]) -> None:
         """Hooks on every ``nn.Module`` call in the process: ``pre(module, args)``, ``post(module, args, kwargs, out)``."""
         if pre is not None:
-            self._keep(_module_mod.register_module_forward_pre_hook(pre))
+            self._keep(_module_mod.register_module_forward_pre_hook(_eager_only(pre)))
         if post is not None:
-            self._keep(_module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True))
+            handle = _module_mod.register_module_forward_hook(_eager_only(post), with_kwargs=True, always_call=True)
+
+            def remove() -> None:
+                handle.remove()
+                # torch leaves the with_kwargs entry behind; it alone makes _has_any_global_hook() true
+                # for ever after (and every torch.compile'd module call warn about global hooks).
+                getattr(_module_mod, "_global_forward_hooks_with_kwargs", {}).pop(handle.id, None)
+
+            self._keep(_Handle(remove))
 
     # optimizer hooks --------------------------------------------------------
     def optimizer_hooks(self, optimizer: Optional[torch.optim.Optimizer], pre: Callable, post: Callable) -> None:
@@ -340,6 +465,22 @@ class Installer:
     def patch(self, target: str, middleware: Middleware) -> None:
         """Subscribe ``middleware(call, args, kwargs)`` to the shared wrapper of `target` (a dotted path)."""
         self._keep(_subscribe(target, middleware))
+
+    def ignore_warning(self, message: str, category: type = UserWarning) -> None:
+        """Ignore warnings whose message matches the regex `message` until close (a warning guard causes)."""
+        import warnings
+
+        warnings.filterwarnings("ignore", message=message, category=category)
+        entry = warnings.filters[0]
+
+        def remove() -> None:
+            try:
+                warnings.filters.remove(entry)
+                warnings._filters_mutated()  # type: ignore[attr-defined]
+            except (ValueError, AttributeError):
+                pass
+
+        self._keep(_Handle(remove))
 
     def attr(self, obj: Any, name: str, value: Any) -> _Handle:
         """Set ``obj.<name> = value`` (an instance attribute) until close or the handle's ``remove()``.

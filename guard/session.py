@@ -22,6 +22,7 @@ from torch import nn
 from . import hooks as _hooks
 from ._frames import user_source
 from .callstack import pop_call, push_call
+from .compiled import CompileBoundary
 from ._modules import RecursionRoom
 from ._dist import rank_info as _dist_rank
 from .checks import registry
@@ -97,6 +98,9 @@ class Guard:
         self._installer = inst = _hooks.Installer()
         self.grad_hook, self.graph_prehook, self.replace_attr = inst.grad_hook, inst.graph_prehook, inst.attr
         self._mod_handles: Dict[int, Tuple[Any, Any]] = {}  # id(module) -> (pre, post) hook handles (model mode)
+        self.compile = CompileBoundary(self, {"pre": self._hook_pre, "post": self._hook_post,
+                                              "pre_global": self._hook_pre_global, "post_global": self._hook_post_global},
+                                       self._mod_handles, inst, model_mode=bool(self._models))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -229,6 +233,7 @@ class Guard:
         self._pid = os.getpid()
         self._reset()  # the parent's records, models and the checks' memory of them are not this process's
         self._installer, self._mod_handles = installer, handles  # its hooks stay in place (and are removed at close)
+        self.compile.installer, self.compile.handles = installer, handles
         self._build_checks()
         self.dispatch("start")
         self.started_at = time.time()
@@ -400,12 +405,15 @@ class Guard:
                     continue
                 inner = self.watched.index(model)
                 self.room.note(inner)
-                for mod in dict.fromkeys(m for _, m in inner.named_modules()):
+                compiled = self.compile.root(inner)
+                for mod in dict.fromkeys(m for _, m in inner.named_modules()) if not compiled else (inner,):
                     if isinstance(mod, torch.jit.ScriptModule):
                         continue  # register_forward_*hook raises on ScriptModules
                     wanted = mod is inner or (every_pre and router.nonroot(router.pre_for, router.forward_pre, mod))
+                    if compiled and getattr(mod, "_compiled_call_impl", None) is not None:
+                        continue  # model.compile(): the boundary around its compiled call does the root's part
                     handles = inst.module_hooks(mod, self._hook_pre if wanted else None, self._hook_post)
-                    if mod is not inner and id(mod) not in self._mod_handles:
+                    if id(mod) not in self._mod_handles:
                         self._mod_handles[id(mod)] = (handles[0] if wanted else None, handles[-1])
         else:
             inst.global_module_hooks(self._hook_pre_global, self._hook_post_global)
@@ -418,6 +426,11 @@ class Guard:
         if not self._optimizers:
             inst.optimizer_hooks(None, self._hook_step_pre, self._hook_step_post)
         inst.patch("torch.autograd.backward", self._mw_backward)
+        inst.patch("torch.compile", self.compile.mw_compile)
+        inst.patch("torch.nn.Module.compile", self.compile.mw_module_compile)
+        _hooks.eager_frames()
+        if not self._models:  # the global hooks fire for torch.compile's wrapper too; guard counts it once
+            inst.ignore_warning(r"Using `torch\.compile\(module\)` when there are global hooks on modules")
         for ev, target in router.patch_targets().items():
             try:
                 inst.patch(target, router.patch_middleware(ev, lambda: self._active, self._tls, self.meter))

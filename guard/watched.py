@@ -55,7 +55,8 @@ class Watched:
         for r in self.refs:
             m = r()
             if m is not None:
-                out.append(m.module if isinstance(m, DP_TYPES) else m)
+                m = m.module if isinstance(m, DP_TYPES) else m
+                out.append(m._orig_mod if is_compiled(m) else m)  # torch.compile's wrapper: the user's names
         return out
 
     @property
@@ -137,21 +138,22 @@ class Watched:
 
     def compiled_notice(self, module: nn.Module) -> None:
         self._notice(
-            f"guard: {self.path_of(getattr(module, '_orig_mod', module))} runs under torch.compile: module hooks "
-            f"added after its first compiled call do not run inside compiled code (and hooks added before are traced "
-            f"into it: graph breaks, recompiles). Under compile guard reliably checks the outer call's inputs and "
-            f"outputs, losses, gradients and optimizer steps; per-layer checks (NaN origin, BatchNorm, device, "
-            f"eval mode) may see nothing. For full checks run a few steps uncompiled under guard.")
+            f"guard: {self.path_of(getattr(module, '_orig_mod', module))} runs under torch.compile: guard checks it at "
+            f"the compiled call's boundary (its inputs and outputs, the loss, gradients, parameters and optimizer "
+            f"steps) and stays out of the compiled code (no graph break, no recompile); checks of the layers inside "
+            f"(NaN origin, BatchNorm, device, eval mode) do not run there. For full checks run a few steps uncompiled "
+            f"under guard.")
 
     def index(self, model: nn.Module) -> nn.Module:
         """Name the modules of a watched model (model mode); returns the model inside any DP/DDP wrapper."""
         inner = model.module if isinstance(model, DP_TYPES) else model
-        if is_compiled(inner):
-            self.compiled_notice(inner)
+        compiled = is_compiled(inner)
         for path, mod in inner.named_modules():
-            if path.startswith("_orig_mod") and is_compiled(inner):
+            mod_type = type(mod).__name__
+            if compiled:
                 path = path[len("_orig_mod."):]  # the user's names, not torch.compile's wrapper
-            self.paths_by_id[id(mod)] = path or type(mod).__name__
+                mod_type = type(inner._orig_mod).__name__ if mod is inner else mod_type
+            self.paths_by_id[id(mod)] = path or mod_type
         self.roots_seen.add(inner)
         self.root_ids.add(id(inner))
         if isinstance(inner, torch.jit.ScriptModule):
@@ -165,9 +167,12 @@ class Watched:
         if isinstance(module, DP_TYPES):  # without DDP's "module."
             self.paths_weak[module] = type(module).__name__
             module = module.module
-        if isinstance(module, DP_TYPES) or is_compiled(module):
-            if is_compiled(module):
-                self.compiled_notice(module)
+        if is_compiled(module):
+            # torch.compile's wrapper runs eagerly (hooks fire here); its _orig_mod carries the user's names.
+            self.compiled_notice(module)
+            self.paths_weak[module] = type(module._orig_mod).__name__
+            module = module._orig_mod
+        if isinstance(module, DP_TYPES):
             return
         try:
             for path, mod in module.named_modules():

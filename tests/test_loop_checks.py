@@ -530,3 +530,32 @@ def test_loss_graph_raise_mode_stops_at_backward_and_bounded_window_is_reported(
                 window.append(loss)
     f = info.value.finding
     assert f.kind == "loss-graph-retained" and f.where == "window" and f.details["detected_at_step"] == 5
+
+
+def test_eval_without_no_grad_counts_only_the_reported_models_calls():
+    """Throwaway modules are left alone; a trained model evaluated with grad is reported with its own count."""
+    import torch
+    from torch import nn
+
+    from guard import guard
+
+    torch.manual_seed(0)
+    with guard(live=False) as g:
+        demo = nn.LSTM(3, 3)
+        for _ in range(5):
+            demo(torch.randn(1, 1, 3))  # shown, never trained: not an evaluation
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(4):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            for _ in range(3):
+                model(torch.randn(8, 4))  # evaluation with grad on
+    found = [f for f in g.findings if f.kind == "eval-without-no-grad"]
+    assert len(found) == 1 and found[0].where == "Linear"
+    f = found[0]
+    n = f.details["forwards"]
+    assert f.message.startswith(f"{n} forward passes of Linear")
+    assert sum(f.details["sources"].values()) == n  # the sources count that model's calls, no other's

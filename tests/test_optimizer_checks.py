@@ -542,3 +542,23 @@ def test_one_backward_two_optimizers_both_checked():
     f = only(g, "weight-decay-without-grad")
     # (a second optimizer steps after the main one advanced the step counter: iteration 1 is step 2)
     assert f.where == "layer4" and f.details["optimizer"] == "SGD" and f.step == 2
+
+
+def test_grad_explosion_is_reported_once_per_burst_and_follows_the_runs_spread():
+    """Five exploding steps in a row are one report (count 1); a second burst later counts again.
+    The bar follows the run: its ratio to the median is in the details and the message."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the norms stay where the data puts them
+    with guard(model, opt, live=False, checks=["grad-explosion"]) as g:
+        for step in range(60):
+            scale = 1000.0 if 20 <= step < 25 or step == 50 else 1.0
+            x = torch.randn(32, 4)
+            loss = (model(x) * scale).pow(2).mean() / scale
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "grad-explosion")
+    assert f.step == 20 and f.count == 2 and f.last_step == 50  # two bursts, not six steps
+    assert f.details["threshold_ratio"] >= 10 and f.details["ratio"] > f.details["threshold_ratio"]
+    assert "vary up to about" in f.message

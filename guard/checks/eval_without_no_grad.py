@@ -43,10 +43,11 @@ class _Tag:
 
 
 class _Fwd:
-    __slots__ = ("step", "source", "path", "used", "tags", "outs", "age")
+    __slots__ = ("step", "source", "path", "used", "tags", "outs", "age", "module")
 
-    def __init__(self, step: int, source: Optional[str], path: str):
+    def __init__(self, step: int, source: Optional[str], path: str, module: Any = None):
         self.step, self.source, self.path = step, source, path
+        self.module = weakref.ref(module) if module is not None else None
         self.used = False
         self.tags: List[weakref.ref] = []
         self.outs: List[weakref.ref] = []
@@ -92,7 +93,7 @@ class EvalWithoutNoGrad(Check):
         outs = graph_outputs(output, MAX_OUTPUTS)
         if not outs or len(self._pending) >= MAX_PENDING:
             return
-        rec = _Fwd(self.g.step, self.g.root_source, path)
+        rec = _Fwd(self.g.step, self.g.root_source, path, module)
         for t in outs:
             md = t.grad_fn.metadata
             if self._key in md:
@@ -170,13 +171,37 @@ class EvalWithoutNoGrad(Check):
                             return cname, ts
         return None, []
 
+    def _trained(self, unused: List[_Fwd]) -> List[_Fwd]:
+        """Forwards of modules an optimizer trains: a module no optimizer updates (a throwaway
+        ``nn.LSTM(3, 3)`` called to show its output) is not being evaluated, whatever its graph."""
+        opts = self.g.optimizers
+        if not opts:
+            return unused  # manual updates: nothing to tell trained from untrained
+        trained = {id(p) for o in opts for group in o.param_groups for p in group["params"]}
+        verdict: Dict[int, bool] = {}
+        keep = []
+        for r in unused:
+            m = r.module() if r.module is not None else None
+            if m is None:
+                continue
+            ok = verdict.get(id(m))
+            if ok is None:
+                ok = verdict[id(m)] = any(id(p) in trained for p in m.parameters())
+            if ok:
+                keep.append(r)
+        return keep
+
     def _report(self, unused: List[_Fwd]) -> None:
+        unused = self._trained(unused)
+        if not unused:
+            return
         self._done = True
         self._pending = []
         first = unused[0]
         by_source: Dict[Optional[str], int] = {}
         for r in unused:
-            by_source[r.source] = by_source.get(r.source, 0) + 1
+            if r.path == first.path:  # the message is about this model: count only its calls
+                by_source[r.source] = by_source.get(r.source, 0) + 1
         same = [r for r in unused if r.source == first.source and r.path == first.path]
         alive = [t for r in same for t in (o() for o in r.outs) if t is not None]
         holder = None

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .._frames import is_skipped, short_path
+from ..hooks import eager
 from .base import Check
 from ._notes import NOTE_PREFIX, add_guard_note
 
@@ -112,12 +113,14 @@ class ExplainErrors(Check):
             n += 1
         return None
 
+    @eager
     def _pack(self, t: torch.Tensor) -> Any:
         try:
             return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)))
         except Exception:  # e.g. no version counter: keep PyTorch's own handling for this tensor
             return t.detach()
 
+    @eager
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is not tuple:
             return packed

@@ -2,9 +2,16 @@
 
 Per sampled step and optimizer: the total gradient norm from the shared, fused
 ``g.grad_norms(opt)`` (no extra reduction), staged and read with the step's
-other values. Host side, a window of the last `WINDOW` finite, non-zero totals:
-after `WARMUP` steps a total above ``FACTOR`` x the window's median fires; the
-per-parameter norms are read (one sync) only then, to name the largest.
+other values. Host side, a window of the logs of the last `WINDOW` finite,
+non-zero totals. After `WARMUP` steps a total fires when its log lies above the
+window's median by more than the run's own spread allows: ``Z`` robust standard
+deviations (1.4826 x the median absolute deviation of the logs), ``HIGH`` x the
+window's largest total, and never less than ``FACTOR`` x the median. Runs whose norms vary by design (random extra
+terms, losses summed over episodes of varying length) thus set their own,
+higher bar; a steady run keeps the ``FACTOR`` floor. A burst (consecutive
+totals above the bar) is reported once; the next report needs a total back
+below it first; totals above the bar stay out of the window. The per-parameter norms are read (one sync) only when one fires,
+to name the largest.
 
 All-zero totals are left out of the window; they are reported as ``grads-all-zero``
 by ``grads_all_zero.py``.
@@ -30,15 +37,26 @@ from .base import Check
 
 WARMUP = 10
 WINDOW = 50
-FACTOR = 10.0
+FACTOR = 10.0  # the least ratio to the median that fires, however steady the run
+Z = 6.0  # robust standard deviations of log norms above the median that fire
+HIGH = 2.0  # and the least ratio to the largest norm in the window
 
 
 class _State:
-    __slots__ = ("window", "where")
+    __slots__ = ("window", "where", "burst")
 
     def __init__(self) -> None:
-        self.window: deque = deque(maxlen=WINDOW)
+        self.window: deque = deque(maxlen=WINDOW)  # log norms
         self.where: Optional[str] = None
+        self.burst = False
+
+
+def _bar(logs) -> tuple:
+    """(median, threshold ratio to it) for a window of log norms: at least FACTOR, Z robust sigmas, and
+    HIGH x the window's largest norm (rare by-design jumps of a run are not its explosions)."""
+    m = median(logs)
+    sigma = 1.4826 * median(abs(x - m) for x in logs)
+    return math.exp(m), max(FACTOR, math.exp(Z * sigma), HIGH * math.exp(max(logs) - m))
 
 
 def _nice(x: float) -> str:
@@ -56,7 +74,7 @@ class GradExplosion(Check):
     kinds = {
         "grad-explosion": ("warning", "total gradient norm jumps far above its running level"),
     }
-    description = "total gradient norm far above its running median"
+    description = "total gradient norm far above its running median, by more than the run's own spread"
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -103,12 +121,17 @@ class GradExplosion(Check):
         if v == 0.0:
             return  # all-zero gradients are the grads-all-zero check's business (grads_all_zero.py)
         if len(st.window) >= WARMUP:
-            med = median(st.window)
-            if med > 0 and v > FACTOR * med:
-                self._report(opt, st, gn, v, med, step, source)
-        st.window.append(v)
+            med, ratio = _bar(st.window)
+            if v > ratio * med:
+                if not st.burst:  # once per burst, not once per step
+                    st.burst = True
+                    self._report(opt, st, gn, v, med, ratio, step, source)
+                return  # an explosion does not raise the bar for the next one
+            st.burst = False
+        st.window.append(math.log(v))
 
-    def _report(self, opt, st: _State, gn, v: float, med: float, step: int, source: Optional[str]) -> None:
+    def _report(self, opt, st: _State, gn, v: float, med: float, ratio: float, step: int,
+                source: Optional[str]) -> None:
         values = gn.per_param()
         ranked = sorted(zip(gn.names, values), key=lambda nv: -nv[1] if math.isfinite(nv[1]) else 0.0)[:5]
         where = st.where or (ranked[0][0] if ranked else "loss")
@@ -116,10 +139,11 @@ class GradExplosion(Check):
         largest = ", ".join(f"{n} ({x:.3g})" for n, x in ranked)
         self.emit("grad-explosion", where,
                   f"total gradient norm {v:.3g} is {v / med:.0f}x its running median {med:.3g} "
-                  f"(last {len(st.window)} steps); largest: {largest}",
+                  f"(last {len(st.window)} steps; this run's norms vary up to about {ratio:.0f}x); "
+                  f"largest: {largest}",
                   f"The update is about to jump far: lower the learning rate (or lengthen its warm-up), and clip "
                   f"gradients before optimizer.step(): torch.nn.utils.clip_grad_norm_(model.parameters(), "
                   f"max_norm={_nice(3 * med)}) (a few times the usual norm here).",
                   step=step, source=source,
                   details={"optimizer": type(opt).__name__, "total_norm": v, "running_median": med,
-                           "ratio": v / med, "largest": [{"name": n, "norm": x} for n, x in ranked]})
+                           "ratio": v / med, "threshold_ratio": ratio, "largest": [{"name": n, "norm": x} for n, x in ranked]})

@@ -1,0 +1,68 @@
+"""PyTorch's own warnings and errors look as they do without guard: the user's line, not guard's frames."""
+import io
+import os
+import traceback
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import guard
+
+HERE = os.path.abspath(__file__)
+GUARD_DIR = os.path.dirname(os.path.abspath(guard.__file__)) + os.sep
+
+
+def _warnings_of(fn, use_guard, **opts):
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if use_guard:
+            with guard.guard(model if opts.get("mode") != "global" else None,
+                             opt if opts.get("mode") != "global" else None, live=False):
+                fn(model)
+        else:
+            fn(model)
+    return [(w.filename, w.lineno, w.category, str(w.message)) for w in caught if "target size" in str(w.message)]
+
+
+def _functional(model):
+    nn.functional.mse_loss(model(torch.randn(4, 3)), torch.randn(4)).backward()  # [4, 1] vs [4]: broadcast
+
+
+def _module_loss(model):
+    nn.MSELoss()(model(torch.randn(4, 3)), torch.randn(4)).backward()
+
+
+@pytest.mark.parametrize("mode", ["model", "global"])
+@pytest.mark.parametrize("fn", [_functional, _module_loss])
+def test_torch_warning_inside_a_loss_names_the_same_line_as_without_guard(fn, mode):
+    plain = _warnings_of(fn, False)
+    guarded = _warnings_of(fn, True, mode=mode)
+    assert len(plain) == 1 and guarded == plain
+    if fn is _functional:
+        assert plain[0][0] == HERE  # the user's line: this file
+
+
+def test_guard_frames_are_kept_out_of_a_torch_error_traceback():
+    with guard.guard(live=False):
+        try:
+            nn.functional.cross_entropy(torch.randn(4, 3), torch.tensor([0, 1, 2, 7]))
+        except IndexError as exc:
+            frames = traceback.extract_tb(exc.__traceback__)
+        else:
+            pytest.fail("no error")
+    ours = [f for f in frames if f.filename.startswith(GUARD_DIR)]
+    assert len(ours) <= 1  # the patched function's one wrapper; its middlewares are left out
+    assert frames[0].filename == HERE and frames[-1].filename.endswith("functional.py")
+
+
+def test_warning_filters_of_the_user_still_apply_to_reissued_warnings():
+    model = nn.Linear(3, 1)
+    with guard.guard(model, live=False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning, match="target size"):
+                nn.functional.mse_loss(model(torch.randn(4, 3)), torch.randn(4))
