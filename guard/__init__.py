@@ -40,8 +40,9 @@ def __getattr__(name: str) -> Any:
 def _start_pending() -> None:
     """TORCH_GUARD: if importing guard's modules is what imported torch, the environment's guard starts now."""
     auto = __import__("sys").modules.get("_torch_guard_autostart")
-    if auto is not None and getattr(auto, "_pending", False):
-        auto.start_pending()
+    start = getattr(auto, "start_pending", None)  # a no-op unless a start is pending
+    if start is not None:
+        start()
 
 
 def __dir__() -> list:

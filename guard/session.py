@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import threading
 import time
-from time import perf_counter as _clock
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -21,7 +19,6 @@ from torch import nn
 
 from . import hooks as _hooks
 from ._frames import user_source
-from .callstack import pop_call, push_call
 from ._dist import rank_info as _dist_rank
 from .checks import registry
 from .checks.base import Check
@@ -32,11 +29,10 @@ from .record import Record
 from .router import GuardInternalWarning, Router
 from .staging import GradNorms, Staging
 from .watched import Watched
+from .wiring import Wiring
 
 MAX_FINDINGS = 1000
 MAX_TIMELINE = 4096
-
-_NO_OUTPUT = object()
 
 __all__ = ["Guard", "GuardInternalWarning", "GradNorms"]
 
@@ -46,7 +42,7 @@ def _delegate(part: str, name: str, doc: str) -> property:
     return property(lambda self: getattr(getattr(self, part), name), doc=doc)
 
 
-class Guard:
+class Guard(Wiring):
     """A runtime guard over a model/optimizer; see ``guard()`` for the arguments."""
 
     def __init__(self, model: Any = None, optimizer: Any = None, *, checks: Any = "default", mode: Any = "warn",
@@ -362,227 +358,6 @@ class Guard:
     def root_source(self) -> Optional[str]:
         """Source line of the current (outermost) model call in this thread."""
         return getattr(self._tls, "root_source", None)
-
-    # ------------------------------------------------------------------ installation
-    def _install(self) -> None:
-        inst = self._installer
-        router = self.router
-        if self._models:
-            # Per-module pre-hooks only when a check needs them; roots always get one (the
-            # model call's source line, step bookkeeping). Post-hooks fill the module table.
-            every_pre = bool(router.forward_pre)
-            for mref in self._models:
-                model = mref()
-                if model is None:
-                    continue
-                inner = self.watched.index(model)
-                for mod in dict.fromkeys(m for _, m in inner.named_modules()):
-                    if isinstance(mod, torch.jit.ScriptModule):
-                        continue  # register_forward_*hook raises on ScriptModules
-                    wanted = mod is inner or (every_pre and router.nonroot(router.pre_for, router.forward_pre, mod))
-                    handles = inst.module_hooks(mod, self._hook_pre if wanted else None, self._hook_post)
-                    if mod is not inner and id(mod) not in self._mod_handles:
-                        self._mod_handles[id(mod)] = (handles[0] if wanted else None, handles[-1])
-        else:
-            inst.global_module_hooks(self._hook_pre_global, self._hook_post_global)
-        if self._optimizers:
-            for oref in self._optimizers:
-                opt = oref()
-                if opt is not None:
-                    inst.optimizer_hooks(opt, self._hook_step_pre, self._hook_step_post)
-        # Without a given optimizer, any optimizer stepping may be ours (global hooks, filtered).
-        if not self._optimizers:
-            inst.optimizer_hooks(None, self._hook_step_pre, self._hook_step_post)
-        inst.patch("torch.autograd.backward", self._mw_backward)
-        for ev, target in router.patch_targets().items():
-            try:
-                inst.patch(target, router.patch_middleware(ev, lambda: self._active, self._tls, self.meter))
-            except (AttributeError, ImportError, ValueError):
-                pass  # a target this torch version lacks (private hooks points): the check does without
-        inst.process_exit(self)
-
-    # ------------------------------------------------------------------ hooks (hot paths)
-    def _hook_pre_global(self, module: nn.Module, args: tuple) -> None:
-        t0 = _clock()
-        depth = push_call(self._tls, sys._getframe(1))
-        if depth == 0:
-            if module not in self._paths_weak:
-                self.watched.adopt_root(module)
-            self._enter_root()
-        if self.router.forward_pre and self._active:
-            self.router.dispatch_forward_pre(module, args, {}, depth == 0)
-        self.meter.own += _clock() - t0
-
-    def _enter_root(self) -> None:
-        """An outermost model call starts: remember where it came from."""
-        tls = self._tls
-        tls.root_source = user_source(3)
-        tls.forwards = getattr(tls, "forwards", 0) + 1
-        if self._backward_pending and self._active:
-            self._advance_backward_step()
-
-    def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict]) -> None:
-        t0 = _clock()
-        is_root = id(module) in self._root_ids
-        if is_root:
-            self._enter_root()
-        if self.router.forward_pre and self._active:
-            self.router.dispatch_forward_pre(module, args, kwargs or {}, is_root)
-        self.meter.own += _clock() - t0
-
-    def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = _NO_OUTPUT) -> None:
-        if output is _NO_OUTPUT:  # forward raised: torch calls always_call global hooks as (module, args, result)
-            kwargs, output = {}, kwargs
-        self._after_forward(module, args, kwargs, output, pop_call(self._tls))
-
-    def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self._after_forward(module, args, kwargs, output, id(module) in self._root_ids)
-
-    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any, is_root: bool) -> None:
-        if not self._active:
-            return
-        t0 = _clock()
-        first = id(module) not in self.watched.module_ids
-        if first:
-            self.watched.record_module(module, output, self.record)
-        r = self.router
-        handlers = r.forward if is_root else r.nonroot(r.post_for, r.forward, module)
-        try:
-            if handlers:
-                r.dispatch_forward(handlers, module, args, kwargs, output, is_root)
-            if first and not is_root and output is not None:
-                # A layer no check keeps loses its hooks (model mode): torch's hook-free speed from now on.
-                keep_pre, keep_post = self.router.settle(module, output)
-                handles = self._mod_handles.get(id(module))
-                if handles is not None and id(module) not in self._root_ids:
-                    if handles[0] is not None and not keep_pre:
-                        handles[0].remove()
-                    if not keep_post:
-                        handles[1].remove()
-        finally:
-            self.meter.own += _clock() - t0
-
-    def _watches_optimizer(self, opt: torch.optim.Optimizer) -> bool:
-        known, became = self.watched.watch_optimizer(opt)
-        if became is not None:
-            if became and self.step:
-                self._renumber_to_first_step()
-            self._backward_pending = False
-        return known
-
-    def _renumber_to_first_step(self) -> None:
-        """The first optimizer step arrives after several backward() calls (gradient accumulation
-        under a global guard): they were all part of step 0, not steps of their own."""
-        self.step = 0
-        self.sampling = True
-        self.record.restart_at_step_zero()
-
-    def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self._active or not self._watches_optimizer(opt):
-            return
-        t0 = _clock()
-        try:
-            self.dispatch("step_pre", opt)
-            if self.is_primary(opt):
-                self._resolve()
-        except GuardError:
-            raise
-        except Exception as exc:
-            self.contain(None, exc)
-        finally:
-            self.meter.own += _clock() - t0
-
-    def _hook_step_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self._active or not self._watches_optimizer(opt):
-            return
-        t0 = _clock()
-        try:
-            self.dispatch("step_post", opt)
-            if self.is_primary(opt):
-                self._end_step(t0)
-        except GuardError:
-            raise
-        except Exception as exc:
-            self.contain(None, exc)
-
-    def skipped_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """An AMP ``GradScaler`` skipped ``optimizer.step()`` (inf/NaN grads): end the step without step hooks.
-
-        The step still counts (step numbers follow the training loop) and is marked ``skipped`` in
-        the timeline; its scaled, non-finite gradient norms are dropped.
-        """
-        if not self._active or not self._watches_optimizer(optimizer) or not self.is_primary(optimizer):
-            return
-        try:
-            self.staging.forget_grad_norms(optimizer)
-            self.timeline_note(skipped=True)
-            self._resolve()
-            self._end_step()
-        except GuardError:
-            raise
-        except Exception as exc:
-            self.contain(None, exc)
-
-    def _end_step(self, t0: Optional[float] = None) -> None:
-        self._tls.forwards = 0  # forwards combined into one loss leave a surplus; a step settles it
-        if self.step == 0 and self._models and not self.watched.module_ids and not self.watched.scripted and "torch._dynamo" in sys.modules:
-            self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs through "
-                        "a torch.compile'd wrapper (compiled code skips module hooks), guard that compiled module "
-                        "instead; until then only gradients and parameters are checked.")
-        self.dispatch("step_end", self.step)
-        meter = self.meter
-        if t0 is not None:
-            meter.own += _clock() - t0
-        meter.end_step(self.step)
-        self.step += 1
-        self.sampling = self.step % self.config.every == 0
-        self.costly_step = meter.costly_step(self.step)
-
-    def _advance_backward_step(self) -> None:
-        """Without an optimizer a backward() ends the step; advance lazily at the next forward/backward."""
-        self._backward_pending = False
-        if self.watched.primary is None:
-            self._end_step()
-
-    def _mw_backward(self, call: Callable, args: tuple, kwargs: dict) -> Any:
-        tls = self._tls
-        if not self._active or getattr(tls, "in_backward", False) or (self._models and not self.watched.scripted and not getattr(tls, "forwards", 0)):
-            return call(*args, **kwargs)
-        tensors = args[0] if args else kwargs.get("tensors")
-        tls.in_backward = True
-        t0 = _clock()
-        try:
-            try:
-                if self._backward_pending:
-                    self._advance_backward_step()
-                tls.root_source = user_source(2)
-                if self.sampling:
-                    self.staging.add_loss(tensors)
-                self.dispatch("backward", tensors, kwargs)
-            except GuardError:
-                raise
-            except Exception as exc:
-                self.contain(None, exc)
-            self.meter.own += _clock() - t0
-            result = call(*args, **kwargs)
-            t0 = _clock()
-            try:
-                self.dispatch("backward_done", tensors, kwargs)
-                if self.watched.primary is None:
-                    if self.sampling:
-                        self._resolve()
-                    self._backward_pending = True
-            except GuardError:
-                raise
-            except Exception as exc:
-                self.contain(None, exc)
-            return result
-        finally:
-            self.meter.own += _clock() - t0
-            tls.in_backward = False
-            # A model guard owns a backward only while its model has forwards not yet back-propagated
-            # in this thread (two forwards, two backwards: both are ours; another model's: not).
-            tls.forwards = max(0, getattr(tls, "forwards", 0) - 1)
 
     # ------------------------------------------------------------------ exit & report
     def on_process_exit(self, reason: str) -> None:

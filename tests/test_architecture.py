@@ -12,7 +12,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 LAYERS = [
     {"findings", "record", "config", "tensors", "hooks", "_frames", "_dist", "_procs", "meter", "callstack"},
     {"checks", "report"},
-    {"staging", "router", "watched", "session"},
+    {"staging", "router", "watched", "wiring", "session"},
     {"wrap", "__init__", "__main__", "pytest_plugin", "_autostart"},
 ]
 
