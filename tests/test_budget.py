@@ -103,9 +103,11 @@ def test_slow_costly_check_is_sampled_and_says_so(slow):
 
 
 def _summary_line(g):
+    """The exit summary's cost line, rendered from the guard's record as the summary does."""
     from guard.report.console import _cost_line
+    from guard.report.model import build_record
 
-    return _cost_line(g)
+    return _cost_line(build_record(g))
 
 
 def test_without_budget_nothing_is_sampled(slow):
