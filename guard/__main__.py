@@ -145,8 +145,11 @@ def cmd_run(argv: Sequence[str]) -> int:
     from .config import ConfigError
     from .findings import SEVERITY_RANK
 
+    live = opts["live"]
+    if live is None and str(opts["mode"] or "").strip().lower() != "record":
+        live = True  # like the environment's guard, `guard run` prints its findings off a terminal too (a log, CI)
     try:
-        g = guard(checks=opts["checks"], mode=opts["mode"], report=opts["report"], live=opts["live"],
+        g = guard(checks=opts["checks"], mode=opts["mode"], report=opts["report"], live=live,
                   every=opts["every"], origin={"checks": "--checks", "mode": "--mode", "report": "--report",
                                                "every": "--every"})
     except ConfigError as exc:

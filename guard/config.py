@@ -205,7 +205,9 @@ def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks"
 
             near = difflib.get_close_matches(name, ["default", "all", *registry, *by_kind], n=1, cutoff=0.75)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ConfigError(f"guard: {origin} has unknown check {name!r}; {hint}allowed: {allowed}")
+            # no near name: the check names themselves, to pick from at once (the many kinds stay behind the command)
+            what = allowed if near else f"default, all, a check ({', '.join(sorted(registry))}) or a kind (list: python -m guard checks)"
+            raise ConfigError(f"guard: {origin} has unknown check {name!r}; {hint}allowed: {what}")
     # A check that only adds to other checks' findings (``always``) is on whenever one of its kinds is.
     checks.update(n for n, c in registry.items() if getattr(c, "always", False) and n not in removed
                   and kinds & set(c.kinds))

@@ -50,7 +50,7 @@ def _hostile_session(tmp_path, live=False, stream=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = guard(model, opt, mode="record", live=live, report=str(tmp_path / "h.json"))
     if stream is not None:
-        g._console()._stream = stream
+        g.console()._stream = stream
     with g:
         for k in HOSTILE:  # one step each: the first NaN origin of each step is reported
             for b in blocks.values():

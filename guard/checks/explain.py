@@ -192,6 +192,18 @@ class ExplainErrors(Check):
             if cm is not None:
                 cm.__exit__(None, None, None)
 
+    def on_exit(self):
+        """A model call whose end guard never saw (closed or paused mid-call): lift its hooks, never leave them behind."""
+        if threading.get_ident() != self._thread:
+            return  # saved-tensor hooks are per thread: only the thread that pushed them can lift them
+        while self._pushed:
+            cm = self._pushed.pop()
+            if cm is not None:
+                try:
+                    cm.__exit__(None, None, None)
+                except Exception:
+                    pass
+
     def _failing_module(self, exc: BaseException) -> Optional[str]:
         """Path of the innermost watched module whose call the exception came through."""
         path = None
