@@ -1,7 +1,6 @@
 """Module calls in flight per thread, for a global guard that must tell outermost calls from nested ones."""
 from __future__ import annotations
 
-import sys
 from typing import Any, List
 
 
@@ -17,14 +16,9 @@ def push_call(tls: Any, frame: Any) -> int:
         calls = tls.calls = []
     if calls:
         top = calls[-1]
-        try:  # a direct child: hook, inner, _call_impl, _wrapped_call_impl, parent's forward, parent's inner
-            f = sys._getframe(6)  # walks without making frame objects (the parent's exists: it is `top`)
-        except ValueError:
-            f = None
-        if f is not top:
-            f, hops = frame.f_back, 12
-            while f is not None and f is not top and hops:
-                f, hops = f.f_back, hops - 1
+        f, hops = frame.f_back, 12  # a direct child: _call_impl, _wrapped_call_impl, parent's forward, top
+        while f is not None and f is not top and hops:
+            f, hops = f.f_back, hops - 1
         if f is not top:
             live = set()
             f = frame.f_back

@@ -76,6 +76,14 @@ def eager_frames() -> None:
 
 
 _HOOK_CODE = _eager_only(len).__code__
+
+
+def caller_frame() -> Any:
+    """The frame that called the running hook (torch's ``inner``), past guard's own hook wrapper."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code is _HOOK_CODE:
+        f = f.f_back
+    return f
 _EAGER_CODES: set = set()
 
 

@@ -94,7 +94,7 @@ class Wiring:
     # ------------------------------------------------------------------ hooks (hot paths)
     def _hook_pre_global(self, module: nn.Module, args: tuple) -> None:
         t0 = _clock()
-        depth = push_call(self._tls, sys._getframe(1))
+        depth = push_call(self._tls, _hooks.caller_frame())
         if depth == 0:
             if module not in self._paths_weak:
                 self.watched.adopt_root(module)

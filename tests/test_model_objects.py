@@ -49,7 +49,7 @@ def _guard_hooks(module):
     for m in module.modules():
         for name in ("_forward_pre_hooks", "_forward_hooks"):
             for h in getattr(m, name).values():
-                owner = getattr(h, "__self__", None)
+                owner = getattr(getattr(h, "__wrapped__", h), "__self__", None)  # hooks wrapped by hooks._eager_only
                 if type(owner).__module__.startswith("guard"):
                     found.append((type(m).__name__, name))
     return found
