@@ -40,10 +40,11 @@ _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 class _Loader:
-    __slots__ = ("name", "source", "seen", "counted", "single", "classes", "lo", "hi", "since", "done", "desc")
+    __slots__ = ("name", "source", "seen", "counted", "single", "classes", "lo", "hi", "since", "done", "desc", "ref")
 
     def __init__(self, name: Optional[str], source: Optional[str], desc: str):
         self.name, self.source, self.desc = name, source, desc
+        self.ref: Any = None  # weakref to the DataLoader
         self.seen = self.counted = self.single = 0
         self.classes: List[int] = []  # labels that filled a whole batch, in order of first sight
         self.lo: Optional[int] = None
@@ -67,8 +68,8 @@ def _labels(batch: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def _name_of(loader: Any) -> Optional[str]:
-    f = user_frame(3)
+def _name_of(loader: Any, depth: int = 3) -> Optional[str]:
+    f = user_frame(depth)
     if f is None:
         return None
     for scope in (f.f_locals, f.f_globals):
@@ -107,7 +108,10 @@ class UnshuffledLabels(Check):
             except Exception:
                 size = ""
             desc = f"shuffle=False: SequentialSampler over {type(ds).__name__}{size}, batch_size={bs.batch_size}"
-            st = self._loaders[loader] = _Loader(_name_of(loader), self.g.source(), desc)
+            # The loader's variable name is looked up only when reporting: reading a frame's f_locals keeps a
+            # snapshot of its variables alive (Python < 3.13), which would hold the user's model and optimizer.
+            st = self._loaders[loader] = _Loader(None, self.g.source(), desc)
+            st.ref = weakref.ref(loader)
         if not st.done and result is not None:
             self._iters[result] = st
 
@@ -149,6 +153,9 @@ class UnshuffledLabels(Check):
             self._report(st)
 
     def _report(self, st: _Loader) -> None:
+        loader = st.ref() if st.ref is not None else None
+        if st.name is None and loader is not None:
+            st.name = _name_of(loader, 2)
         name = f"`{st.name}`" if st.name else "a DataLoader"
         where = st.name or "DataLoader"
         at = f" (iterated at {st.source})" if st.source else ""
