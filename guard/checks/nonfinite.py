@@ -117,7 +117,7 @@ class NonFinite(Check):
     def _flag(self, t: torch.Tensor) -> int:
         """Keep a sum of `t` (NaN/Inf anywhere makes it non-finite); all are tested once per step."""
         i = len(self._sums)
-        d = distinct_view(t.detach())  # an expand()ed view: its distinct values only (2**40 rows cost nothing)
+        d = distinct_view(t.detach() if t.requires_grad else t)  # an expand()ed view: its distinct values only (2**40 rows cost nothing)
         self._sums.append(d.sum(dtype=torch.float32) if d.dtype in _HALF else d.sum())
         if i == 0:
             self.g.stage_batch(self._collect)
