@@ -140,35 +140,49 @@ class Router:
             keeps.append(bool(kept))
         return keeps[0], keeps[1]
 
-    def patch_middleware(self, event: str, active: Callable[[], bool], tls: Any, meter: Any = None) -> Callable:
+    def patch_middleware(self, event: Any, active: Callable[[], bool], tls: Any, meter: Any = None) -> Callable:
         """An installer middleware that sends `event`, `event_done`, `event_error` around a patched call.
 
-        The time of the dispatches (not of the call) is added to `meter` (guard's own cost).
+        `event` may be a tuple of events that patch the same target: one wrapper layer for all of them
+        (pre events in order, done/error events in reverse, as nested layers would). Events without
+        handlers are not dispatched. The time of the dispatches (not of the call) is added to `meter`
+        (guard's own cost).
         """
         clock = time.perf_counter
+        events = (event,) if isinstance(event, str) else tuple(event)
+        done = tuple(e + "_done" for e in reversed(events))
+        error = tuple(e + "_error" for e in reversed(events))
 
         def middleware(call: Callable, args: tuple, kwargs: dict) -> Any:
             if not active() or getattr(tls, "in_patch", False):
                 return call(*args, **kwargs)
+            hs = self.handlers  # replaced by rebuild(): read at call time
             t0 = clock()
-            tls.in_patch = True
-            try:
-                self.dispatch(event, args, kwargs)
-            finally:
-                tls.in_patch = False
-                if meter is not None:
-                    meter.own += clock() - t0
+            for ev in events:
+                if ev in hs:
+                    tls.in_patch = True
+                    try:
+                        self.dispatch(ev, args, kwargs)
+                    finally:
+                        tls.in_patch = False
+            if meter is not None:
+                meter.own += clock() - t0
             try:
                 result = call(*args, **kwargs)
             except BaseException as exc:
-                try:
-                    self.dispatch(event + "_error", args, kwargs, exc)
-                except GuardError:
-                    pass  # the call's own exception is the one to see (raise mode included)
+                for ev in error:
+                    if ev in self.handlers:
+                        try:
+                            self.dispatch(ev, args, kwargs, exc)
+                        except GuardError:
+                            pass  # the call's own exception is the one to see (raise mode included)
                 raise
+            hs = self.handlers
             t0 = clock()
             try:
-                self.dispatch(event + "_done", args, kwargs, result)
+                for ev in done:
+                    if ev in hs:
+                        self.dispatch(ev, args, kwargs, result)
             finally:
                 if meter is not None:
                     meter.own += clock() - t0

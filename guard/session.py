@@ -394,9 +394,12 @@ class Guard:
         if not self._optimizers:
             inst.optimizer_hooks(None, self._hook_step_pre, self._hook_step_post)
         inst.patch("torch.autograd.backward", self._mw_backward)
+        by_target: Dict[str, List[str]] = {}  # one wrapper layer per target, whatever the number of checks on it
         for ev, target in router.patch_targets().items():
+            by_target.setdefault(target, []).append(ev)
+        for target, evs in by_target.items():
             try:
-                inst.patch(target, router.patch_middleware(ev, lambda: self._active, self._tls, self.meter))
+                inst.patch(target, router.patch_middleware(tuple(evs), lambda: self._active, self._tls, self.meter))
             except (AttributeError, ImportError, ValueError):
                 pass  # a target this torch version lacks (private hooks points): the check does without
         inst.process_exit(self)
