@@ -11,6 +11,7 @@ import time
 import traceback
 import warnings
 import weakref
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .checks.base import Check
@@ -39,6 +40,7 @@ class Router:
         # after its first call to those that keep it (Check.steady).
         self.pre_for: Dict[int, Tuple[Any, List[Handler]]] = {}
         self.post_for: Dict[int, Tuple[Any, List[Handler]]] = {}
+        self.memo: Optional[list] = None  # [thread id, source line, computed] of the dispatch running now
 
     def set_checks(self, checks: List[Check]) -> None:
         """Route to `checks` from now on."""
@@ -69,13 +71,22 @@ class Router:
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, event: str, *args: Any) -> None:
         """Call every handler of `event`; a failing check is contained, a `GuardError` propagates."""
-        for check, fn in self.handlers.get(event, ()):
-            try:
-                fn(*args)
-            except GuardError:
-                raise
-            except Exception as exc:
-                self.contain(check, exc)
+        hs = self.handlers.get(event)
+        if not hs:
+            return
+        # The user's source line is the same for every handler of one dispatch: `Guard.source()`
+        # walks the frames once per dispatch (in this thread), not once per check that asks.
+        outer, self.memo = self.memo, [get_ident(), None, False]
+        try:
+            for check, fn in hs:
+                try:
+                    fn(*args)
+                except GuardError:
+                    raise
+                except Exception as exc:
+                    self.contain(check, exc)
+        finally:
+            self.memo = outer
 
     def nonroot(self, cache: Dict[int, Tuple[Any, List[Handler]]], handlers: List[Handler], module: Any) -> List[Handler]:
         """`handlers` of the checks that watch `module` in a non-root call, decided once per module."""
