@@ -30,10 +30,15 @@ def user_source(depth: int = 1) -> Optional[str]:
         f = sys._getframe(depth)
     except ValueError:
         return None
+    cache = _cache
     while f is not None:
-        code = f.f_code
-        if not is_skipped(code.co_filename):
-            return f"{short_path(code.co_filename)}:{f.f_lineno}"
+        name = f.f_code.co_filename
+        skip = cache.get(name)  # inlined is_skipped (a call per frame, several walks a step)
+        if skip is None:
+            skip = is_skipped(name)
+        if not skip:
+            short = _short_cache.get(name)
+            return f"{short if short is not None else short_path(name)}:{f.f_lineno}"
         f = f.f_back
     return None
 

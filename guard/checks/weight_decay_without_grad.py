@@ -208,10 +208,13 @@ class WeightDecayWithoutGrad(Check):
         if opt is None:
             return
         n = len(cands)
-        pnorm = dict(zip(sids, values[n:]))
+        zeros = [k for k, v in enumerate(values[:n]) if v == 0.0]  # zero gradients only
         tracks = self._tracks.setdefault(opt, {})
+        if not zeros and not tracks:
+            return  # the healthy step: no run to start or break, nothing hooked or reported changes
+        pnorm = dict(zip(sids, values[n:]))
         live: Dict[int, _Track] = {}
-        for k in [k for k, v in enumerate(values[:n]) if v == 0.0]:  # zero gradients only
+        for k in zeros:
             p, _, gi, why, wd = cands[k]
             if id(p) in reached:
                 continue
