@@ -85,6 +85,8 @@ class _Patch:
             subs = patch.subscribers
             if not subs:
                 return func(*args, **kwargs)
+            if len(subs) == 1:  # the usual case: one guard on the target
+                return subs[0][1](func, args, kwargs)
             return patch._chain(func, subs, 0, args, kwargs)
 
         wrapper.__wrapped__ = func  # type: ignore[attr-defined]
@@ -96,8 +98,8 @@ class _Patch:
         self.installed = kind(wrapper) if kind is not None else wrapper
 
     def _chain(self, func: Callable, subs: list, i: int, args: tuple, kwargs: dict) -> Any:
-        if i >= len(subs):
-            return func(*args, **kwargs)
+        if i >= len(subs) - 1:  # the innermost middleware calls the function itself (no wrapper lambda)
+            return subs[i][1](func, args, kwargs) if i < len(subs) else func(*args, **kwargs)
         nxt = lambda *a, **k: self._chain(func, subs, i + 1, a, k)  # noqa: E731
         return subs[i][1](nxt, args, kwargs)
 
