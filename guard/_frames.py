@@ -71,11 +71,15 @@ def user_source(depth: int = 1) -> Optional[str]:
     except ValueError:
         return None
     fallback = None
+    cache = _cache
     while f is not None:
-        code = f.f_code
-        level = _level(code.co_filename)
+        name = f.f_code.co_filename
+        level = cache.get(name)  # inlined lookup (a call per frame, several walks a step)
+        if level is None:
+            level = _level(name)
         if level == 0:
-            return f"{short_path(code.co_filename)}:{f.f_lineno}"
+            short = _short_cache.get(name)
+            return f"{short if short is not None else short_path(name)}:{f.f_lineno}"
         if level == 1 and fallback is None:
             fallback = f
         f = f.f_back

@@ -152,6 +152,8 @@ class _Patch:
             try:
                 if reattribute:
                     return _as_caller(sys._getframe(1), patch._chain, func, subs, args, kwargs)
+                if len(subs) == 1:  # the usual case: one guard on the target
+                    return subs[0][1](func, args, kwargs)
                 return patch._chain(func, subs, 0, args, kwargs)
             except BaseException as exc:
                 _drop_own_frames(exc)
@@ -166,8 +168,8 @@ class _Patch:
         self.installed = kind(wrapper) if kind is not None else wrapper
 
     def _chain(self, func: Callable, subs: list, i: int, args: tuple, kwargs: dict) -> Any:
-        if i >= len(subs):
-            return func(*args, **kwargs)
+        if i >= len(subs) - 1:  # the innermost middleware calls the function itself (no wrapper lambda)
+            return subs[i][1](func, args, kwargs) if i < len(subs) else func(*args, **kwargs)
         nxt = lambda *a, **k: self._chain(func, subs, i + 1, a, k)  # noqa: E731
         return subs[i][1](nxt, args, kwargs)
 

@@ -11,6 +11,7 @@ import time
 import traceback
 import warnings
 import weakref
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .checks.base import Check
@@ -39,6 +40,7 @@ class Router:
         # after its first call to those that keep it (Check.steady).
         self.pre_for: Dict[int, Tuple[Any, List[Handler]]] = {}
         self.post_for: Dict[int, Tuple[Any, List[Handler]]] = {}
+        self.memo: Optional[list] = None  # [thread id, source line, computed] of the dispatch running now
 
     def set_checks(self, checks: List[Check]) -> None:
         """Route to `checks` from now on."""
@@ -69,13 +71,22 @@ class Router:
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, event: str, *args: Any) -> None:
         """Call every handler of `event`; a failing check is contained, a `GuardError` propagates."""
-        for check, fn in self.handlers.get(event, ()):
-            try:
-                fn(*args)
-            except GuardError:
-                raise
-            except Exception as exc:
-                self.contain(check, exc)
+        hs = self.handlers.get(event)
+        if not hs:
+            return
+        # The user's source line is the same for every handler of one dispatch: `Guard.source()`
+        # walks the frames once per dispatch (in this thread), not once per check that asks.
+        outer, self.memo = self.memo, [get_ident(), None, False]
+        try:
+            for check, fn in hs:
+                try:
+                    fn(*args)
+                except GuardError:
+                    raise
+                except Exception as exc:
+                    self.contain(check, exc)
+        finally:
+            self.memo = outer
 
     def nonroot(self, cache: Dict[int, Tuple[Any, List[Handler]]], handlers: List[Handler], module: Any) -> List[Handler]:
         """`handlers` of the checks that watch `module` in a non-root call, decided once per module."""
@@ -140,35 +151,49 @@ class Router:
             keeps.append(bool(kept))
         return keeps[0], keeps[1]
 
-    def patch_middleware(self, event: str, active: Callable[[], bool], tls: Any, meter: Any = None) -> Callable:
+    def patch_middleware(self, event: Any, active: Callable[[], bool], tls: Any, meter: Any = None) -> Callable:
         """An installer middleware that sends `event`, `event_done`, `event_error` around a patched call.
 
-        The time of the dispatches (not of the call) is added to `meter` (guard's own cost).
+        `event` may be a tuple of events that patch the same target: one wrapper layer for all of them
+        (pre events in order, done/error events in reverse, as nested layers would). Events without
+        handlers are not dispatched. The time of the dispatches (not of the call) is added to `meter`
+        (guard's own cost).
         """
         clock = time.perf_counter
+        events = (event,) if isinstance(event, str) else tuple(event)
+        done = tuple(e + "_done" for e in reversed(events))
+        error = tuple(e + "_error" for e in reversed(events))
 
         def middleware(call: Callable, args: tuple, kwargs: dict) -> Any:
             if not active() or getattr(tls, "in_patch", False):
                 return call(*args, **kwargs)
+            hs = self.handlers  # replaced by rebuild(): read at call time
             t0 = clock()
-            tls.in_patch = True
-            try:
-                self.dispatch(event, args, kwargs)
-            finally:
-                tls.in_patch = False
-                if meter is not None:
-                    meter.own += clock() - t0
+            for ev in events:
+                if ev in hs:
+                    tls.in_patch = True
+                    try:
+                        self.dispatch(ev, args, kwargs)
+                    finally:
+                        tls.in_patch = False
+            if meter is not None:
+                meter.own += clock() - t0
             try:
                 result = call(*args, **kwargs)
             except BaseException as exc:
-                try:
-                    self.dispatch(event + "_error", args, kwargs, exc)
-                except GuardError:
-                    pass  # the call's own exception is the one to see (raise mode included)
+                for ev in error:
+                    if ev in self.handlers:
+                        try:
+                            self.dispatch(ev, args, kwargs, exc)
+                        except GuardError:
+                            pass  # the call's own exception is the one to see (raise mode included)
                 raise
+            hs = self.handlers
             t0 = clock()
             try:
-                self.dispatch(event + "_done", args, kwargs, result)
+                for ev in done:
+                    if ev in hs:
+                        self.dispatch(ev, args, kwargs, result)
             finally:
                 if meter is not None:
                     meter.own += clock() - t0

@@ -361,6 +361,11 @@ class Guard(Wiring):
 
     def source(self) -> Optional[str]:
         """``file:line`` of the user's code that is running now."""
+        m = self.router.memo
+        if m is not None and m[0] == threading.get_ident():  # within one dispatch: walked once
+            if not m[2]:
+                m[1], m[2] = user_source(2), True
+            return m[1]
         return user_source(2)
 
     @property

@@ -98,7 +98,8 @@ class Staging:
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
         for t in ts:
             if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and t.device.type != "meta":
-                v = t.detach().reshape(()).float()
+                v = _scalar(t)
+                v = v if v.dtype is torch.float32 else v.float()
                 self._loss = v if self._loss is None or self._loss.device != v.device else self._loss + v
 
     def grad_norms(self, optimizer: Optional[torch.optim.Optimizer], params: Callable[[], List[torch.Tensor]],
@@ -171,6 +172,12 @@ class Staging:
         return entry
 
 
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a 0-dim tensor without autograd history; no op where it is one already (small ops add up per step)."""
+    t = t.detach() if t.requires_grad else t
+    return t if t.dim() == 0 else t.reshape(())
+
+
 def read(staged: Sequence[Tuple[torch.Tensor, Any, int]]) -> List[Any]:
     """Host values of all staged tensors: batched per device and kind, one transfer per device.
 
@@ -189,13 +196,16 @@ def read(staged: Sequence[Tuple[torch.Tensor, Any, int]]) -> List[Any]:
                 continue
             if kind == _BATCH:
                 for i in idx:
-                    v = staged[i][0].detach().reshape(-1).to(torch.float32)
+                    v = staged[i][0]
+                    v = v.detach() if v.requires_grad else v
+                    v = v if v.dim() == 1 else v.reshape(-1)
+                    v = v if v.dtype is torch.float32 else v.to(torch.float32)
                     parts.append(v)
                     spans.append((i, pos, v.numel()))
                     pos += v.numel()
                 continue
-            ts = torch.stack([staged[i][0].detach().reshape(()) for i in idx])
-            parts.append(ts.to(torch.float32))
+            ts = torch.stack([_scalar(staged[i][0]) for i in idx])
+            parts.append(ts if ts.dtype is torch.float32 else ts.to(torch.float32))
             for i in idx:
                 spans.append((i, pos, -1))
                 pos += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from time import perf_counter as _clock
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -84,9 +84,12 @@ class Wiring:
         _hooks.eager_frames()
         if not self._models:  # the global hooks fire for torch.compile's wrapper too; guard counts it once
             inst.ignore_warning(r"Using `torch\.compile\(module\)` when there are global hooks on modules")
+        by_target: Dict[str, List[str]] = {}  # one wrapper layer per target, whatever the number of checks on it
         for ev, target in router.patch_targets().items():
+            by_target.setdefault(target, []).append(ev)
+        for target, evs in by_target.items():
             try:
-                inst.patch(target, router.patch_middleware(ev, lambda: self._active, self._tls, self.meter))
+                inst.patch(target, router.patch_middleware(tuple(evs), lambda: self._active, self._tls, self.meter))
             except (AttributeError, ImportError, ValueError):
                 pass  # a target this torch version lacks (private hooks points): the check does without
         inst.process_exit(self)

@@ -130,7 +130,7 @@ class WeightDecayWithoutGrad(Check):
         # Weights are measured only for parameters whose gradient was zero at the last resolved step:
         # nothing extra to reduce while every gradient carries signal.
         tracks = self._tracks.get(optimizer, {})
-        suspects = [c[0] for c in cands if id(c[0]) in tracks]
+        suspects = [c[0] for c in cands if id(c[0]) in tracks] if tracks else []  # none: no pass over the parameters
         with torch.no_grad():
             pn = Norms([p.detach() for p in suspects])
         pstack, pids = None, []
@@ -164,6 +164,10 @@ class WeightDecayWithoutGrad(Check):
 
         def update(values, gids, n_g):
             """`values`: gradient norms in `gids` order, then the suspects' weight norms in `pids` order."""
+            if not suspects and 0.0 not in values[:n_g]:
+                opt = oref()
+                if opt is None or not self._tracks.get(opt):
+                    return  # the healthy step (no zero gradient, no run under way): no per-parameter pass
             by_param = dict(zip(gids, values))
             g_vals = [by_param[c[1]] for c in cands]
             p_vals = [0.0] * len(pids)
@@ -208,10 +212,13 @@ class WeightDecayWithoutGrad(Check):
         if opt is None:
             return
         n = len(cands)
-        pnorm = dict(zip(sids, values[n:]))
+        zeros = [k for k, v in enumerate(values[:n]) if v == 0.0]  # zero gradients only
         tracks = self._tracks.setdefault(opt, {})
+        if not zeros and not tracks:
+            return  # the healthy step: no run to start or break, nothing hooked or reported changes
+        pnorm = dict(zip(sids, values[n:]))
         live: Dict[int, _Track] = {}
-        for k in [k for k, v in enumerate(values[:n]) if v == 0.0]:  # zero gradients only
+        for k in zeros:
             p, _, gi, why, wd = cands[k]
             if id(p) in reached:
                 continue
