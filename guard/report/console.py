@@ -112,13 +112,16 @@ class LiveConsole:
             self.stream.flush()
 
 
+MIN_COST_STEPS = 20
+
+
 def _cost_line(record: Any) -> str:
     """``guard cost 3.1% of step time`` (and what a budget sampled), or "" before two steps."""
     cost = getattr(record, "cost", None)  # a Record's field, or a live guard's method
     cost = (cost() if callable(cost) else cost) or {}
     ov = cost.get("overhead")
-    if ov is None:
-        return ""
+    if ov is None or (cost.get("steps_measured", 0) < MIN_COST_STEPS and cost.get("budget") is None):
+        return ""  # a few steps of a toy model: guard's share says little about a real run
     line = f"guard cost {ov * 100:.1f}% of step time"
     if cost.get("sampled_checks"):
         line += (f" (budget {cost['budget'] * 100:g}%: {', '.join(cost['sampled_checks'])} sampled, "
