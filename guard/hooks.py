@@ -115,8 +115,19 @@ class _Handle:
 
 # --------------------------------------------------------------------------- patches
 
+_resolved: Dict[str, Tuple[Any, str]] = {}
+
+
 def _resolve_target(target: str) -> Tuple[Any, str]:
-    """``"torch.utils.data.DataLoader.__iter__"`` -> (DataLoader class, "__iter__")."""
+    """``"torch.utils.data.DataLoader.__iter__"`` -> (DataLoader class, "__iter__"), looked up once per target
+    (trying the longest importable module first costs failed imports, at every guard start otherwise)."""
+    hit = _resolved.get(target)
+    if hit is None:
+        hit = _resolved[target] = _find_target(target)
+    return hit
+
+
+def _find_target(target: str) -> Tuple[Any, str]:
     parts = target.split(".")
     for i in range(len(parts) - 1, 0, -1):
         try:
