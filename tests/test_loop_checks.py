@@ -189,7 +189,7 @@ def test_retained_graph_memory_grows_and_item_keeps_it_flat():
     _rss_growth(True, steps=400)  # warm up allocator and kernels
     flat = _rss_growth(True)
     grows = _rss_growth(False)
-    assert grows > 4 * 2 ** 20, grows  # about 10 KB per step of graph nodes
+    assert grows > 2 * 2 ** 20, grows  # graph nodes of every step kept (RSS: allocator reuse makes it vary)
     assert flat < grows / 5, (flat, grows)
 
 
