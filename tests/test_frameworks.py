@@ -21,6 +21,10 @@ from guard.integrations.transformers import GuardCallback as HFGuard  # noqa: E4
 
 HERE = os.path.relpath(__file__)
 N, BATCH, BAD = 96, 8, 40  # row BAD carries the planted fault
+# The device the user's forward hard-codes for a tensor it makes (`torch.ones(..., device=STALE)`). The
+# frameworks put the model and the batch on the CPU; `meta` stands in for the other device (on a GPU
+# machine: the model on CUDA and a tensor made with the CPU default inside forward).
+STALE = torch.device("meta")
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*has no logger configured.*")
 
@@ -53,14 +57,19 @@ class Gate(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, bn=False):
+    def __init__(self, fault=None):
         super().__init__()
         self.gate = Gate()
-        self.body = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16) if bn else nn.Identity(), nn.ReLU(),
-                                  nn.Linear(16, 3))
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16) if fault == "bn-last" else nn.Identity(),
+                                  nn.ReLU(), nn.Linear(16, 3))
+        self.stale = fault == "device"
+        if self.stale:
+            self.offset = nn.Linear(1, 3)  # a learned offset per class, fed with a constant made in forward
 
     def forward(self, x, labels=None):
         logits = self.body(self.gate(x))
+        if self.stale:
+            logits = logits + self.offset(torch.ones(len(x), 1, device=STALE))  # BUG: not device=x.device
         if labels is None:
             return {"logits": logits}
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
@@ -78,7 +87,7 @@ def loader(fault):
 
 def run_loop(fault, closure=False):
     torch.manual_seed(0)
-    model = Net(bn=fault == "bn-last")
+    model = Net(fault)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     keep = Holder()
     try:
@@ -99,14 +108,14 @@ def run_loop(fault, closure=False):
                         step()
                         opt.step()
     except (IndexError, RuntimeError, ValueError):
-        assert fault in ("target", "bn-last")
+        assert fault in ("target", "bn-last", "device")
     return g
 
 
 class Lit(L.LightningModule):
     def __init__(self, fault=None, manual=False):
         super().__init__()
-        self.net, self.fault, self.total = Net(bn=fault == "bn-last"), fault, 0.0
+        self.net, self.fault, self.total = Net(fault), fault, 0.0
         self.automatic_optimization = not manual
         self.losses = []
 
@@ -145,7 +154,7 @@ def run_lightning(fault, manual=False, cb=True, val=False, **kw):
     try:
         trainer([cbk] if cb else [], **kw).fit(lit, loader(fault), loader(None) if val else None)
     except (IndexError, RuntimeError, ValueError):
-        assert fault in ("target", "bn-last")
+        assert fault in ("target", "bn-last", "device")
     return cbk.guard, lit
 
 
@@ -172,13 +181,13 @@ def hf_args(tmp, **kw):
 def run_hf(fault, tmp, cb=True, **kw):
     torch.manual_seed(0)
     cbk = HFGuard(live=False)
-    tr = HFTrainer(model=Net(bn=fault == "bn-last"), args=hf_args(tmp, **kw), train_dataset=Data(fault),
+    tr = HFTrainer(model=Net(fault), args=hf_args(tmp, **kw), train_dataset=Data(fault),
                    eval_dataset=Data(None, seed=1) if kw.get("eval_strategy") else None, callbacks=[cbk] if cb else [])
     tr.fault = fault
     try:
         tr.train()
     except (IndexError, RuntimeError, ValueError):
-        assert fault in ("target", "bn-last")
+        assert fault in ("target", "bn-last", "device")
     finally:
         cbk.close()
     return cbk.guard, tr
@@ -188,7 +197,8 @@ def run_hf(fault, tmp, cb=True, **kw):
 
 EXPECTED = {"nan-input": ("nonfinite-input", "input"), "nan-module": ("nonfinite-output", "gate"),
             "target": ("target-out-of-range", "loss"), "retained": ("loss-graph-retained", "total"),
-            "no-zero-grad": ("missing-zero-grad", "SGD"), "bn-last": ("batchnorm-last-batch", "input")}
+            "no-zero-grad": ("missing-zero-grad", "SGD"), "bn-last": ("batchnorm-last-batch", "input"),
+            "device": ("device-mismatch", "offset")}
 STACKS = ["loop", "closure", "lightning", "lightning-manual", "hf"]
 
 
