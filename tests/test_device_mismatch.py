@@ -260,3 +260,53 @@ def test_pytorch_error_escaping_the_block_carries_the_finding_as_a_note():
     notes = getattr(err.value, "__notes__", [])
     assert any(n.startswith("guard: device-mismatch at Linear (step 0)") and "x = x.to(device)" in n for n in notes)
     assert [f.kind for f in g.findings] == ["device-mismatch"]  # explained once, not again as explained-error
+
+
+class Tagged(nn.Module):
+    """Adds a learned offset fed with a constant made in forward: `torch.ones(n, 1)` lands on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.offset = nn.Linear(1, 3)
+
+    def forward(self, x):
+        return self.fc(x) + self.offset(torch.ones(len(x), 1))  # BUG: not device=x.device
+
+
+class Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x * 2)  # a tensor computed from the model's input, not made in forward
+
+
+def _line_of(text):
+    with open(__file__) as fh:
+        return next(i for i, line in enumerate(fh, 1) if text in line)
+
+
+def test_tensor_made_in_forward_on_the_default_device_names_that_line():
+    model = Tagged().to("meta")  # meta stands in for the GPU: model and batch are there, the constant is not
+    with pytest.raises(RuntimeError):
+        with guard(model, live=False) as g:
+            model(torch.empty(2, 4, device="meta"))
+    (f,) = g.findings
+    assert f.kind == "device-mismatch" and f.where == "offset"
+    assert "got input (args[0]) on cpu (made inside forward: the model's inputs are on meta)" in f.message
+    assert "device=x.device" in f.hint and "register_buffer" in f.hint and "returns a copy" not in f.hint
+    assert f.source == f"{os.path.relpath(__file__)}:{_line_of('# BUG: not device=x.device')}"
+    assert f.details["made_in_forward"] is True
+
+
+def test_batch_not_moved_through_a_custom_forward_still_blames_the_batch():
+    model = Wrapped().to("meta")
+    with guard(model, live=False) as g:
+        with pytest.raises(RuntimeError):
+            model(torch.randn(2, 4))  # the line the fix belongs to (x.to(device) not assigned)
+    (f,) = g.findings
+    assert f.where == "fc" and "made inside forward" not in f.message and "made_in_forward" not in f.details
+    assert "x = x.to(device)" in f.hint
+    assert f.source == f"{os.path.relpath(__file__)}:{_line_of('# the line the fix belongs to')}"

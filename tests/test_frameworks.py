@@ -228,6 +228,11 @@ def test_planted_pitfall(stack, fault, hf_tmp):
     assert first.where.endswith(where)  # the holder may be `total`, `keep.total`, `lit.total`
     assert first.source and first.source.startswith(HERE + ":"), first.source
     assert not [f for f in g.findings if f.kind in ("eval-without-no-grad", "nonfinite-param")]
+    if fault == "device":  # the line in forward that made the tensor, whichever stack ran it; no follow-on finding
+        with open(__file__) as fh:
+            line = next(i for i, text in enumerate(fh, 1) if "# BUG: not device=x.device" in text)
+        assert first.source == f"{HERE}:{line}" and "device=x.device" in first.hint, first
+        assert [f.kind for f in g.findings] == ["device-mismatch"] and not g.active
 
 
 # --------------------------------------------------------------------------- healthy twins

@@ -103,6 +103,11 @@ def _where_words(d_in: torch.device, d_model: torch.device, what: str = "input")
     return ""
 
 
+MADE_HINT = ("A tensor made inside `forward` lands on the default device (the CPU) or on the device written in the "
+             "code, not where the model is: make it on the input's device, `torch.ones(..., device=x.device)` or "
+             "`x.new_ones(...)`, or keep a constant as a buffer, `self.register_buffer(name, t, persistent=False)`, "
+             "which `model.to(device)` moves.")
+
 COPY_HINT = ("`tensor.cuda()` / `tensor.to(device)` returns a copy and leaves the tensor where it was: assign it, "
              "`x = x.to(device)` (unlike `model.to(device)`, which moves the model in place).")
 
@@ -130,6 +135,9 @@ class DeviceMismatch(Check):
         self._strict: Dict[type, bool] = {}
         self._opt_seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self._note: Any = None  # (where, step, message, hint) of the last finding, for the exception's note
+        # (args, kwargs) of the outermost model call in progress: tells a batch that was not moved from a
+        # tensor made inside forward. Held only during that call (a graph it carries must not outlive it).
+        self._root_in: Any = None
 
     def _emit(self, where: str, message: str, hint: str, **kw) -> None:
         self._note = (where, self.g.step, message, hint)
@@ -139,6 +147,7 @@ class DeviceMismatch(Check):
         """PyTorch's device error escapes after guard reported it: add the finding as a note to the traceback."""
         if self._note is None or not isinstance(exc, RuntimeError) or "device" not in str(exc):
             return
+        self._root_in = None
         where, step, message, hint = self._note
         self._note = None
         add_guard_note(exc, f"{NOTE_PREFIX}device-mismatch at {where} (step {step}): {message}\n  fix: {hint}")
@@ -153,6 +162,8 @@ class DeviceMismatch(Check):
         return strict, hasattr(module, "_hf_hook") or type(module).__module__.startswith("torch.distributed.")
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if is_root:
+            self._root_in = (args, kwargs)
         params, bufs = module._parameters, module._buffers
         if not params and not bufs:
             return
@@ -189,10 +200,22 @@ class DeviceMismatch(Check):
                     return
             if not strict and not (t.is_floating_point() or t.is_complex()):
                 continue  # custom modules may take CPU index/length tensors on purpose
-            self._report_input(module, path, name, d, pname, dev)
+            self._report_input(module, path, name, d, pname, dev, is_root)
             return
 
-    def _report_input(self, module, path: str, arg: str, d_in: torch.device, pname: str, d_mod: torch.device):
+    def on_forward(self, module, path, args, kwargs, output, is_root):
+        if is_root:
+            self._root_in = None
+
+    def _root_devices(self) -> set:
+        """Devices of the tensors the outermost model call got (report time only)."""
+        if self._root_in is None:
+            return set()
+        args, kwargs = self._root_in
+        return {t.device for _, t in _named_inputs(args, kwargs or {}) if not _mixable(t)}
+
+    def _report_input(self, module, path: str, arg: str, d_in: torch.device, pname: str, d_mod: torch.device,
+                      is_root: bool = True):
         p = module._parameters.get(pname)
         if p is None:
             p = module._buffers.get(pname)
@@ -201,17 +224,27 @@ class DeviceMismatch(Check):
         label = _arg_label(module, arg)
         kind_word = "parameter" if pname in module._parameters else "buffer"
         words = _where_words(d_in, d_mod)
-        if _accel(d_in) and d_mod.type == "cpu":
-            hint = ("The model was never moved: call `model.to(device)` (before creating the optimizer), "
-                    "or keep the data on the CPU.")
+        roots = set() if is_root else self._root_devices()
+        # Not the model's own input, and no input of the model is on that device: made inside forward.
+        made = not is_root and not any(same_device(d, d_in) for d in roots)
+        if made:
+            hint, source = MADE_HINT, self.g.source()  # the line in forward that passed it
+            on = ", ".join(sorted(map(str, roots)))
+            made_words = (f" (made inside forward: the model's inputs are on {on})" if roots
+                          else " (made inside forward: the model got no tensor input)")
+        elif _accel(d_in) and d_mod.type == "cpu":
+            hint, source, made_words = ("The model was never moved: call `model.to(device)` (before creating the "
+                                        "optimizer), or keep the data on the CPU."), self.g.root_source, ""
         else:
-            hint = COPY_HINT
+            hint, source, made_words = COPY_HINT, self.g.root_source, ""
+        details = {"module": type(module).__name__, "argument": label, "input_device": str(d_in),
+                   kind_word: full, "module_device": str(d_mod)}
+        if made:
+            details["made_in_forward"] = True
         self._emit(path,
-                  f"{words}{_mod_label(path, module)} got {label} on {d_in}, but its {kind_word} "
+                  f"{words}{_mod_label(path, module)} got {label} on {d_in}{made_words}, but its {kind_word} "
                   f"{full} is on {d_mod}; PyTorch would fail with 'Expected all tensors to be on the same device'",
-                  hint, source=self.g.root_source,
-                  details={"module": type(module).__name__, "argument": label, "input_device": str(d_in),
-                           kind_word: full, "module_device": str(d_mod)})
+                  hint, source=source or self.g.root_source, details=details)
 
     # ------------------------------------------------------------------ optimizer state
     def on_step_pre(self, optimizer):
