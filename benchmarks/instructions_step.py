@@ -27,7 +27,7 @@ def main():
     model, batch = overhead.MODELS[name]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = overhead.step_fn(model, opt, batch)
-    opts = {"unguarded": None, "default": {}, "all": {"checks": "all"}, "every10": {"every": 10},
+    opts = {"unguarded": None, "default": {}, "all": {"checks": "all"}, "every10": {"every": 10}, "bare": {"checks": ["state-dict"]}, "nonfinite": {"checks": ["nonfinite"]},
             "budget": {"budget": 0.05}, "all-budget": {"checks": "all", "budget": 0.05}}[conf]
     ctx = contextlib.nullcontext() if opts is None else guard(model, opt, live=False, mode="record", **opts)
 

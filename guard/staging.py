@@ -11,7 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .findings import GuardError
-from .tensors import Norms
+from . import tensors as _tensors
+from .tensors import Norms, without_grad
 
 MAX_STAGED = 8192
 
@@ -27,8 +28,8 @@ class GradNorms:
 
     def __init__(self, params: List[torch.Tensor], namer: Callable[[torch.Tensor], str]):
         self.params, self._namer, self._names = params, namer, None
-        with torch.no_grad():
-            self._all = Norms([p.grad for p in params], key=tuple(map(id, params)))
+        # Gradients made with create_graph=True carry history: their norms must not.
+        self._all = without_grad(Norms, [p.grad for p in params], key=tuple(map(id, params)))
         self.totals, self.stacked = self._all.totals, self._all.stacked
 
     @property
@@ -178,15 +179,29 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 0 else t.reshape(())
 
 
+def _host_value(t: torch.Tensor, kind: int) -> Any:
+    """A CPU tensor's staged value: a float (0-dim entries) or a list of floats (`_BATCH` entries)."""
+    t = t.detach() if t.requires_grad else t
+    if kind == _BATCH:
+        return (t if t.dtype is torch.float32 else t.to(torch.float32)).reshape(-1).tolist()
+    v = t.item() if t.numel() == 1 else float("nan")
+    return float(v) if not isinstance(v, bool) else v
+
+
 def read(staged: Sequence[Tuple[torch.Tensor, Any, int]]) -> List[Any]:
     """Host values of all staged tensors: batched per device and kind, one transfer per device.
 
     0-dim entries give a float each, `_BATCH` entries a list of floats.
     """
     groups: Dict[torch.device, Tuple[List[int], List[int], List[int]]] = {}
-    for i, (t, _, kind) in enumerate(staged):
-        groups.setdefault(t.device, ([], [], []))[kind].append(i)
     out: List[Any] = [0.0] * len(staged)
+    for i, (t, _, kind) in enumerate(staged):
+        if t.is_cpu and _tensors.HOST_DIRECT:
+            # On the host there is no transfer to batch: reading each value costs less than the stack
+            # and cat that would gather them (two kernels a step on a small model).
+            out[i] = _host_value(t, kind)
+            continue
+        groups.setdefault(t.device, ([], [], []))[kind].append(i)
     for lists in groups.values():
         parts: List[torch.Tensor] = []
         spans: List[Tuple[int, int, int]] = []  # (entry, start, length); length -1: a scalar

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -224,6 +224,29 @@ class Norms:
                     out[i] = st[k]
             self._norms = out  # type: ignore[assignment]
         return self._norms  # type: ignore[return-value]
+
+
+_set_grad = getattr(torch._C, "_set_grad_enabled", None)
+
+#: Staged CPU values are read one by one (`.item()`/`.tolist()`): on the host there is no transfer to
+#: batch, and the stack/cat that would gather them cost more. False makes CPU take the accelerator path
+#: (one batched read per step), which is how the tests exercise that path without a GPU.
+HOST_DIRECT = True
+
+
+def without_grad(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with autograd recording off: ``torch.no_grad()`` without its context-manager
+    machinery (several Python calls), for the per-step hot path."""
+    if _set_grad is None or not torch.is_grad_enabled():
+        if _set_grad is None:
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    _set_grad(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _set_grad(True)
 
 
 def fused_norms(tensors: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Dict[torch.device, torch.Tensor]]:

@@ -169,7 +169,9 @@ def test_module_prefixes():
     assert module_prefixes(["c.w", "x"], names) == ["c", "x"]
 
 
-def test_no_per_parameter_host_sync(monkeypatch):
+@pytest.mark.parametrize("host_direct", [False, True], ids=["batched", "cpu-direct"])
+def test_no_per_parameter_host_sync(monkeypatch, host_direct):
+    """Accelerator path (batched): one read a step. CPU path: a few direct reads a step, none per parameter."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
@@ -188,6 +190,7 @@ def test_no_per_parameter_host_sync(monkeypatch):
             return fn(self, *a, **k)
         return wrapper
 
+    monkeypatch.setattr(tensors, "HOST_DIRECT", host_direct)
     with guard(model, opt, live=False, checks=["weight-decay-without-grad", "grad-explosion"]) as g:
         monkeypatch.setattr(torch.Tensor, "item", counting("item", item))
         monkeypatch.setattr(torch.Tensor, "tolist", counting("tolist", tolist))
@@ -196,8 +199,13 @@ def test_no_per_parameter_host_sync(monkeypatch):
             opt.zero_grad()
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
-        monkeypatch.undo()
-    assert calls["item"] == 0 and calls["tolist"] <= 10  # one batched read per step, 40 parameters
+        monkeypatch.setattr(torch.Tensor, "item", item)
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        monkeypatch.setattr(tensors.Norms, "__init__", norms_init)
+    if host_direct:  # the step's few scalars (loss, total norm) and one list of norms: not one per parameter
+        assert calls["item"] + calls["tolist"] <= 5 * 10
+    else:
+        assert calls["item"] == 0 and calls["tolist"] <= 10  # one batched read per step, 40 parameters
     assert calls["norm"] == 10  # the shared gradient norms only (one set a step): healthy weights are not reduced
     assert g.findings == []
 

@@ -249,7 +249,8 @@ class DeviceMismatch(Check):
     # ------------------------------------------------------------------ optimizer state
     def on_step_pre(self, optimizer):
         full = optimizer not in self._opt_seen
-        self._opt_seen[optimizer] = True
+        if full:
+            self._opt_seen[optimizer] = True
         state = optimizer.state
         if not state:
             return

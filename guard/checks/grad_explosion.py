@@ -40,6 +40,7 @@ WINDOW = 50
 FACTOR = 10.0  # the least ratio to the median that fires, however steady the run
 Z = 6.0  # robust standard deviations of log norms above the median that fire
 HIGH = 2.0  # and the least ratio to the largest norm in the window
+LOG_HIGH = math.log(HIGH)
 
 
 class _State:
@@ -89,17 +90,17 @@ class GradExplosion(Check):
         totals = list(gn.totals.values())
         if not totals:
             return
-        with torch.no_grad():
-            total = totals[0]
-            if len(totals) > 1:
-                total = torch.linalg.vector_norm(torch.stack([t.to(total.device) for t in totals]))
-            scale = getattr(optimizer, "grad_scale", None)
-            if isinstance(scale, torch.Tensor):  # fused AMP step: grads are still scaled
-                total = total / scale.detach().to(total.device).reshape(()).float()
-            found_inf = getattr(optimizer, "found_inf", None)
-            if isinstance(found_inf, torch.Tensor):  # the fused step will skip: not a signal
-                total = torch.where(found_inf.detach().to(total.device).reshape(()) > 0,
-                                    torch.full_like(total, float("nan")), total)
+        # The totals carry no autograd history (made without grad), nor do the detached scaler values.
+        total = totals[0]
+        if len(totals) > 1:
+            total = torch.linalg.vector_norm(torch.stack([t.to(total.device) for t in totals]))
+        scale = getattr(optimizer, "grad_scale", None)
+        if isinstance(scale, torch.Tensor):  # fused AMP step: grads are still scaled
+            total = total / scale.detach().to(total.device).reshape(()).float()
+        found_inf = getattr(optimizer, "found_inf", None)
+        if isinstance(found_inf, torch.Tensor):  # the fused step will skip: not a signal
+            total = torch.where(found_inf.detach().to(total.device).reshape(()) > 0,
+                                torch.full_like(total, float("nan")), total)
         step, source, oref = self.g.step, self.g.source(), weakref.ref(optimizer)
         self.g.stage(total, lambda v: self._seen(oref, gn, v, step, source))
 
@@ -120,15 +121,19 @@ class GradExplosion(Check):
             st = self._state[opt] = _State()
         if v == 0.0:
             return  # all-zero gradients are the grads-all-zero check's business (grads_all_zero.py)
+        # The bar is never below HIGH x the window's largest norm: a total under that cannot fire, and the
+        # medians (two sorts a step) are computed only for a total above it.
+        lv = math.log(v)
         if len(st.window) >= WARMUP:
-            med, ratio = _bar(st.window)
-            if v > ratio * med:
-                if not st.burst:  # once per burst, not once per step
-                    st.burst = True
-                    self._report(opt, st, gn, v, med, ratio, step, source)
-                return  # an explosion does not raise the bar for the next one
+            if lv > LOG_HIGH + max(st.window):
+                med, ratio = _bar(st.window)
+                if v > ratio * med:
+                    if not st.burst:  # once per burst, not once per step
+                        st.burst = True
+                        self._report(opt, st, gn, v, med, ratio, step, source)
+                    return  # an explosion does not raise the bar for the next one
             st.burst = False
-        st.window.append(math.log(v))
+        st.window.append(lv)
 
     def _report(self, opt, st: _State, gn, v: float, med: float, ratio: float, step: int,
                 source: Optional[str]) -> None:

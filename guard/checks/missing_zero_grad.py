@@ -61,6 +61,7 @@ class MissingZeroGrad(Check):
     def __init__(self, guard):
         super().__init__(guard)
         self._st: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _State]" = weakref.WeakKeyDictionary()
+        self._armed = False  # some state may be armed (only a step arms one): backwards skip the scan otherwise
 
     # ------------------------------------------------------------------ zero_grad observed
     def on_opt_zero_grad_done(self, args, kwargs, result):
@@ -93,8 +94,12 @@ class MissingZeroGrad(Check):
             st = self._st[optimizer] = _State()
         st.clear()
         st.armed, st.since = True, self.g.step
+        self._armed = True
 
     def on_backward(self, tensors, kwargs):
+        if not self._armed:
+            return
+        self._armed = False  # every armed state is evaluated (and disarmed) now
         for opt, st in list(self._st.items()):
             if st.armed:
                 self._evaluate(opt, st)

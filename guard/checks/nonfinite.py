@@ -12,6 +12,7 @@ syncs.
 """
 from __future__ import annotations
 
+import cmath
 import math
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -19,12 +20,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import tensors as _tensor_mod
 from ..tensors import distinct_view, finite_stats, fused_norms, iter_named_tensors, nonfinite_counts, screenable
 from .base import Check
 
 _HALF = (torch.float16, torch.bfloat16)
 _WIDE_SUM = (torch.float32, torch.float64)  # 0-dim tensors of these dtypes are used as their own sum
 _MAX_WINDOW = 4096  # screened tensors per resolution window
+_FEW = 16  # CPU sums read one by one up to this many (more: one stack)
 
 
 class _Call:
@@ -107,6 +110,7 @@ class NonFinite(Check):
         self._update: Optional[Tuple[int, Optional[str]]] = None  # (step, source line) of the last update
         self._in_update: Optional[Tuple[int, Optional[str]]] = None  # an update under way (between step hooks)
         self._pending_update: Optional[Tuple[int, Optional[str]]] = None  # step_pre seen, not yet resolved
+        self._step_call: Optional[Tuple[int, Optional[str]]] = None  # (step, line) of the last step_pre
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -138,7 +142,14 @@ class NonFinite(Check):
         for i, s in enumerate(sums):
             by_dev.setdefault(s.device, []).append(i)
         out = []
-        for idx in by_dev.values():
+        for dev, idx in by_dev.items():
+            if dev.type == "cpu" and len(idx) <= _FEW and _tensor_mod.HOST_DIRECT:
+                # Host values: read one by one (no transfer to batch, and no stack kernel).
+                for i in idx:
+                    v = sums[i].item()
+                    if not (cmath.isfinite(v) if isinstance(v, complex) else math.isfinite(v)):
+                        bad.add(i)
+                continue
             st = torch.stack([sums[i] for i in idx])
             if st.dtype is torch.float32:
                 # The sums themselves are read (exactly, as float32) and tested on the host: no
@@ -239,7 +250,8 @@ class NonFinite(Check):
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
         for t in ts:
             if isinstance(t, torch.Tensor) and screenable(t):
-                self._losses.append((self._flag(t), self.g.root_source, self.g.step))
+                # A 0-dim fp32/fp64 loss is its own sum (it is read at the step's end, as the timeline's loss is).
+                self._losses.append((self._flag(t, own=True), self.g.root_source, self.g.step))
 
     def on_backward_done(self, tensors, kwargs):
         if not self.g.has_optimizer and self.g.sampling and not self._scaled(tensors):
@@ -254,7 +266,7 @@ class NonFinite(Check):
     def on_step_pre(self, optimizer):
         # The resolution that follows is before the update; later ones until step_post (an LBFGS
         # closure's further calls) happen mid-update, and NaN weights then are this step's.
-        self._pending_update = (self.g.step, self.g.source())
+        self._pending_update = self._step_call = (self.g.step, self.g.source())
         # A GradScaler's fused step (found_inf set on the optimizer) skips NaN/Inf grads itself: expected.
         if self.g.sampling and not isinstance(getattr(optimizer, "found_inf", None), torch.Tensor):
             self._stage_grads(optimizer)
@@ -269,7 +281,8 @@ class NonFinite(Check):
     # is blamed. The step and line of the last update are kept to say when they went bad.
     def on_step_post(self, optimizer):
         self._in_update = self._pending_update = None
-        self._update = (self.g.step, self.g.source())
+        call = self._step_call  # the same optimizer.step() call as its pre-hook: its line is known
+        self._update = call if call is not None and call[0] == self.g.step else (self.g.step, self.g.source())
 
     def on_exit(self):
         """At the end the weights are looked at once: the last update may have broken them."""

@@ -131,10 +131,9 @@ class WeightDecayWithoutGrad(Check):
         # nothing extra to reduce while every gradient carries signal.
         tracks = self._tracks.get(optimizer, {})
         suspects = [c[0] for c in cands if id(c[0]) in tracks] if tracks else []  # none: no pass over the parameters
-        with torch.no_grad():
-            pn = Norms([p.detach() for p in suspects])
         pstack, pids = None, []
         if suspects:
+            pn = Norms([p.detach() for p in suspects])  # detached: no autograd history to keep out
             if len(pn.stacked) == 1:
                 pstack, pids = next(iter(pn.stacked.values()))  # pids: the suspects' order in the stack
             else:  # rare: suspects on several devices

@@ -76,7 +76,8 @@ class ZeroGradBeforeStep(Check):
             return
         st = self._state(args[0])
         st.zero_at = self._backwards
-        st.zero_src = self.g.source()
+        # Only a zero_grad() after a backward (and before the step) can be reported: the line is looked up then.
+        st.zero_src = self.g.source() if st.zero_at > st.stepped_at else None
 
     def on_order_module_zero_grad_done(self, args, kwargs, result):
         if not args or self._backwards == 0:
