@@ -3,6 +3,7 @@
 # same on every run, whatever else the machine is doing (this project's CPU machine is shared and its
 # step times drift by 10-20%). Only the measured steps are counted (import and setup run uninstrumented).
 #   bash benchmarks/instructions.sh deep-mlp unguarded default every10 all   [STEPS=20]
+#   bash benchmarks/instructions.sh lightning unguarded default             (also hf-trainer: a whole fit's steps)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=$1; shift

@@ -20,9 +20,37 @@ import sweep  # noqa: E402,F401  (registers the tiny, depth and 5,000-module mod
 from guard import guard  # noqa: E402
 
 
+def framework(name, conf, steps, prefix):
+    """A Lightning or HF Trainer fit (benchmarks/frameworks.py): the count runs from batch 10 to 10 + steps."""
+    import frameworks
+
+    batches = [0]
+
+    def tick():  # called at every batch start, in place of the clock
+        batches[0] += 1
+        if batches[0] == 10:
+            open(prefix + ".ready", "w").close()
+            _wait(prefix + ".go")
+        elif batches[0] == 10 + steps:
+            open(prefix + ".done", "w").close()
+            _wait(prefix + ".stop")
+        return 0.0
+
+    frameworks.CLOCK[0] = tick
+    fit = frameworks.lightning_fit if name == "lightning" else frameworks.hf_fit
+    fit(conf != "unguarded", steps + 20)
+
+
+def _wait(path):
+    while not os.path.exists(path):
+        time.sleep(0.05)
+
+
 def main():
     name, conf, steps, prefix = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     torch.set_num_threads(1)
+    if name in ("lightning", "hf-trainer"):
+        return framework(name, conf, steps, prefix)
     torch.manual_seed(0)
     model, batch = overhead.MODELS[name]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
