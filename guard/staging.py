@@ -189,7 +189,8 @@ def _host_value(t: torch.Tensor, kind: int) -> Any:
 
 
 def read(staged: Sequence[Tuple[torch.Tensor, Any, int]]) -> List[Any]:
-    """Host values of all staged tensors: batched per device and kind, one transfer per device.
+    """Host values of all staged tensors: batched per device and kind, one transfer per device
+    (CPU values are read one by one while `tensors.HOST_DIRECT` is on: there is nothing to transfer).
 
     0-dim entries give a float each, `_BATCH` entries a list of floats.
     """

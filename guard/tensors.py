@@ -237,11 +237,11 @@ HOST_DIRECT = True
 def without_grad(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` with autograd recording off: ``torch.no_grad()`` without its context-manager
     machinery (several Python calls), for the per-step hot path."""
-    if _set_grad is None or not torch.is_grad_enabled():
-        if _set_grad is None:
-            with torch.no_grad():
-                return fn(*args, **kwargs)
+    if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if _set_grad is None:  # a torch without the private switch
+        with torch.no_grad():
+            return fn(*args, **kwargs)
     _set_grad(False)
     try:
         return fn(*args, **kwargs)
