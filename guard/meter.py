@@ -28,7 +28,7 @@ class Meter:
     """
 
     __slots__ = ("budget", "period", "own", "total_own", "total_wall", "steps", "max_period", "_last_end",
-                 "_n", "_seen", "_own_costly", "_own_cheap", "_rest", "_was_costly")
+                 "_n", "_seen", "_own_costly", "_own_cheap", "_rest", "_was_costly", "_pinned")
 
     def __init__(self, budget: Optional[float]):
         self.budget = budget
@@ -45,6 +45,15 @@ class Meter:
         self._own_cheap: Optional[float] = None
         self._rest: Optional[float] = None
         self._was_costly = True
+        self._pinned = False
+
+    def pin(self, period: int) -> None:
+        """Sample the costly checks every `period`-th step from now on, whatever the measured cost (for
+        tests and benchmarks that need a known period; the budget no longer adapts it)."""
+        if not isinstance(period, int) or isinstance(period, bool) or not 1 <= period <= MAX_PERIOD:
+            raise ValueError(f"guard: period={period!r} is not allowed; allowed: an int in [1, {MAX_PERIOD}]")
+        self.period, self._pinned = period, True
+        self.max_period = max(self.max_period, period)
 
     def add(self, seconds: float) -> None:
         self.own += seconds
@@ -72,7 +81,7 @@ class Meter:
         self.total_own += own
         self.total_wall += wall
         self.steps += 1
-        if self.budget is None:
+        if self.budget is None or self._pinned:
             return
         self._rest = _avg(self._rest, wall - own)
         if was_costly:

@@ -23,6 +23,12 @@ if TYPE_CHECKING:  # pragma: no cover
 Handler = Tuple[Check, Callable]
 
 
+def _sleeps(event: str) -> bool:
+    """Whether a sampled-out costly check misses `event`: the per-step hot path does; start, exit,
+    exceptions and the error paths of patched calls (explanations of a crash) reach every check."""
+    return not (event.endswith("_error") or event in ("start", "exception", "exit"))
+
+
 class GuardInternalWarning(RuntimeWarning):
     """guard's own failure: a check raised and was switched off; training is unaffected."""
 
@@ -41,6 +47,12 @@ class Router:
         self.pre_for: Dict[int, Tuple[Any, List[Handler]]] = {}
         self.post_for: Dict[int, Tuple[Any, List[Handler]]] = {}
         self.memo: Optional[list] = None  # [thread id, source line, computed] of the dispatch running now
+        # Handler tables with every active check, and without the costly ones (the steps a budget samples
+        # them out): switched in O(1) at a step's end (`wake`), so a sleeping check costs nothing per step.
+        self._tables: Tuple[Dict[str, List[Handler]], Dict[str, List[Handler]]] = ({}, {})
+        self.awake = True
+        self.all_forward_pre: List[Handler] = []  # both: per-layer handler lists are chosen from these
+        self.all_forward: List[Handler] = []
 
     def set_checks(self, checks: List[Check]) -> None:
         """Route to `checks` from now on."""
@@ -53,13 +65,31 @@ class Router:
         for check in self.checks:
             for ev in check.events():
                 handlers.setdefault(ev, []).append((check, getattr(check, "on_" + ev)))
-        self.handlers = handlers
-        self.forward_pre = handlers.get("forward_pre", [])
-        self.forward = handlers.get("forward", [])
+        light = {}
+        for ev, hs in handlers.items():
+            kept = [h for h in hs if not h[0].costly] if _sleeps(ev) else hs
+            if kept:
+                light[ev] = kept
+        self._tables = (handlers, light)
+        self.all_forward_pre = handlers.get("forward_pre", [])
+        self.all_forward = handlers.get("forward", [])
+        self._use()
         active = set(map(id, self.checks))
         for cache in (self.pre_for, self.post_for):
             for k, (ref, hs) in list(cache.items()):
                 cache[k] = (ref, [h for h in hs if id(h[0]) in active])
+
+    def wake(self, costly: bool) -> None:
+        """From the next event on, route to the costly checks too (`costly`) or let them sleep."""
+        if costly != self.awake:
+            self.awake = costly
+            self._use()
+
+    def _use(self) -> None:
+        table = self._tables[0 if self.awake else 1]
+        self.handlers = table
+        self.forward_pre = table.get("forward_pre", [])
+        self.forward = table.get("forward", [])
 
     def patch_targets(self) -> Dict[str, str]:
         """``{event: "dotted.target"}`` of every active check's patches."""
@@ -105,8 +135,16 @@ class Router:
         cache[id(module)] = (weakref.ref(module), chosen)
         return chosen
 
+    def layer_handlers(self, cache: Dict[int, Tuple[Any, List[Handler]]], handlers: List[Handler],
+                       module: Any) -> List[Handler]:
+        """`nonroot` handlers of `module` for this step: without the costly checks while they sleep."""
+        hs = self.nonroot(cache, handlers, module)
+        if hs and not self.awake:
+            hs = [h for h in hs if not h[0].costly]
+        return hs
+
     def dispatch_forward_pre(self, module: Any, args: tuple, kwargs: dict, is_root: bool) -> None:
-        handlers = self.forward_pre if is_root else self.nonroot(self.pre_for, self.forward_pre, module)
+        handlers = self.forward_pre if is_root else self.layer_handlers(self.pre_for, self.all_forward_pre, module)
         if not handlers:
             return
         path = self.g.path_of(module)
@@ -120,7 +158,7 @@ class Router:
 
     def dispatch_forward(self, handlers: List[Handler], module: Any, args: tuple, kwargs: dict, output: Any,
                          is_root: bool) -> None:
-        """Run `handlers` (``forward`` if root, else those of ``nonroot(post_for, forward, module)``)."""
+        """Run `handlers` (``forward`` if root, else ``layer_handlers(post_for, all_forward, module)``)."""
         path = self.g.path_of(module)
         for check, fn in handlers:
             try:

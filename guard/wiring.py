@@ -51,7 +51,7 @@ class Wiring:
         if self._models:
             # Per-module pre-hooks only when a check needs them; roots always get one (the
             # model call's source line, step bookkeeping). Post-hooks fill the module table.
-            every_pre = bool(router.forward_pre)
+            every_pre = bool(router.all_forward_pre)
             for mref in self._models:
                 model = mref()
                 if model is None:
@@ -62,7 +62,7 @@ class Wiring:
                 for mod in dict.fromkeys(m for _, m in inner.named_modules()) if not compiled else (inner,):
                     if isinstance(mod, torch.jit.ScriptModule):
                         continue  # register_forward_*hook raises on ScriptModules
-                    wanted = mod is inner or (every_pre and router.nonroot(router.pre_for, router.forward_pre, mod))
+                    wanted = mod is inner or (every_pre and router.nonroot(router.pre_for, router.all_forward_pre, mod))
                     if compiled and getattr(mod, "_compiled_call_impl", None) is not None:
                         continue  # model.compile(): the boundary around its compiled call does the root's part
                     handles = inst.module_hooks(mod, self._hook_pre if wanted else None, self._hook_post)
@@ -141,7 +141,7 @@ class Wiring:
         if first:
             self.watched.record_module(module, output, self.record)
         r = self.router
-        handlers = r.forward if is_root else r.nonroot(r.post_for, r.forward, module)
+        handlers = r.forward if is_root else r.layer_handlers(r.post_for, r.all_forward, module)
         try:
             if handlers:
                 r.dispatch_forward(handlers, module, args, kwargs, output, is_root)
@@ -271,6 +271,7 @@ class Wiring:
         self.step += 1
         self.sampling = self.step % self.config.every == 0
         self.costly_step = meter.costly_step(self.step)
+        self.router.wake(self.costly_step)
 
     def _advance_backward_step(self) -> None:
         """Without an optimizer a backward() ends the step; advance lazily at the next forward/backward."""

@@ -167,3 +167,115 @@ def test_reported_overhead_within_two_points_of_measured(slow):
     # jobs) stretches guard's untimed frames (torch's hook dispatch, wrappers) with everything else.
     tolerance = 0.02 if os.environ.get("GUARD_STRICT_TIMING") else max(0.02, 0.3 * measured)
     assert abs(reported - measured) <= tolerance, (reported, measured)
+
+
+class RecordingCheck(Check):
+    """A costly check that writes down every event it is sent, with the guard's step."""
+
+    name = "recording-test-check"
+    kinds = {"grad-explosion": ("warning", "total gradient norm jumps far above its running level")}
+    default = False
+    costly = True
+    seen: list = []
+
+    def watches(self, module):
+        return isinstance(module, nn.Linear)
+
+    def steady(self, module, output):
+        return True  # keep the layer's calls
+
+    def on_forward(self, module, path, args, kwargs, output, is_root):
+        type(self).seen.append(("root" if is_root else "layer", self.g.step))
+
+    def on_backward(self, tensors, kwargs):
+        type(self).seen.append(("backward", self.g.step))
+
+    def on_step_pre(self, optimizer):
+        type(self).seen.append(("step_pre", self.g.step))
+
+    def on_step_end(self, step):
+        type(self).seen.append(("step_end", step))
+
+    def on_exit(self):
+        type(self).seen.append(("exit", self.g.step))
+
+
+def test_sampled_out_costly_check_sleeps_for_whole_steps(monkeypatch):
+    """Under a budget a costly check is not sent the events of the steps it is sampled out of (it costs
+    nothing there), and on the steps it runs it sees all of them; exit always reaches it."""
+    monkeypatch.setitem(registry(), RecordingCheck.name, RecordingCheck)
+    RecordingCheck.seen = []
+    m, opt, step = model_and_step(width=8)
+    with guard(m, opt, live=False, checks=["nonfinite", RecordingCheck.name], budget=0.05) as g:
+        g.meter.pin(4)
+        for _ in range(12):
+            step()
+    steps = {s for ev, s in RecordingCheck.seen if ev != "exit"}
+    assert steps == {0, 4, 8}  # step 0 ran before the pin took effect at its end; then every 4th
+    for s in (4, 8):
+        evs = [ev for ev, at in RecordingCheck.seen if at == s]
+        assert evs == ["layer", "layer", "layer", "root", "backward", "step_pre", "step_end"], evs
+    assert RecordingCheck.seen[-1] == ("exit", 12)
+    assert g.cost()["sampled_checks"] == [RecordingCheck.name]
+    assert "sampled" in _summary_line(g)
+
+
+def test_pin_refuses_a_bad_period():
+    from guard.meter import Meter
+
+    with pytest.raises(ValueError, match=r"period=0 is not allowed; allowed: an int in \[1, 1024\]"):
+        Meter(0.05).pin(0)
+
+
+def _loop(bug, start, steps=14):
+    """A small classifier loop whose `bug` starts at step `start`: 'disconnected' (the loss rebuilt as a
+    new leaf from loss.item()) or 'zero-before-step' (zero_grad() between backward() and step())."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+
+    def run(g=None):
+        for i in range(steps):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            if bug == "disconnected" and i >= start:
+                loss = torch.tensor(loss.item(), requires_grad=True)
+            loss.backward()
+            if bug == "zero-before-step" and i >= start:
+                opt.zero_grad()
+            opt.step()
+    return m, opt, run
+
+
+@pytest.mark.parametrize("bug,kind", [("disconnected", "loss-disconnected"),
+                                      ("zero-before-step", "zero-grad-before-step")])
+@pytest.mark.parametrize("pinned", [None, 4])
+def test_code_property_checks_report_on_the_next_sampled_step(bug, kind, pinned):
+    """Checks of a property of the code are costly: under a budget they sleep between sampled steps,
+    and a bug that starts at step 5 is reported at the next step they run (8 with a period of 4);
+    without a budget, at step 5."""
+    m, opt, run = _loop(bug, start=5)
+    with guard(m, opt, live=False, budget=0.05 if pinned else None) as g:
+        if pinned:
+            g.meter.pin(pinned)
+        run()
+    found = [f for f in g.findings if f.kind == kind]
+    assert len(found) == 1, [f.kind for f in g.findings]
+    assert found[0].step == (8 if pinned else 5)
+    assert found[0].source and found[0].source.startswith("tests/test_budget.py:")
+    if pinned:
+        assert kind in g.cost()["sampled_checks"]
+
+
+def test_single_class_cross_entropy_is_reported_under_a_budget():
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with guard(m, opt, live=False, budget=0.05) as g:
+        g.meter.pin(4)
+        for _ in range(6):
+            opt.zero_grad()
+            F.cross_entropy(m(torch.randn(8, 4)), torch.zeros(8, dtype=torch.long)).backward()
+            opt.step()
+    assert [(f.kind, f.step) for f in g.findings if f.kind == "loss-constant"] == [("loss-constant", 0)]

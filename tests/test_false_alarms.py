@@ -63,6 +63,27 @@ def test_known_false_alarm(name):
     assert g.internal_errors == []
 
 
+@pytest.mark.parametrize("name", CLEAN)
+def test_healthy_script_with_costly_checks_sleeping(name, monkeypatch):
+    """A budget that samples the costly checks (pinned here to one step in 3: they are sent no event on
+    the other two) invents nothing on healthy code: they see whole steps or none."""
+    from guard import meter
+
+    made = []
+    init = meter.Meter.__init__
+
+    def pinned(self, budget):
+        init(self, budget)
+        if budget is not None:
+            self.pin(3)
+            made.append(self)
+
+    monkeypatch.setattr(meter.Meter, "__init__", pinned)
+    g, _, _ = run(name, budget=0.05)
+    assert [(f.kind, f.where) for f in g.findings] == []
+    assert made and made[0].period == 3
+
+
 @pytest.mark.parametrize("name", ["gan_detach", "eval_no_grad", "amp_gradscaler"])
 def test_healthy_script_in_raise_mode_and_sampled(name):
     """mode="raise" must not raise on healthy code; every=3 must not invent findings either."""

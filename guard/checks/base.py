@@ -165,7 +165,11 @@ class Check:
     description: ClassVar[str] = ""
     patches: ClassVar[Dict[str, str]] = {}
     #: a costly check may be run every N-th step only, when ``guard(budget=...)`` is exceeded; the
-    #: cheap, exact ones (NaN/Inf, AMP) never are. A costly check asks `sampling` before its work.
+    #: cheap, exact ones (NaN/Inf, AMP) never are. On the steps it is sampled out of, it is sent no
+    #: event at all (its handlers leave the router's tables, from the end of the step before to the
+    #: end of that step; ``start``, ``exit``, ``exception`` and ``*_error`` still reach it), so it sees
+    #: whole steps or none. Only checks whose condition persists over steps (a property of the code)
+    #: should be costly: sampling then delays a report, it does not lose it.
     costly: ClassVar[bool] = False
 
     def __init__(self, guard: CheckContext):

@@ -18,6 +18,7 @@ from .base import Check
 
 class LossConstant(Check):
     name = "loss-constant"
+    costly = True  # sampled under a budget: a property of the code, seen on any step it runs
     kinds = {"loss-constant": ("error", "the loss cannot change, e.g. cross_entropy over a single class (C = 1) "
                                         "is identically 0")}
     description = "a loss that cannot change: cross_entropy over a single class (C = 1) is identically 0"

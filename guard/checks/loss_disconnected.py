@@ -75,6 +75,7 @@ def _leaves(roots: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
 
 class LossDisconnected(Check):
     name = "loss-disconnected"
+    costly = True  # sampled under a budget: a property of the code, seen on any step it runs
     kinds = {"loss-disconnected": ("error", "the tensor passed to backward() reaches none of the optimizer's parameters")}
     description = "the tensor passed to backward() reaches none of the optimizer's parameters (torch.tensor(loss.item(), requires_grad=True), detached outputs)"
 

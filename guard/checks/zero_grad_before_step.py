@@ -46,6 +46,7 @@ class _Opt:
 
 class ZeroGradBeforeStep(Check):
     name = "zero-grad-before-step"
+    costly = True  # sampled under a budget: a property of the code, seen on any step it runs
     kinds = {"zero-grad-before-step": ("error", "zero_grad() between backward() and optimizer.step(): the step "
                                                 "applies no gradient")}
     description = "zero_grad() called between backward() and optimizer.step(): the step applies no gradient"
