@@ -26,7 +26,7 @@ Handler = Tuple[Check, Callable]
 def _sleeps(event: str) -> bool:
     """Whether a sampled-out costly check misses `event`: the per-step hot path does; start, exit,
     exceptions and the error paths of patched calls (explanations of a crash) reach every check."""
-    return not (event.endswith("_error") or event in ("start", "exception", "exit"))
+    return not (event.endswith("_error") or event in ("start", "exception", "exit", "wake"))
 
 
 class GuardInternalWarning(RuntimeWarning):
@@ -84,6 +84,8 @@ class Router:
         if costly != self.awake:
             self.awake = costly
             self._use()
+            if costly:
+                self.dispatch("wake")  # state a sleeping check kept across steps may be out of date
 
     def _use(self) -> None:
         table = self._tables[0 if self.awake else 1]

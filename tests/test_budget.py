@@ -279,3 +279,66 @@ def test_single_class_cross_entropy_is_reported_under_a_budget():
             F.cross_entropy(m(torch.randn(8, 4)), torch.zeros(8, dtype=torch.long)).backward()
             opt.step()
     assert [(f.kind, f.step) for f in g.findings if f.kind == "loss-constant"] == [("loss-constant", 0)]
+
+
+@pytest.mark.parametrize("pinned", [None, 4])
+def test_missing_zero_grad_is_reported_on_the_next_sampled_step(pinned):
+    """missing-zero-grad sleeps between sampled steps; on waking it arms as the unseen step would have, so
+    zero_grad() dropped from step 5 on (its backward adds onto step 4's gradients) is reported at step 5
+    without a budget, and at step 8, the next step it runs, with a period of 4."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    with guard(m, opt, live=False, budget=0.05 if pinned else None) as g:
+        if pinned:
+            g.meter.pin(pinned)
+        for i in range(14):
+            if i < 5:
+                opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+    found = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    assert [f.step for f in found] == [8 if pinned else 5], [(f.kind, f.step) for f in g.findings]
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+@pytest.mark.parametrize("where", ["start", "end"])
+@pytest.mark.parametrize("b_step,b_zero", [(4, 1), (4, 3), (2, 2), (0, 4)])
+@pytest.mark.parametrize("to_none", [True, False])
+def test_zero_grad_anywhere_in_the_loop_is_silent_while_sleeping(where, b_step, b_zero, to_none):
+    """zero_grad() at the start of the loop body or after step(): no finding with the check waking every
+    5th step, including a second optimizer that accumulates over 5 backwards, with its step() and its
+    zero_grad() at any point of that cycle (partly on steps the check sleeps through: what it kept of
+    that optimizer is forgotten on waking)."""
+    torch.manual_seed(0)
+    m = _TwoHeads()
+    oa, ob = torch.optim.SGD(m.a.parameters(), lr=0.01), torch.optim.SGD(m.b.parameters(), lr=0.01)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    with guard(m, [oa, ob], live=False, budget=0.05) as g:
+        g.meter.pin(5)
+        for i in range(40):
+            if where == "start":
+                oa.zero_grad()
+            if i % 5 == b_zero and b_zero != b_step:
+                ob.zero_grad(set_to_none=to_none)
+            ya, yb = m(x)
+            (F.cross_entropy(ya, y) + F.cross_entropy(yb, y)).backward()
+            oa.step()
+            if i % 5 == b_step:
+                ob.step()
+                if b_zero == b_step:
+                    ob.zero_grad(set_to_none=to_none)
+            if where == "end":
+                oa.zero_grad()
+    # the model's calls and backwards were seen (each step's loss is in the timeline)
+    assert g.step == 40 and sum("loss" in e for e in g.report()["timeline"]) == 40
+    assert [(f.kind, f.step) for f in g.findings] == []

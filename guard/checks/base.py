@@ -19,7 +19,8 @@ The guard installs only what the active checks handle and routes each event to t
 ``step_pre(optimizer)``, ``step_post(optimizer)``, ``step_end(step)``,
 ``resolved()`` (after staged device values were read: once per step, and when the user reads
 findings mid-step, then with ``guard.mid_step`` True: end-of-step work waits for the step's end),
-``exception(exc)`` (escaping the guarded block), ``exit()``, and for each
+``exception(exc)`` (escaping the guarded block), ``exit()``, ``wake()`` (to a costly check
+about to be sent events again after steps a budget sampled it out of), and for each
 declared patch ``<event>(args, kwargs)``, ``<event>_done(args, kwargs, result)``,
 ``<event>_error(args, kwargs, exc)``.
 
@@ -38,7 +39,7 @@ except ImportError:  # pragma: no cover - Python < 3.8
 
 CORE_EVENTS = (
     "start", "forward_pre", "forward", "backward", "backward_done", "step_pre", "step_post",
-    "step_end", "resolved", "exception", "exit",
+    "step_end", "resolved", "exception", "exit", "wake",
 )
 
 

@@ -51,6 +51,7 @@ class _State:
 
 class MissingZeroGrad(Check):
     name = "missing-zero-grad"
+    costly = True  # sampled under a budget: a property of the code (on waking it arms as a step would)
     kinds = {
         "missing-zero-grad": ("warning", "gradients of earlier steps accumulate into a step without zero_grad()"),
     }
@@ -95,6 +96,16 @@ class MissingZeroGrad(Check):
         st.clear()
         st.armed, st.since = True, self.g.step
         self._armed = True
+
+    def on_wake(self):
+        """Sent events again after sampled-out steps: the primary optimizer's step just ended unseen, and
+        its ``step_post`` would have armed it. Other optimizers may have stepped and zeroed unseen: what
+        was kept of them is forgotten (they arm again at their next step seen)."""
+        for opt, st in list(self._st.items()):
+            st.clear()
+            if self.g.is_primary(opt):
+                st.armed, st.since = True, self.g.step - 1
+                self._armed = True
 
     def on_backward(self, tensors, kwargs):
         if not self._armed:
