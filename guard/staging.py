@@ -6,6 +6,7 @@ healthy step costs one host synchronisation per device instead of one per value.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,10 +27,12 @@ class GradNorms:
 
     __slots__ = ("params", "totals", "stacked", "_all", "_namer", "_names")
 
-    def __init__(self, params: List[torch.Tensor], namer: Callable[[torch.Tensor], str]):
+    def __init__(self, params: List[torch.Tensor], namer: Callable[[torch.Tensor], str],
+                 grads: Optional[List[torch.Tensor]] = None, key: Any = None):
         self.params, self._namer, self._names = params, namer, None
         # Gradients made with create_graph=True carry history: their norms must not.
-        self._all = without_grad(Norms, [p.grad for p in params], key=tuple(map(id, params)))
+        self._all = without_grad(Norms, [p.grad for p in params] if grads is None else grads,
+                                 key=tuple(map(id, params)) if key is None else key)
         self.totals, self.stacked = self._all.totals, self._all.stacked
 
     @property
@@ -69,6 +72,10 @@ class Staging:
         self._collectors: List[Collector] = []
         self._loss: Optional[torch.Tensor] = None
         self._grad_norms: Dict[int, GradNorms] = {}
+        # per optimizer: (its groups' (id, length) of the params lists, their parameters flattened, the
+        # key of that list, whether every gradient was a plain strided, non-meta tensor when last seen)
+        self._flat: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Any, List[torch.Tensor], Any, bool]]" = \
+            weakref.WeakKeyDictionary()  # dies with the optimizer (no parameters kept past it)
 
     def pending(self) -> Dict[str, int]:
         """How much is waiting: staged values, collectors, cached gradient norms."""
@@ -109,12 +116,36 @@ class Staging:
         key = id(optimizer)
         gn = self._grad_norms.get(key)
         if gn is None:
-            ps = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else params()
-            strided = torch.strided
-            ps = [p for p in ps if (gr := p.grad) is not None and gr.layout is strided and not gr.is_meta]
-            gn = GradNorms(ps, namer)
-            self._grad_norms[key] = gn
+            gn = self._grad_norms[key] = self._make_grad_norms(optimizer, params, namer)
         return gn
+
+    def _make_grad_norms(self, optimizer: Optional[torch.optim.Optimizer], params: Callable[[], List[torch.Tensor]],
+                         namer: Callable[[torch.Tensor], str]) -> GradNorms:
+        """One Python pass over the parameters per step: the optimizer's flattened list is kept while its
+        groups stay the same, and gradients seen plain (strided, not meta) are not tested again until
+        the list of parameters with a gradient changes (the norms then fall back to the full filter)."""
+        flat = self._flat.get(optimizer) if optimizer is not None else None
+        shape = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups) if optimizer is not None else None
+        if flat is None or flat[0] != shape:
+            ps = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else params()
+            flat = (shape, ps, tuple(map(id, ps)), False)
+            if optimizer is not None:
+                self._flat[optimizer] = flat
+        ps = flat[1]
+        grads = [g for p in ps if (g := p.grad) is not None]
+        if len(grads) == len(ps):
+            if flat[3]:
+                try:
+                    return GradNorms(ps, namer, grads, flat[2])
+                except RuntimeError:  # a gradient that is no longer plain (made sparse by hand): filter
+                    pass
+            elif all(g.layout is torch.strided and not g.is_meta for g in grads):
+                if optimizer is not None:
+                    self._flat[optimizer] = flat[:3] + (True,)
+                return GradNorms(ps, namer, grads, flat[2])
+        strided = torch.strided
+        ps = [p for p in ps if (gr := p.grad) is not None and gr.layout is strided and not gr.is_meta]
+        return GradNorms(ps, namer)
 
     def forget_grad_norms(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this step's cached norms of `optimizer` (the gradients changed in place)."""
