@@ -227,11 +227,18 @@ def read(staged: Sequence[Tuple[torch.Tensor, Any, int]]) -> List[Any]:
     """
     groups: Dict[torch.device, Tuple[List[int], List[int], List[int]]] = {}
     out: List[Any] = [0.0] * len(staged)
+    seen: Dict[int, Any] = {}  # a tensor staged by several checks (the step's gradient norm) is read once
     for i, (t, _, kind) in enumerate(staged):
         if t.is_cpu and _tensors.HOST_DIRECT:
             # On the host there is no transfer to batch: reading each value costs less than the stack
             # and cat that would gather them (two kernels a step on a small model).
-            out[i] = _host_value(t, kind)
+            if kind == _BATCH:
+                out[i] = _host_value(t, kind)
+                continue
+            v = seen.get(id(t))  # the tensors stay alive in `staged`: their ids are not reused meanwhile
+            if v is None:
+                v = seen[id(t)] = _host_value(t, kind)
+            out[i] = v
             continue
         groups.setdefault(t.device, ([], [], []))[kind].append(i)
     for lists in groups.values():

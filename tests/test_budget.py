@@ -342,3 +342,26 @@ def test_zero_grad_anywhere_in_the_loop_is_silent_while_sleeping(where, b_step, 
     # the model's calls and backwards were seen (each step's loss is in the timeline)
     assert g.step == 40 and sum("loss" in e for e in g.report()["timeline"]) == 40
     assert [(f.kind, f.step) for f in g.findings] == []
+
+
+@pytest.mark.parametrize("pinned", [None, 5])
+def test_retained_loss_graph_is_reported_while_sampled(pinned):
+    """`history.append(loss)` keeps every step's graph: loss-graph, sampled every 5th step under a budget,
+    marks only the steps it runs (and walks their graphs whole), and still names `history`."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    history = []
+    with guard(m, opt, live=False, budget=0.05 if pinned else None) as g:
+        if pinned:
+            g.meter.pin(pinned)
+        for _ in range(30):
+            loss = F.mse_loss(m(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            history.append(loss)
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"]
+    assert len(f) == 1 and f[0].where == "history", [(x.kind, x.where) for x in g.findings]
+    assert f[0].details["detected_at_step"] == (15 if pinned else 5)

@@ -153,6 +153,7 @@ def _parent_of(name: str, frame: Any) -> Any:
 
 class LossGraph(Check):
     name = "loss-graph"
+    costly = True  # sampled under a budget: a property of the code (on waking, the next graph is walked whole)
     kinds = {
         "loss-graph-retained": ("error", "autograd graphs of earlier steps stay alive"),
     }
@@ -164,7 +165,12 @@ class LossGraph(Check):
         self._marks: List[Tuple[int, weakref.ref]] = []
         self._step_mark: Optional[Tuple[int, weakref.ref]] = None  # (step, its one mark)
         self._deep_step = -1  # the last step whose graph was walked and marked
+        self._deep_next = False  # walk the next backward's graph whatever its step (woken by a budget)
         self._done = False
+
+    def on_wake(self):
+        """Sampled by a budget, the steps it sees are not every DEEP_EVERY-th: walk the next graph whole."""
+        self._deep_next = True
 
     def on_backward(self, tensors, kwargs):
         if self._done:
@@ -182,9 +188,9 @@ class LossGraph(Check):
             self._report(step, old)
             return
         mark, _ = self._mark_for(step)
-        deep = step % DEEP_EVERY == 0 and self._deep_step != step
+        deep = (step % DEEP_EVERY == 0 or self._deep_next) and self._deep_step != step
         if deep:
-            self._deep_step = step
+            self._deep_step, self._deep_next = step, False
         for t in _roots(tensors):
             fn = t.grad_fn
             if fn is None:
