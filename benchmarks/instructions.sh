@@ -11,7 +11,7 @@ steps=${STEPS:-20}
 py=${PYTHON:-.venv/bin/python}
 dir=$(mktemp -d)
 for conf in "$@"; do
-    prefix="$dir/$conf"
+    prefix="$dir/$(printf %s "$conf" | md5sum | cut -c1-12)"  # a checks=... list can be long
     valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$prefix.out" \
         "$py" benchmarks/instructions_step.py "$model" "$conf" "$steps" "$prefix" >"$prefix.log" 2>&1 &
     pid=$!

@@ -44,6 +44,12 @@ def mlp_of_depth(depth):
         layers = [nn.Linear(32, 32)]
         for _ in range(depth - 1):
             layers += [nn.ReLU(), nn.Linear(32, 32)]
+        for m in layers:
+            if isinstance(m, nn.Linear):
+                # He init: with PyTorch's default init a plain ReLU stack of 16+ layers has truly vanishing
+                # gradients, and guard's report of them (once) would be timed as if it were per-step cost.
+                nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+                nn.init.zeros_(m.bias)
         return nn.Sequential(*layers), lambda: (torch.randn(32, 32), torch.randint(0, 32, (32,)))
     return make
 

@@ -62,15 +62,20 @@ _SCREEN_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.
                             torch.complex64, torch.complex128})
 
 
+_is_compiling = torch.compiler.is_compiling  # the same function objects (Dynamo knows them by identity),
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # without two attribute walks per screened tensor
+_STRIDED = torch.strided
+
+
 def screenable(t: torch.Tensor) -> bool:
     """A plain, dense, floating tensor whose values can be reduced on its device."""
     return (
         type(t) in _PLAIN
         and t.dtype in _SCREEN_DTYPES
-        and t.layout is torch.strided
+        and t.layout is _STRIDED
         and not t.is_nested  # nested tensors report a strided layout but have no sizes/sum
         # vmap/grad-wrapped values must not escape their transform (Dynamo cannot trace the test: skip it there)
-        and (torch.compiler.is_compiling() or not torch._C._functorch.is_functorch_wrapped_tensor(t))
+        and (_is_compiling() or not _is_wrapped(t))
         and not t.is_meta
         and t.numel() > 0
     )

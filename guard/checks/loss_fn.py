@@ -120,13 +120,18 @@ class LossMisuse(Check):
     def _class_loss_checks(self, fn: str, args: tuple, kwargs: dict) -> None:
         x = _arg(args, kwargs, 0, "input")
         t = _arg(args, kwargs, 1, "target")
+        step = self.g.step
+        probe = self._want_prob and self.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0)
+        # Targets on the CPU raise by themselves (explained on the error path): the usual healthy call
+        # on the host ends here, before any look at the tensors.
+        copy = self._want_tgt and isinstance(t, torch.Tensor) and t.device.type not in SYNC_RAISING
+        if not (probe or copy):
+            return
         if not isinstance(x, torch.Tensor) or not _checkable(x) or not x.is_floating_point():
             return
-        if self._want_tgt and isinstance(t, torch.Tensor) and _checkable(t) and not t.is_floating_point() \
-                and t.device.type not in SYNC_RAISING:
+        if copy and _checkable(t) and not t.is_floating_point():
             self._copy_targets(fn, x, t, _arg(args, kwargs, 4, "ignore_index", -100))
-        step = self.g.step
-        if self._want_prob and self.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0):
+        if probe:
             rows, cd = _rows(x)
             info = (fn, list(x.shape), type(x.grad_fn).__name__ if x.grad_fn is not None else None,
                     self.g.step, self.g.source())

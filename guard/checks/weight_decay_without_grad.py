@@ -85,7 +85,9 @@ class WeightDecayWithoutGrad(Check):
         self._reported: Dict[Tuple[int, str], List[_Track]] = {}  # (id(opt), where) -> its tracks
         self._suspects: set = set()  # ids of parameters whose gradient was zero at the last resolved step
         self._reached: set = set()  # suspects the backward(s) of this step accumulated a gradient into
-        self._cands: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Any, list]]" = weakref.WeakKeyDictionary()
+        # per optimizer: (key, candidates, ids of the parameters with a gradient, that list of parameters)
+        self._cands: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Any, list, tuple, list]]" = \
+            weakref.WeakKeyDictionary()
         self._hooked: Dict[int, Any] = {}  # id(param) -> handle of our post-accumulate-grad hook on it
         self._walked = False  # a backward since the last round was looked at
         self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
@@ -184,10 +186,16 @@ class WeightDecayWithoutGrad(Check):
         """
         groups = optimizer.param_groups
         state = optimizer.state
-        key = (tuple((id(g["params"]), len(g["params"]), _setting(g.get("weight_decay"))) for g in groups),
-               tuple(map(id, gn.params)), len(state))
         hit = self._cands.get(optimizer)
+        # The list of parameters with a gradient is the same object from step to step while it does not
+        # change (the guard keeps it): then its ids need no new tuple.
+        ps = gn.params
+        ids = hit[2] if hit is not None and hit[3] is ps else tuple(map(id, ps))
+        key = (tuple((id(g["params"]), len(g["params"]), _setting(g.get("weight_decay"))) for g in groups),
+               ids, len(state))
         if hit is not None and hit[0] == key:
+            if hit[3] is not ps:
+                self._cands[optimizer] = (key, hit[1], ids, ps)
             return hit[1]
         index = {id(p): i for i, p in enumerate(gn.params)}
         cands: List[Tuple[torch.Tensor, int, int, str, float]] = []
@@ -202,7 +210,7 @@ class WeightDecayWithoutGrad(Check):
                     cands.append((p, i, gi, "weight_decay", wd))
                 elif _has_momentum_state(state.get(p)):
                     cands.append((p, i, gi, "momentum", wd))
-        self._cands[optimizer] = (key, cands)
+        self._cands[optimizer] = (key, cands, ids, ps)
         return cands
 
     def _update(self, oref, cands, sids, values: List[float], step: int, source: Optional[str],

@@ -1,0 +1,25 @@
+"""The instruction-count sweep's arithmetic: the depth fit and the table it writes."""
+import os
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import instructions_sweep as sweep  # noqa: E402
+
+
+def test_depth_fit_recovers_fixed_cost_and_cost_per_call():
+    points = [(2 * d, 900_000 + 3_500 * 2 * d) for d in sweep.DEPTHS]
+    fixed, per_call = sweep.fit(points)
+    assert round(fixed) == 900_000 and round(per_call) == 3_500
+
+
+def test_table_shows_ratios_and_the_fit_in_microseconds():
+    counts = {"tiny-mlp": {"unguarded": 2_000_000, "default": 3_000_000}}
+    res = {"machine": "test box", "counts": counts,
+           "fit": {"fixed_instructions": 800_000, "per_call_instructions": 4_000, "instructions_per_us": 4_000,
+                   "fixed_us": 200.0, "per_call_us": 1.0, "points": [{"module_calls": 2, "extra": 808_000}]}}
+    text = sweep.render(res)
+    assert "| tiny-mlp | default | 3.00 M | **1.500×** |" in text
+    assert "**800 k instructions per step** (≈ **200 µs** here)" in text
+    assert "**4.0 k instructions per module call** (≈ **1.00 µs**)" in text
