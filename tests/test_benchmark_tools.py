@@ -23,3 +23,21 @@ def test_table_shows_ratios_and_the_fit_in_microseconds():
     assert "| tiny-mlp | default | 3.00 M | **1.500×** |" in text
     assert "**800 k instructions per step** (≈ **200 µs** here)" in text
     assert "**4.0 k instructions per module call** (≈ **1.00 µs**)" in text
+
+
+def test_depth_sweep_models_train_without_findings():
+    """The depth sweep times healthy models: a finding (reported once) must not be timed as per-step cost."""
+    import torch
+
+    import overhead
+    import sweep as wall_sweep
+    from guard import guard
+
+    torch.manual_seed(0)
+    model, batch = wall_sweep.mlp_of_depth(32)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = overhead.step_fn(model, opt, batch)
+    with guard(model, opt, live=False) as g:
+        for _ in range(25):
+            step()
+    assert g.findings == [] and g.step == 25
