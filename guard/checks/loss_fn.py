@@ -75,7 +75,8 @@ PROB_EVERY = 50
 
 class LossMisuse(Check):
     name = "loss-fn"
-    costly = True  # sampled under a budget
+    # Not costly: the probe samples itself (PROB_EVERY), and the copies of accelerator targets must be made
+    # on every step to explain a device-side assert whenever it comes (a budget must not skip them).
     kinds = {
         "softmax-before-cross-entropy": ("warning", "CrossEntropyLoss/NLLLoss fed probabilities or double log-softmax"),
         "sigmoid-before-bce": ("info", "BCELoss after sigmoid; BCEWithLogitsLoss is the stable form"),
