@@ -13,10 +13,7 @@ from tests import healthy
 
 # Known false alarms of other checks, kept visible (xfail while they fire). Fixed so far: L1 regression's
 # exactly-zero bias gradient was reported by weight-decay-without-grad (fixed in 5bcafcf, now in CLEAN).
-KNOWN = {
-    "mc_dropout": "eval-in-train-mode warns on Monte Carlo dropout (model.eval(), dropout modules switched back "
-                  "to train on purpose, under no_grad)",  # checksB: dropout-in-eval is silent on it
-}
+KNOWN: dict = {}  # fixed: Monte Carlo dropout (model.eval(), dropout switched back to train) was warned about
 # Healthy but deliberately given an info-level advice (no warning or error): script -> the only kinds allowed.
 INFO_ONLY = {
     "unit_range_images": {"input-not-normalized"},  # [0, 1] images into a conv: "Normalize()" advice, by design

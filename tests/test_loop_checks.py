@@ -412,6 +412,28 @@ def test_eval_in_train_mode_under_inference_mode_before_training():
     assert f.step == 0 and "torch.inference_mode()" in f.message and "1 (Dropout)" in f.message
 
 
+@pytest.mark.parametrize("switched_back", ["dropout", "batchnorm"])
+def test_layers_switched_back_to_train_after_model_eval_are_deliberate(switched_back):
+    """Monte Carlo dropout: model.eval(), then a layer's train() on purpose; the same forwards with the model
+    itself left in training mode are the bug."""
+    for forgot_eval in (False, True):
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = batches(1)[0]
+        with guard(model, opt, live=False) as g:
+            for _ in range(2):
+                model.train()
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            if not forgot_eval:
+                model.eval()
+                (model[2] if switched_back == "dropout" else model[1]).train()
+            with torch.no_grad():
+                torch.stack([model(x) for _ in range(4)]).std(0)
+        assert kinds(g) == (["eval-in-train-mode"] if forgot_eval else []), (forgot_eval, g.findings)
+
+
 def test_eval_in_train_mode_clean_patterns():
     x, y = batches(1)[0]
     # no dropout/BN: train mode makes no difference

@@ -8,7 +8,9 @@ mode, that is an evaluation forward in train mode.
 
 Threshold (to leave deliberate uses alone): it fires only for a model that is
 also trained under the guard, i.e. that has had a grad-enabled forward (before or
-after). A momentum/EMA teacher or a DQN target network that only ever runs under
+after), and only while the model itself is in training mode: after ``model.eval()``
+a Dropout or BatchNorm switched back to ``train()`` is deliberate (Monte Carlo
+dropout samples predictions that way). A momentum/EMA teacher or a DQN target network that only ever runs under
 ``no_grad`` is never reported, nor are model calls made by ``torch.optim``
 (``swa_utils.update_bn`` recomputes BatchNorm statistics in train mode). To silence it for one module, set
 ``module.guard_train_mode_ok = True`` on the model or on the Dropout/BatchNorm
@@ -83,6 +85,8 @@ class EvalInTrainMode(Check):
             return
         if module in self._reported or module in self._pending or getattr(module, OPT_OUT, False):
             return
+        if not module.training:
+            return  # model.eval() was called: layers in train mode under it were switched back on purpose (MC dropout)
         mods = self._mods.get(module)
         if mods is None:
             mods = self._mods[module] = mode_sensitive(module)
