@@ -2,6 +2,7 @@
 
     python benchmarks/instructions_sweep.py               # tiny MLP, depth sweep, budget; ~15 min on 2 cores
     python benchmarks/instructions_sweep.py --huge --frameworks   # also 5,000 modules, Lightning, HF Trainer
+    python benchmarks/instructions_sweep.py --keep --only tiny-mlp  # rerun one model, keep the other counts
 
 Wall-clock time on a shared machine moves by 10-20% from run to run; the number of instructions a step
 executes does not. Each (model, configuration) runs under `benchmarks/instructions.sh` (only the
@@ -115,10 +116,14 @@ def main(argv=None):
     ap.add_argument("--frameworks", action="store_true", help="also Lightning and HF Trainer fits")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the counts of models not rerun from the last results")
+    ap.add_argument("--only", default="", help="models to run, comma-separated (with --keep: update just those)")
     ap.add_argument("--out", default=os.path.join(HERE, "results-instructions"))
     args = ap.parse_args(argv)
+    todo = jobs(args)
+    if args.only:
+        todo = [j for j in todo if j[0] in args.only.split(",")]
     with ThreadPoolExecutor(args.jobs) as pool:
-        done = list(pool.map(count, jobs(args)))
+        done = list(pool.map(count, todo))
     counts = {}
     if args.keep and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as fh:
