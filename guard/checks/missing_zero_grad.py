@@ -69,6 +69,8 @@ class MissingZeroGrad(Check):
         st = self._st.get(args[0]) if args else None
         if st is not None:
             st.clear()
+            if len(self._st) == 1:
+                self._armed = False  # the only state is disarmed: the next backward has nothing to look at
 
     def on_module_zero_grad_done(self, args, kwargs, result):
         if not args or not self._st:
