@@ -41,3 +41,13 @@ def test_depth_sweep_models_train_without_findings():
         for _ in range(25):
             step()
     assert g.findings == [] and g.step == 25
+
+
+def test_handler_timer_names_each_checks_handlers(capsys):
+    import handlers
+
+    handlers.main(["tiny-mlp", "--steps", "3", "--top", "60"])
+    out = capsys.readouterr().out
+    assert "all handlers," in out.splitlines()[-1]
+    for event, check in [("forward", "nonfinite"), ("step_pre", "grad-explosion"), ("backward", "loss-graph")]:
+        assert any(line.split()[1:] == [event, check] for line in out.splitlines()[1:-1]), (event, check, out)
