@@ -124,15 +124,18 @@ def main(argv=None):
         todo = [j for j in todo if j[0] in args.only.split(",")]
     with ThreadPoolExecutor(args.jobs) as pool:
         done = list(pool.map(count, todo))
-    counts = {}
+    counts, kept_rate = {}, None
     if args.keep and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as fh:
-            counts = json.load(fh)["counts"]
+            last = json.load(fh)
+        counts = last["counts"]
+        if not any(j[0] == "mlp-depth-8" for j in todo):  # the rate's model was not rerun: keep its rate
+            kept_rate = last.get("fit", {}).get("instructions_per_us")
     for (model, conf, _), n in done:
         counts.setdefault(model, {})[conf] = n
     points = [(2 * d, counts[f"mlp-depth-{d}"]["default"] - counts[f"mlp-depth-{d}"]["unguarded"]) for d in DEPTHS]
     fixed, per_call = fit(points)
-    rate = counts["mlp-depth-8"]["unguarded"] / native_step_us("mlp-depth-8")
+    rate = kept_rate or counts["mlp-depth-8"]["unguarded"] / native_step_us("mlp-depth-8")
     import torch
 
     res = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "

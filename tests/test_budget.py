@@ -365,3 +365,34 @@ def test_retained_loss_graph_is_reported_while_sampled(pinned):
     f = [f for f in g.findings if f.kind == "loss-graph-retained"]
     assert len(f) == 1 and f[0].where == "history", [(x.kind, x.where) for x in g.findings]
     assert f[0].details["detected_at_step"] == (15 if pinned else 5)
+
+
+class FailingCostlyCheck(Check):
+    """A costly check that fails on its second step run: contained, and gone from both handler tables."""
+
+    name = "failing-costly-test-check"
+    kinds = {"grad-explosion": ("warning", "total gradient norm jumps far above its running level")}
+    default = False
+    costly = True
+    calls: list = []
+
+    def on_step_pre(self, optimizer):
+        type(self).calls.append(self.g.step)
+        if len(type(self).calls) == 2:
+            raise RuntimeError("boom")
+
+
+def test_costly_check_failing_while_awake_is_switched_off_for_good(monkeypatch):
+    from guard import GuardInternalWarning
+
+    monkeypatch.setitem(registry(), FailingCostlyCheck.name, FailingCostlyCheck)
+    FailingCostlyCheck.calls = []
+    m, opt, step = model_and_step(width=8)
+    with pytest.warns(GuardInternalWarning, match="failing-costly-test-check"):
+        with guard(m, opt, live=False, checks=["nonfinite", FailingCostlyCheck.name], budget=0.05) as g:
+            g.meter.pin(2)
+            for _ in range(12):
+                step()
+    assert FailingCostlyCheck.calls == [0, 2]  # ran on steps 0 and 2 (failed there), never again
+    assert [e["check"] for e in g.report()["internal_errors"]] == [FailingCostlyCheck.name]
+    assert g.step == 12

@@ -46,3 +46,35 @@ def test_direct_and_batched_reads_agree(monkeypatch, bad_step):
         for k in ("loss", "grad_norm"):
             if k in a:  # float32 on both paths: the same value
                 assert a[k] == pytest.approx(b[k], rel=1e-6, nan_ok=True)
+
+
+def test_step_gradient_norm_is_exact_when_the_parameters_with_a_gradient_change():
+    """The timeline's grad_norm is the joint norm of the gradients the optimizer applies, step after step,
+    while a branch used on odd steps only leaves its gradients None on even ones (the kept parameter list
+    and the filtered one alternate), and after a gradient is replaced by a sparse one by hand."""
+    torch.manual_seed(0)
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, use_b):
+            return self.b(self.a(x)) if use_b else self.a(x)
+
+    m = Branchy()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(8, 4)
+    expected = []
+    with guard(m, opt, live=False) as g:
+        for i in range(8):
+            opt.zero_grad(set_to_none=True)
+            m(x, use_b=i % 2 == 1).pow(2).mean().backward()
+            if i == 5:
+                m.b.bias.grad = m.b.bias.grad.to_sparse()  # not strided: left out of the norms
+            grads = [p.grad for p in m.parameters() if p.grad is not None and p.grad.layout is torch.strided]
+            expected.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in grads]))))
+            opt.step()
+    got = [e["grad_norm"] for e in g.timeline]
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert not g.findings and not g.report()["internal_errors"]
