@@ -137,8 +137,9 @@ class Staging:
             if flat[3]:
                 try:
                     return GradNorms(ps, namer, grads, flat[2])
-                except RuntimeError:  # a gradient that is no longer plain (made sparse by hand): filter
-                    pass
+                except RuntimeError:  # a gradient that is no longer plain (made sparse by hand): filter,
+                    if optimizer is not None:  # and test them again from now on
+                        self._flat[optimizer] = flat[:3] + (False,)
             elif all(g.layout is torch.strided and not g.is_meta for g in grads):
                 if optimizer is not None:
                     self._flat[optimizer] = flat[:3] + (True,)

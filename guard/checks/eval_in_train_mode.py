@@ -10,8 +10,8 @@ Threshold (to leave deliberate uses alone): it fires only for a model that is
 also trained under the guard, i.e. that has had a grad-enabled forward (before or
 after), and only while the model itself is in training mode: after ``model.eval()``
 a Dropout or BatchNorm switched back to ``train()`` is deliberate (Monte Carlo
-dropout samples predictions that way). A momentum/EMA teacher or a DQN target network that only ever runs under
-``no_grad`` is never reported, nor are model calls made by ``torch.optim``
+dropout samples predictions that way). A momentum/EMA teacher or a DQN target
+network that only ever runs under ``no_grad`` is never reported, nor are model calls made by ``torch.optim``
 (``swa_utils.update_bn`` recomputes BatchNorm statistics in train mode). To silence it for one module, set
 ``module.guard_train_mode_ok = True`` on the model or on the Dropout/BatchNorm
 module; to silence it everywhere, ``checks=["default", "-eval-in-train-mode"]``.
