@@ -254,3 +254,41 @@ def test_hf_healthy_twin_is_silent_and_bit_identical(hf_tmp):
     losses = [e["loss"] for e in guarded.state.log_history if "loss" in e]
     assert losses == [e["loss"] for e in plain.state.log_history if "loss" in e] and losses
     assert all(e["guard/errors"] == 0 for e in guarded.state.log_history if "loss" in e)
+
+
+# --------------------------------------------------------------------------- under a budget's sampling
+
+@pytest.fixture
+def sleeping(monkeypatch):
+    """The costly checks sampled out of 2 steps in 3 (the period pinned, as a budget would set it)."""
+    from guard import meter
+
+    init = meter.Meter.__init__
+
+    def pinned(self, budget):
+        init(self, budget)
+        self.pin(3)
+
+    monkeypatch.setattr(meter.Meter, "__init__", pinned)
+
+
+@pytest.mark.parametrize("fault", ["retained", "no-zero-grad"])
+@pytest.mark.parametrize("stack", STACKS)
+def test_code_property_pitfalls_found_while_their_checks_sleep(stack, fault, hf_tmp, sleeping):
+    if fault == "no-zero-grad" and stack in ("lightning", "hf"):
+        pytest.skip("automatic optimization zeroes the gradients itself")
+    runs = {"loop": lambda: run_loop(fault), "closure": lambda: run_loop(fault, closure=True),
+            "lightning": lambda: run_lightning(fault)[0], "lightning-manual": lambda: run_lightning(fault, manual=True)[0],
+            "hf": lambda: run_hf(fault, hf_tmp)[0]}
+    g = runs[stack]()
+    kind, where = EXPECTED[fault]
+    found = [f for f in g.findings if f.kind == kind]
+    assert found and found[0].where.endswith(where), g.findings
+    assert g.meter.period == 3
+
+
+def test_healthy_twins_silent_while_costly_checks_sleep(sleeping, hf_tmp):
+    g, _ = run_lightning(None, accumulate_grad_batches=2, gradient_clip_val=1.0, val=True)
+    assert g.findings == [] and g.meter.period == 3
+    g, _ = run_hf(None, hf_tmp, max_grad_norm=1.0, eval_strategy="epoch", warmup_steps=2, weight_decay=0.01)
+    assert g.findings == [] and g.meter.period == 3
