@@ -55,12 +55,11 @@ def main():
     model, batch = overhead.MODELS[name]()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = overhead.step_fn(model, opt, batch)
-    opts = {"unguarded": None, "default": {}, "all": {"checks": "all"}, "every10": {"every": 10}, "bare": {"checks": ["state-dict"]}, "nonfinite": {"checks": ["nonfinite"]},
-            "budget": {"budget": 0.05}, "all-budget": {"checks": "all", "budget": 0.05}}.get(conf)
     pin = None
     if conf.endswith("-pin16"):  # a budget whose period is pinned at 16 (the count then averages whole periods)
         conf, pin = conf[:-len("-pin16")], 16
-        opts = {"budget": {"budget": 0.05}, "all-budget": {"checks": "all", "budget": 0.05}}.get(conf)
+    opts = {"unguarded": None, "default": {}, "all": {"checks": "all"}, "every10": {"every": 10}, "bare": {"checks": ["state-dict"]}, "nonfinite": {"checks": ["nonfinite"]},
+            "budget": {"budget": 0.05}, "all-budget": {"checks": "all", "budget": 0.05}}.get(conf)
     if conf.startswith("checks="):  # e.g. checks=default,-eval-without-no-grad
         opts = {"checks": conf[len("checks="):].split(",")}
     elif opts is None and conf != "unguarded":

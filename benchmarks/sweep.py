@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import overhead  # noqa: E402
+from instructions_sweep import fit  # noqa: E402  (the same least-squares fit of the depth sweep)
 
 
 def tiny_mlp():
@@ -90,12 +91,8 @@ def part_depth(args):
         r = row(times)
         out[name] = {"configs": r, "module_calls_per_forward": calls}
         pts.append((calls, (r["guard default"]["ms"] - r["unguarded"]["ms"]) * 1e3))  # µs
-    n = len(pts)
-    mx = sum(c for c, _ in pts) / n
-    my = sum(e for _, e in pts) / n
-    sxx = sum((c - mx) ** 2 for c, _ in pts)
-    slope = sum((c - mx) * (e - my) for c, e in pts) / sxx if sxx else 0.0
-    out["fit"] = {"fixed_us_per_step": my - slope * mx, "us_per_module_call": slope,
+    fixed, slope = fit(pts)
+    out["fit"] = {"fixed_us_per_step": fixed, "us_per_module_call": slope,
                   "points": [{"module_calls": c, "extra_us": e} for c, e in pts]}
     return out
 
