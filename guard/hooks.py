@@ -161,11 +161,10 @@ class _Patch:
             if not subs or _compiling():  # traced by torch.compile: the plain function, nothing of guard's
                 return func(*args, **kwargs)
             try:
-                if reattribute:
-                    return _as_caller(sys._getframe(1), patch._chain, func, subs, args, kwargs)
+                call = _at_caller(sys._getframe(1), func) if reattribute else func
                 if len(subs) == 1:  # the usual case: one guard on the target
-                    return subs[0][1](func, args, kwargs)
-                return patch._chain(func, subs, 0, args, kwargs)
+                    return subs[0][1](call, args, kwargs)
+                return patch._chain(call, subs, 0, args, kwargs)
             except BaseException as exc:
                 _drop_own_frames(exc)
                 raise
@@ -211,29 +210,35 @@ def _warns_at_caller(owner: Any, attr: str) -> bool:
     return name.startswith("torch.nn.functional") or name == "torch" or attr == "load_state_dict"
 
 
-def _as_caller(caller: Any, chain: Callable, func: Callable, subs: list, args: tuple, kwargs: dict) -> Any:
-    """Run the patched call; warnings that would name a guard frame (the wrapped function warned with
-    ``stacklevel=2``) are re-issued at `caller`, the line that called the function, as without guard."""
-    cm = warnings.catch_warnings(record=True)
-    caught = cm.__enter__()
-    try:
-        warnings.simplefilter("always")  # recorded here; the user's filters apply when re-issued
-        return chain(func, subs, 0, args, kwargs)
-    finally:
-        cm.__exit__(None, None, None)
-        if caught:
-            _reissue(caught, caller)
+# A patched function that warns with ``stacklevel=2`` names the frame that called it. Under guard that
+# frame would be guard's own (the middleware calling the original), so the original is called from a
+# one-line trampoline whose code carries the caller's file and line and whose globals are the caller's:
+# the warning then names the user's line and goes through the user's filters and registry exactly as
+# without guard. (Catching and re-issuing each call's warnings instead cost ~5 us a call, and changing
+# the filters on every call made "once per line" warnings of the user's own repeat at every step.)
+_AT_NAME = "_guard_at_caller"
 
 
-def _reissue(pending: list, caller: Any) -> None:
-    for w in pending:
-        if w.filename.startswith(_GUARD_DIR):
-            g = caller.f_globals
-            warnings.warn_explicit(w.message, w.category, caller.f_code.co_filename, caller.f_lineno,
-                                   module=g.get("__name__"), registry=g.setdefault("__warningregistry__", {}),
-                                   module_globals=g, source=w.source)
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+def _trampoline_code() -> types.CodeType:
+    _f = None
+    def _guard_at_caller(*args, **kwargs): return _f(*args, **kwargs)  # noqa: E704  (one line: see _at_caller)
+    return _guard_at_caller.__code__
+
+
+_AT_CODE = _trampoline_code()
+_AT_SITES: Dict[Tuple[Any, int, Any], Callable] = {}
+
+
+def _at_caller(caller: Any, func: Callable) -> Callable:
+    """`func`, called from a frame that looks like `caller`'s line to ``warnings`` (one per call site)."""
+    key = (caller.f_code, caller.f_lineno, func)
+    fn = _AT_SITES.get(key)
+    if fn is None:
+        if len(_AT_SITES) >= 1024:
+            _AT_SITES.clear()
+        code = _AT_CODE.replace(co_filename=caller.f_code.co_filename, co_firstlineno=key[1])
+        fn = _AT_SITES[key] = types.FunctionType(code, caller.f_globals, _AT_NAME, None, (types.CellType(func),))
+    return fn
 
 
 def _drop_own_frames(exc: BaseException) -> None:
@@ -245,7 +250,8 @@ def _drop_own_frames(exc: BaseException) -> None:
         kept = []
         t = tb.tb_next
         while t is not None:
-            if not t.tb_frame.f_code.co_filename.startswith(_GUARD_DIR):
+            code = t.tb_frame.f_code
+            if not code.co_filename.startswith(_GUARD_DIR) and code.co_name != _AT_NAME:
                 kept.append(t)
             t = t.tb_next
         new = None

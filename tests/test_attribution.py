@@ -66,3 +66,36 @@ def test_warning_filters_of_the_user_still_apply_to_reissued_warnings():
             warnings.simplefilter("error")
             with pytest.raises(UserWarning, match="target size"):
                 nn.functional.mse_loss(model(torch.randn(4, 3)), torch.randn(4))
+
+
+def _train_warning_each_step(use_guard):
+    """A loop whose own code warns at every step (shown once per line by Python's default filter)."""
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shown = []
+
+    def loop():
+        for _ in range(5):
+            warnings.warn("user's own deprecation, every step")
+            loss = nn.functional.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        warnings.simplefilter("default")  # once per line, as for a plain `python train.py`
+        warnings.showwarning = lambda message, *a, **k: shown.append(str(message))
+        if use_guard:
+            with guard.guard(model, opt, live=False):
+                loop()
+        else:
+            loop()
+    return [m for m in shown if "user's own" in m]
+
+
+def test_a_once_per_line_warning_of_the_user_is_still_shown_once():
+    # guard's losses wrappers used to change the warning filters at every call, which reset every
+    # module's record of warnings already shown: the user's warning came back at every step.
+    assert len(_train_warning_each_step(False)) == 1
+    assert len(_train_warning_each_step(True)) == 1
