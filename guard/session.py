@@ -86,6 +86,7 @@ class Guard(Wiring):
         self.forget_grad_norms = self.staging.forget_grad_norms
         self._tls = threading.local()
         self.is_primary = w.is_primary
+        self.dispatch = self.router.dispatch  # type: ignore[method-assign]  (one Python call per event fewer)
         self._backward_pending = False
         self.report_path: Optional[str] = None
         self.report_error: Optional[str] = None
@@ -348,6 +349,9 @@ class Guard(Wiring):
 
     def grad_norms(self, optimizer: Optional[torch.optim.Optimizer] = None) -> GradNorms:
         """This step's gradient norms (fused ``_foreach_norm``), computed once per optimizer and step."""
+        gn = self.staging.cached_grad_norms(optimizer)  # asked by several checks a step: no closure then
+        if gn is not None:
+            return gn
         return self.staging.grad_norms(optimizer, lambda: [p for _, p in self.named_parameters()], self.param_name)
 
     # ------------------------------------------------------------------ services for checks

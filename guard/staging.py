@@ -119,6 +119,10 @@ class Staging:
             gn = self._grad_norms[key] = self._make_grad_norms(optimizer, params, namer)
         return gn
 
+    def cached_grad_norms(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[GradNorms]:
+        """This step's norms of `optimizer` if already computed, else None."""
+        return self._grad_norms.get(id(optimizer))
+
     def _make_grad_norms(self, optimizer: Optional[torch.optim.Optimizer], params: Callable[[], List[torch.Tensor]],
                          namer: Callable[[torch.Tensor], str]) -> GradNorms:
         """One Python pass over the parameters per step: the optimizer's flattened list is kept while its

@@ -125,10 +125,13 @@ class NonFinite(Check):
     def _flag(self, t: torch.Tensor, own: bool = False) -> int:
         """Keep a sum of `t` (NaN/Inf anywhere makes it non-finite); all are tested once per step."""
         i = len(self._sums)
-        d = distinct_view(t.detach() if t.requires_grad else t)  # an expand()ed view: its distinct values only (2**40 rows cost nothing)
-        # guard's own 0-dim float tensors (gradient norms, never changed in place) are their own sum.
-        self._sums.append(d.sum(dtype=torch.float32) if d.dtype in _HALF
-                          else d if own and d.dim() == 0 and d.dtype in _WIDE_SUM else d.sum())
+        d = t.detach() if t.requires_grad else t
+        if own and d.dtype in _WIDE_SUM and d.dim() == 0:
+            # guard's own 0-dim float tensors (gradient norms, never changed in place) are their own sum.
+            self._sums.append(d)
+        else:
+            d = distinct_view(d)  # an expand()ed view: its distinct values only (2**40 rows cost nothing)
+            self._sums.append(d.sum(dtype=torch.float32) if d.dtype in _HALF else d.sum())
         if i == 0:
             self.g.stage_batch(self._collect)
         elif i >= _MAX_WINDOW:
