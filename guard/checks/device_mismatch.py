@@ -12,6 +12,8 @@ tensor argument. Per optimizer step: one state entry per parameter group
 """
 from __future__ import annotations
 
+import functools
+
 import inspect
 import weakref
 from typing import Any, Dict, Iterator, Tuple
@@ -259,9 +261,12 @@ class DeviceMismatch(Check):
                 s = state.get(p)
                 if not s:
                     continue
+                pdev = p.device
                 for key, v in s.items():
-                    if isinstance(v, torch.Tensor) and not _mixable(v) and not same_device(v.device, p.device):
-                        self._report_state(optimizer, p, key, v.device)
+                    # inlined `_mixable` and a plain comparison first: three state tensors a step, all fine
+                    if isinstance(v, torch.Tensor) and (d := v.device) != pdev \
+                            and not (d.type == "cpu" and v.dim() == 0) and not same_device(d, pdev):
+                        self._report_state(optimizer, p, key, d)
                         return
                 if not full:
                     break  # later steps: one representative per group
@@ -297,13 +302,5 @@ class DeviceMismatch(Check):
                   details={"loss": fn, "input_device": str(da), "target_device": str(db)})
 
 
-def _loss_handler(fn: str):
-    def handler(self, args, kwargs):
-        self._on_loss(fn, args, kwargs)
-
-    handler.__name__ = f"on_dev_{fn}"
-    return handler
-
-
-for _fn in LOSSES:
-    setattr(DeviceMismatch, f"on_dev_{_fn}", _loss_handler(_fn))
+for _fn in LOSSES:  # one handler per loss; a partial, not a wrapper function (no second Python call)
+    setattr(DeviceMismatch, f"on_dev_{_fn}", functools.partialmethod(DeviceMismatch._on_loss, _fn))

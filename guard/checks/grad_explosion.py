@@ -44,12 +44,22 @@ LOG_HIGH = math.log(HIGH)
 
 
 class _State:
-    __slots__ = ("window", "where", "burst")
+    __slots__ = ("window", "top", "where", "burst")
 
     def __init__(self) -> None:
         self.window: deque = deque(maxlen=WINDOW)  # log norms
+        self.top = -math.inf  # max(window), kept as values come and go (not recomputed every step)
         self.where: Optional[str] = None
         self.burst = False
+
+    def push(self, lv: float) -> None:
+        w = self.window
+        out = w[0] if len(w) == w.maxlen else None
+        w.append(lv)
+        if out is not None and out == self.top and lv < out:
+            self.top = max(w)  # the largest left the window
+        elif lv > self.top:
+            self.top = lv
 
 
 def _bar(logs) -> tuple:
@@ -126,7 +136,7 @@ class GradExplosion(Check):
         # medians (two sorts a step) are computed only for a total above it.
         lv = math.log(v)
         if len(st.window) >= WARMUP:
-            if lv > LOG_HIGH + max(st.window):
+            if lv > LOG_HIGH + st.top:
                 med, ratio = _bar(st.window)
                 if v > ratio * med:
                     if not st.burst:  # once per burst, not once per step
@@ -134,7 +144,7 @@ class GradExplosion(Check):
                         self._report(opt, st, gn, v, med, ratio, step, source)
                     return  # an explosion does not raise the bar for the next one
             st.burst = False
-        st.window.append(lv)
+        st.push(lv)
 
     def _report(self, opt, st: _State, gn, v: float, med: float, ratio: float, step: int,
                 source: Optional[str]) -> None:

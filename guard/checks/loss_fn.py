@@ -110,6 +110,12 @@ class LossMisuse(Check):
         self._class_loss("nll_loss", args, kwargs)
 
     def _class_loss(self, fn: str, args: tuple, kwargs: dict) -> None:
+        step = self.g.step
+        if not ((step < PROB_STEPS or step % PROB_EVERY == 0) and self._want_prob and self.sampling):
+            # The usual call: no probe due, and targets on the CPU (they raise by themselves): nothing to do.
+            t = args[1] if len(args) > 1 else kwargs.get("target")
+            if not (self._want_tgt and isinstance(t, torch.Tensor) and t.device.type not in SYNC_RAISING):
+                return
         try:
             self._class_loss_checks(fn, args, kwargs)
         except Exception:
@@ -238,7 +244,8 @@ class LossMisuse(Check):
             self._scan_copies(wait=True)  # once per step; the guard syncs right after to read staged flags
 
     def on_resolved(self):
-        self._scan_copies(wait=True)
+        if self._copies:
+            self._scan_copies(wait=True)
 
     def on_exception(self, exc):
         self._exc = exc

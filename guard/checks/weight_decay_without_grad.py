@@ -131,7 +131,11 @@ class WeightDecayWithoutGrad(Check):
             return
         # Weights are measured only for parameters whose gradient was zero at the last resolved step:
         # nothing extra to reduce while every gradient carries signal.
-        tracks = self._tracks.get(optimizer, {})
+        tracks = self._tracks.get(optimizer)
+        if not tracks and len(gn.stacked) == 1:
+            self._quick(optimizer, gn, cands)
+            return
+        tracks = tracks or {}
         suspects = [c[0] for c in cands if id(c[0]) in tracks] if tracks else []  # none: no pass over the parameters
         pstack, pids = None, []
         if suspects:
@@ -177,6 +181,22 @@ class WeightDecayWithoutGrad(Check):
             self._update(oref, cands, sids, g_vals + p_vals, step, source, checked, reached)
 
         self.g.stage_batch(collect)
+
+    def _quick(self, optimizer, gn, cands) -> None:
+        """The usual step, with no zero-gradient run under way: only the shared gradient norms are read, and
+        a zero among the candidates' starts a run (as `on_step_pre`'s full path would, without suspects)."""
+        (gstack, gids), = gn.stacked.values()
+        step, source, oref = self.g.step, self.g.source(), weakref.ref(optimizer)
+
+        def seen(values):
+            if 0.0 not in values:
+                opt = oref()
+                if opt is None or not self._tracks.get(opt):
+                    return  # the healthy step
+            by_param = dict(zip(gids, values))
+            self._update(oref, cands, [], [by_param[c[1]] for c in cands], step, source, set(), set())
+
+        self.g.stage_batch(lambda: [(gstack, seen)])
 
     def _candidates(self, optimizer, gn) -> List[Tuple[torch.Tensor, int, int, str, float]]:
         """(param, norm index, group, why, wd) of the parameters a step would move without a gradient.
