@@ -349,7 +349,7 @@ class Guard(Wiring):
 
     def grad_norms(self, optimizer: Optional[torch.optim.Optimizer] = None) -> GradNorms:
         """This step's gradient norms (fused ``_foreach_norm``), computed once per optimizer and step."""
-        gn = self.staging.cached_grad_norms(optimizer)  # asked by several checks a step: no closure then
+        gn = self.staging.step_norms.get(id(optimizer))  # asked by several checks a step: no closure then
         if gn is not None:
             return gn
         return self.staging.grad_norms(optimizer, lambda: [p for _, p in self.named_parameters()], self.param_name)

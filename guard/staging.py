@@ -6,7 +6,6 @@ healthy step costs one host synchronisation per device instead of one per value.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from .findings import GuardError
 from . import tensors as _tensors
 from .tensors import Norms, without_grad
+from ._weak import WeakIdMap
 
 MAX_STAGED = 8192
 
@@ -71,15 +71,14 @@ class Staging:
         self._staged: List[Tuple[torch.Tensor, Callable, int]] = []
         self._collectors: List[Collector] = []
         self._loss: Optional[torch.Tensor] = None
-        self._grad_norms: Dict[int, GradNorms] = {}
+        self.step_norms: Dict[int, GradNorms] = {}  # this step's norms by id(optimizer) (read by `Guard.grad_norms`)
         # per optimizer: (its groups' (id, length) of the params lists, their parameters flattened, the
         # key of that list, whether every gradient was a plain strided, non-meta tensor when last seen)
-        self._flat: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Any, List[torch.Tensor], Any, bool]]" = \
-            weakref.WeakKeyDictionary()  # dies with the optimizer (no parameters kept past it)
+        self._flat = WeakIdMap()  # dies with the optimizer (no parameters kept past it)
 
     def pending(self) -> Dict[str, int]:
         """How much is waiting: staged values, collectors, cached gradient norms."""
-        return {"staged": len(self._staged), "collectors": len(self._collectors), "grad_norms": len(self._grad_norms)}
+        return {"staged": len(self._staged), "collectors": len(self._collectors), "grad_norms": len(self.step_norms)}
 
     def stage(self, value: torch.Tensor, callback: Callable[[float], None]) -> None:
         """Keep a 0-dim device tensor until the step is resolved; then ``callback(host_value)``."""
@@ -114,21 +113,17 @@ class Staging:
                    namer: Callable[[torch.Tensor], str]) -> GradNorms:
         """This step's gradient norms of `optimizer`'s parameters (or ``params()``), computed once per step."""
         key = id(optimizer)
-        gn = self._grad_norms.get(key)
+        gn = self.step_norms.get(key)
         if gn is None:
-            gn = self._grad_norms[key] = self._make_grad_norms(optimizer, params, namer)
+            gn = self.step_norms[key] = self._make_grad_norms(optimizer, params, namer)
         return gn
-
-    def cached_grad_norms(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[GradNorms]:
-        """This step's norms of `optimizer` if already computed, else None."""
-        return self._grad_norms.get(id(optimizer))
 
     def _make_grad_norms(self, optimizer: Optional[torch.optim.Optimizer], params: Callable[[], List[torch.Tensor]],
                          namer: Callable[[torch.Tensor], str]) -> GradNorms:
         """One Python pass over the parameters per step: the optimizer's flattened list is kept while its
         groups stay the same, and gradients seen plain (strided, not meta) are not tested again until
         the list of parameters with a gradient changes (the norms then fall back to the full filter)."""
-        flat = self._flat.get(optimizer) if optimizer is not None else None
+        flat = self._flat.data.get(id(optimizer)) if optimizer is not None else None
         shape = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups) if optimizer is not None else None
         if flat is None or flat[0] != shape:
             ps = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else params()
@@ -154,7 +149,7 @@ class Staging:
 
     def forget_grad_norms(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this step's cached norms of `optimizer` (the gradients changed in place)."""
-        self._grad_norms.pop(id(optimizer), None)
+        self.step_norms.pop(id(optimizer), None)
 
     def has_staged(self) -> bool:
         """Whether values or collectors wait for resolution (the step's loss and norms aside)."""
@@ -167,12 +162,12 @@ class Staging:
         `keep_step_values` (a mid-step read for the user) those stay for the step's own resolution.
         """
         if keep_step_values:
-            loss, norms = self._loss, self._grad_norms
-            self._loss, self._grad_norms = None, {}
+            loss, norms = self._loss, self.step_norms
+            self._loss, self.step_norms = None, {}
             try:
                 self.resolve()
             finally:
-                self._loss, self._grad_norms = loss, norms
+                self._loss, self.step_norms = loss, norms
             return {}
         staged, self._staged = self._staged, []
         collectors, self._collectors = self._collectors, []
@@ -184,7 +179,7 @@ class Staging:
             except Exception as exc:
                 self._contain(getattr(collect, "__self__", None), exc)
         loss, self._loss = self._loss, None
-        norms, self._grad_norms = self._grad_norms, {}
+        norms, self.step_norms = self.step_norms, {}
         entry: Dict[str, Any] = {}
         if loss is not None:
             staged.append((loss, lambda v: entry.__setitem__("loss", v), _VALUE))

@@ -10,6 +10,7 @@ from torch import nn
 from ._modules import tree_stats
 from .record import Record
 from .tensors import first_tensor
+from ._weak import WeakIdMap
 
 MAX_MODULES = 5000
 
@@ -33,7 +34,7 @@ class Watched:
         self.seen_optimizers: List[weakref.ref] = list(optimizers)
         #: the optimizer whose step ends the guard's step (the first given, else the first seen stepping)
         self.primary: Optional[weakref.ref] = optimizers[0] if optimizers else None
-        self._opt_watch: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self._opt_watch = WeakIdMap()  # optimizer -> whether it steps the watched models
         for r in optimizers:
             if r() is not None:
                 self._opt_watch[r()] = True
@@ -70,7 +71,7 @@ class Watched:
     def watch_optimizer(self, opt: torch.optim.Optimizer) -> Tuple[bool, Optional[bool]]:
         """Whether `opt` steps parameters of the watched models (decided once per optimizer), and
         whether it just became the primary optimizer: None if not, else whether there was none before."""
-        known = self._opt_watch.get(opt)
+        known = self._opt_watch.data.get(id(opt))
         became = None
         if known is None:
             models = self.models

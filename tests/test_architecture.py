@@ -10,7 +10,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # Lower layers never import higher ones. Within a layer any import is fine as long as there is no circle.
 LAYERS = [
-    {"findings", "record", "config", "tensors", "hooks", "_frames", "_dist", "meter", "callstack", "_modules", "_procs"},
+    {"findings", "record", "config", "tensors", "hooks", "_frames", "_dist", "meter", "callstack", "_modules", "_procs", "_weak"},
     {"checks", "report"},
     {"staging", "router", "watched", "compiled", "wiring", "session"},
     {"wrap", "__init__", "__main__", "pytest_plugin", "_autostart", "integrations"},

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 
 import inspect
-import weakref
 from typing import Any, Dict, Iterator, Tuple
 
 import torch
@@ -24,6 +23,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ..tensors import iter_named_tensors
 from .base import Check
 from ._notes import NOTE_PREFIX, add_guard_note
+from .._weak import WeakIdMap
 
 #: functional losses watched for operands on different devices (nn.*Loss modules call these)
 LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy", "nll_loss",
@@ -135,7 +135,7 @@ class DeviceMismatch(Check):
         super().__init__(guard)
         # module type -> strict: a torch.nn built-in, whose every tensor input must match
         self._strict: Dict[type, bool] = {}
-        self._opt_seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self._opt_seen = WeakIdMap()  # optimizers whose every state tensor was compared once
         self._note: Any = None  # (where, step, message, hint) of the last finding, for the exception's note
         # (args, kwargs) of the outermost model call in progress: tells a batch that was not moved from a
         # tensor made inside forward. Held only during that call (a graph it carries must not outlive it).
@@ -250,7 +250,7 @@ class DeviceMismatch(Check):
 
     # ------------------------------------------------------------------ optimizer state
     def on_step_pre(self, optimizer):
-        full = optimizer not in self._opt_seen
+        full = id(optimizer) not in self._opt_seen.data
         if full:
             self._opt_seen[optimizer] = True
         state = optimizer.state

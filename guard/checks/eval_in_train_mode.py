@@ -32,6 +32,7 @@ from torch import nn
 
 from ._modes import mode_sensitive
 from .base import Check
+from .._weak import WeakIdSet
 
 MAX_NAMED = 4
 OPT_OUT = "guard_train_mode_ok"
@@ -68,7 +69,7 @@ class EvalInTrainMode(Check):
     def __init__(self, guard):
         super().__init__(guard)
         self._mods: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-        self._trained: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._trained = WeakIdSet()  # models seen called with grad enabled
         # model -> (step, source, names, types, count, inference) of its first train-mode no_grad forward
         self._pending: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
         self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -77,7 +78,7 @@ class EvalInTrainMode(Check):
         if not is_root:
             return
         if torch.is_grad_enabled():
-            if module not in self._trained:
+            if id(module) not in self._trained.data:
                 self._trained.add(module)
                 pend = self._pending.pop(module, None)
                 if pend is not None:

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from .base import Check
+from .._weak import WeakIdMap
 
 WARMUP = 10
 WINDOW = 50
@@ -90,7 +91,7 @@ class GradExplosion(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        self._state: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _State]" = weakref.WeakKeyDictionary()
+        self._state = WeakIdMap()  # optimizer -> _State
 
     def on_step_pre(self, optimizer):
         if not self.sampling:
@@ -127,7 +128,7 @@ class GradExplosion(Check):
         opt = oref()
         if opt is None or not math.isfinite(v):
             return  # NaN/Inf is the nonfinite check's business (or a step the scaler skips)
-        st = self._state.get(opt)
+        st = self._state.data.get(id(opt))
         if st is None:
             st = self._state[opt] = _State()
         if v == 0.0:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .base import Check
+from .._weak import WeakIdMap
 
 STEPS = 5  # sampled steps in a row with all-zero gradients before reporting
 
@@ -37,7 +38,7 @@ class GradsAllZero(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        self._runs: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Run]" = weakref.WeakKeyDictionary()
+        self._runs = WeakIdMap()  # optimizer -> _Run
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
@@ -57,7 +58,7 @@ class GradsAllZero(Check):
         opt = oref()
         if opt is None:
             return
-        run = self._runs.get(opt)
+        run = self._runs.data.get(id(opt))
         if run is None:
             run = self._runs[opt] = _Run()
         if v != 0.0:  # NaN/Inf or a real gradient: the run is broken

@@ -26,6 +26,7 @@ import torch
 
 from ..tensors import fused_norms
 from .base import Check
+from .._weak import WeakIdMap
 
 
 class _State:
@@ -61,12 +62,12 @@ class MissingZeroGrad(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        self._st: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _State]" = weakref.WeakKeyDictionary()
+        self._st = WeakIdMap()  # optimizer -> _State
         self._armed = False  # some state may be armed (only a step arms one): backwards skip the scan otherwise
 
     # ------------------------------------------------------------------ zero_grad observed
     def on_opt_zero_grad_done(self, args, kwargs, result):
-        st = self._st.get(args[0]) if args else None
+        st = self._st.data.get(id(args[0])) if args else None
         if st is not None:
             st.clear()
             if len(self._st) == 1:
@@ -92,7 +93,7 @@ class MissingZeroGrad(Check):
 
     # ------------------------------------------------------------------ steps and backwards
     def on_step_post(self, optimizer):
-        st = self._st.get(optimizer)
+        st = self._st.data.get(id(optimizer))
         if st is None:
             st = self._st[optimizer] = _State()
         st.clear()
@@ -157,7 +158,7 @@ class MissingZeroGrad(Check):
             self._judge(opt, st)
 
     def on_step_pre(self, optimizer):
-        st = self._st.get(optimizer)
+        st = self._st.data.get(id(optimizer))
         if st is None or not st.cands:
             return
         st.step_seen = True

@@ -130,7 +130,8 @@ class NonFinite(Check):
             # guard's own 0-dim float tensors (gradient norms, never changed in place) are their own sum.
             self._sums.append(d)
         else:
-            d = distinct_view(d)  # an expand()ed view: its distinct values only (2**40 rows cost nothing)
+            if 0 in d.stride():
+                d = distinct_view(d)  # an expand()ed view: its distinct values only (2**40 rows cost nothing)
             self._sums.append(d.sum(dtype=torch.float32) if d.dtype in _HALF else d.sum())
         if i == 0:
             self.g.stage_batch(self._collect)
@@ -177,7 +178,12 @@ class NonFinite(Check):
         if not screenable(t):
             return None
         i = self._flag(t)
-        self._remember(t, i)
+        try:  # `_remember`, inlined: two tensors of every root call come here
+            ref = weakref.ref(t)
+        except TypeError:
+            return i
+        self._tensors[id(t)] = (ref, i)
+        self._refs.setdefault(i, ref)
         return i
 
     def _remember(self, t: torch.Tensor, i: int) -> None:

@@ -13,13 +13,13 @@ Host-only work, once per optimizer / once per run; no device values are read.
 """
 from __future__ import annotations
 
-import weakref
 from typing import List
 
 import torch
 
 from ._params import module_prefixes
 from .base import Check
+from .._weak import WeakIdMap
 
 
 def _listing(prefixes: List[str], more: bool) -> str:
@@ -36,11 +36,11 @@ class OptimizerParams(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        self._seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self._seen = WeakIdMap()  # optimizers looked at
         self._missing_done = False
 
     def on_step_pre(self, optimizer):
-        if optimizer not in self._seen:
+        if id(optimizer) not in self._seen.data:
             self._seen[optimizer] = True
             self._frozen(optimizer)
         if not self._missing_done and self.g.is_primary(optimizer):

@@ -24,6 +24,7 @@ import torch
 
 from ._params import module_prefixes
 from .base import Check
+from .._weak import WeakIdMap
 
 STEPS = 20  # sampled optimizer steps with lr = 0 and non-zero gradients before reporting
 
@@ -50,13 +51,13 @@ class ParamsNotUpdating(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        self._runs: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Dict[int, _Run]]" = weakref.WeakKeyDictionary()
+        self._runs = WeakIdMap()  # optimizer -> {group index: _Run}
         self._copy_done = False
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
             return
-        runs = self._runs.get(optimizer)
+        runs = self._runs.data.get(id(optimizer))
         if runs is None:
             runs = self._runs[optimizer] = {}
         for i, group in enumerate(optimizer.param_groups):

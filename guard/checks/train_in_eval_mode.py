@@ -27,6 +27,7 @@ from torch import nn
 
 from .base import Check
 from ._modes import mode_sensitive
+from .._weak import WeakIdMap, WeakIdSet
 
 MAX_NAMED = 4
 OPT_OUT = "guard_eval_mode_ok"
@@ -43,12 +44,12 @@ class TrainInEvalMode(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        self._roots: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._roots = WeakIdSet()
         self._mods: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
         # root -> (step, source) of the latest .eval() / .train(False) call on it
         self._eval_at: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, Optional[str]]]" = weakref.WeakKeyDictionary()
         # roots whose last grad-enabled call was in eval mode: root -> source of that call
-        self._eval_calls: "weakref.WeakKeyDictionary[nn.Module, Optional[str]]" = weakref.WeakKeyDictionary()
+        self._eval_calls = WeakIdMap()  # model -> line of its last grad-enabled call in eval mode
         self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
     def on_module_train(self, args, kwargs):
@@ -62,19 +63,20 @@ class TrainInEvalMode(Check):
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root:
             return
-        if module not in self._roots:
+        if id(module) not in self._roots.data:
             self._roots.add(module)
             if not module.training and module not in self._eval_at:
                 self._eval_at[module] = (self.g.step, None)  # in eval mode before the guard started
         if not torch.is_grad_enabled():
             return
         if module.training:
-            self._eval_calls.pop(module, None)
+            if id(module) in self._eval_calls.data:
+                self._eval_calls.pop(module)
         elif module not in self._reported:
             self._eval_calls[module] = self.g.root_source
 
     def on_step_pre(self, optimizer):
-        if not self._eval_calls:
+        if not self._eval_calls.data:
             return
         for model, call_src in list(self._eval_calls.items()):
             del self._eval_calls[model]

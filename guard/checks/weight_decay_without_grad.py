@@ -34,6 +34,7 @@ import torch
 from ..tensors import Norms
 from ._params import module_prefixes
 from .base import Check
+from .._weak import WeakIdMap
 
 STEPS = 3  # consecutive sampled steps with a zero gradient before reporting (not one unlucky batch)
 
@@ -80,14 +81,12 @@ class WeightDecayWithoutGrad(Check):
     def __init__(self, guard):
         super().__init__(guard)
         # per optimizer: id(param) -> _Track
-        self._tracks: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Dict[int, _Track]]" = (
-            weakref.WeakKeyDictionary())
+        self._tracks = WeakIdMap()
         self._reported: Dict[Tuple[int, str], List[_Track]] = {}  # (id(opt), where) -> its tracks
         self._suspects: set = set()  # ids of parameters whose gradient was zero at the last resolved step
         self._reached: set = set()  # suspects the backward(s) of this step accumulated a gradient into
         # per optimizer: (key, candidates, ids of the parameters with a gradient, that list of parameters)
-        self._cands: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Any, list, tuple, list]]" = \
-            weakref.WeakKeyDictionary()
+        self._cands = WeakIdMap()
         self._hooked: Dict[int, Any] = {}  # id(param) -> handle of our post-accumulate-grad hook on it
         self._walked = False  # a backward since the last round was looked at
         self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
@@ -131,7 +130,7 @@ class WeightDecayWithoutGrad(Check):
             return
         # Weights are measured only for parameters whose gradient was zero at the last resolved step:
         # nothing extra to reduce while every gradient carries signal.
-        tracks = self._tracks.get(optimizer)
+        tracks = self._tracks.data.get(id(optimizer))
         if not tracks and len(gn.stacked) == 1:
             self._quick(optimizer, gn, cands)
             return
@@ -171,7 +170,7 @@ class WeightDecayWithoutGrad(Check):
             """`values`: gradient norms in `gids` order, then the suspects' weight norms in `pids` order."""
             if not suspects and 0.0 not in values[:n_g]:
                 opt = oref()
-                if opt is None or not self._tracks.get(opt):
+                if opt is None or not self._tracks.data.get(id(opt)):
                     return  # the healthy step (no zero gradient, no run under way): no per-parameter pass
             by_param = dict(zip(gids, values))
             g_vals = [by_param[c[1]] for c in cands]
@@ -191,7 +190,7 @@ class WeightDecayWithoutGrad(Check):
         def seen(values):
             if 0.0 not in values:
                 opt = oref()
-                if opt is None or not self._tracks.get(opt):
+                if opt is None or not self._tracks.data.get(id(opt)):
                     return  # the healthy step
             by_param = dict(zip(gids, values))
             self._update(oref, cands, [], [by_param[c[1]] for c in cands], step, source, set(), set())
@@ -206,7 +205,7 @@ class WeightDecayWithoutGrad(Check):
         """
         groups = optimizer.param_groups
         state = optimizer.state
-        hit = self._cands.get(optimizer)
+        hit = self._cands.data.get(id(optimizer))
         # The list of parameters with a gradient is the same object from step to step while it does not
         # change (the guard keeps it): then its ids need no new tuple.
         ps = gn.params

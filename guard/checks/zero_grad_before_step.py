@@ -31,6 +31,7 @@ import torch
 
 from ..tensors import fused_norms
 from .base import Check
+from .._weak import WeakIdMap
 
 
 class _Opt:
@@ -60,10 +61,10 @@ class ZeroGradBeforeStep(Check):
         super().__init__(guard)
         self._backwards = 0
         self._backward_src: Optional[str] = None
-        self._st: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Opt]" = weakref.WeakKeyDictionary()
+        self._st = WeakIdMap()  # optimizer -> _Opt
 
     def _state(self, opt) -> _Opt:
-        st = self._st.get(opt)
+        st = self._st.data.get(id(opt))
         if st is None:
             st = self._st[opt] = _Opt(0)
         return st
@@ -100,7 +101,7 @@ class ZeroGradBeforeStep(Check):
                 st.zero_src = self.g.source()
 
     def on_step_pre(self, optimizer):
-        st = self._st.get(optimizer)
+        st = self._st.data.get(id(optimizer))
         if st is None or st.zero_at != self._backwards or st.zero_at <= st.stepped_at:
             return
         grads = [g for grp in optimizer.param_groups for p in grp["params"]
