@@ -214,7 +214,8 @@ def _host_value(t: torch.Tensor, kind: int) -> Any:
     """A CPU tensor's staged value: a float (0-dim entries) or a list of floats (`_BATCH` entries)."""
     t = t.detach() if t.requires_grad else t
     if kind == _BATCH:
-        return (t if t.dtype is torch.float32 else t.to(torch.float32)).reshape(-1).tolist()
+        t = t if t.dtype is torch.float32 else t.to(torch.float32)
+        return (t if t.dim() == 1 else t.reshape(-1)).tolist()  # a stack of norms is 1-d already: no view op
     v = t.item() if t.numel() == 1 else float("nan")
     return float(v) if not isinstance(v, bool) else v
 
