@@ -78,8 +78,20 @@ def user_source(depth: int = 1) -> Optional[str]:
         if level is None:
             level = _level(name)
         if level == 0:
-            short = _short_cache.get(name)
-            return f"{short if short is not None else short_path(name)}:{f.f_lineno}"
+            # The same few lines call the model, backward() and step() at every step: their text is kept
+            # by code object and instruction (f_lineno decodes the line table, and the f-string allocates).
+            # Keyed by the code object's identity (code objects compare equal across files when their
+            # source is the same), which the entry keeps alive so that the id is not reused.
+            code = f.f_code
+            key = (id(code), f.f_lasti)
+            hit = _line_cache.get(key)
+            if hit is None or hit[0] is not code:
+                short = _short_cache.get(name)
+                hit = (code, f"{short if short is not None else short_path(name)}:{f.f_lineno}")
+                if len(_line_cache) >= 4096:
+                    _line_cache.clear()
+                _line_cache[key] = hit
+            return hit[1]
         if level == 1 and fallback is None:
             fallback = f
         f = f.f_back
@@ -98,6 +110,7 @@ def user_frame(depth: int = 1):
 
 
 _short_cache: dict = {}
+_line_cache: dict = {}  # (id(code object), instruction offset) -> (the code object, "file:line")
 
 
 def short_path(path: str) -> str:

@@ -99,3 +99,16 @@ def test_a_once_per_line_warning_of_the_user_is_still_shown_once():
     # module's record of warnings already shown: the user's warning came back at every step.
     assert len(_train_warning_each_step(False)) == 1
     assert len(_train_warning_each_step(True)) == 1
+
+
+def test_the_source_line_names_the_right_file_when_two_files_hold_the_same_code(tmp_path, monkeypatch):
+    # user_source caches the text per call site; code objects of identical source compare equal whatever
+    # their file (pytest's inner test files, copies of a training script), so the cache is keyed by identity.
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    src = "from guard._frames import user_source\ndef where():\n    return user_source(1)\nLINE = where()\n"
+    for name in ("first.py", "second.py"):
+        (tmp_path / name).write_text(src)
+    got = [runpy.run_path(str(tmp_path / name))["LINE"] for name in ("first.py", "second.py")]
+    assert got == ["first.py:3", "second.py:3"]  # the line in `where`, of each file
