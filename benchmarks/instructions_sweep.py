@@ -3,13 +3,16 @@
     python benchmarks/instructions_sweep.py               # tiny MLP, depth sweep, budget; ~15 min on 2 cores
     python benchmarks/instructions_sweep.py --huge --frameworks   # also 5,000 modules, Lightning, HF Trainer
     python benchmarks/instructions_sweep.py --keep --only tiny-mlp  # rerun one model, keep the other counts
+    python benchmarks/instructions_sweep.py --keep --only tiny-mlp --ablate   # + each check's marginal cost
 
 Wall-clock time on a shared machine moves by 10-20% from run to run; the number of instructions a step
 executes does not. Each (model, configuration) runs under `benchmarks/instructions.sh` (only the
 measured steps are counted), two at a time. The depth sweep (MLPs of width 32, 1 to 32 layers) is
 fitted as ``extra = fixed + per_call * module_calls``: guard's fixed cost per step and its cost per
 module call, in instructions, and in µs at the rate this machine runs the unguarded step of the
-same model (its native median step time over its instruction count). Writes
+same model (its native median step time over its instruction count). With ``--ablate`` the tiny MLP
+also runs the default checks without each one in turn (``checks=default,-NAME``): what each check adds
+to a step (shared work, such as the gradient norms, stays with the checks left). Writes
 ``benchmarks/results-instructions.md`` and ``.json``.
 """
 from __future__ import annotations
@@ -31,10 +34,19 @@ sys.path.insert(0, HERE)
 
 DEPTHS = (1, 4, 8, 16, 32)
 TINY = ("unguarded", "default", "all", "bare", "nonfinite", "budget-pin16", "all-budget-pin16")
+WITHOUT = "checks=default,-"  # an ablation configuration: the default checks without one
+
+
+def default_checks():
+    from guard.checks import registry
+
+    return sorted(name for name, cls in registry().items() if cls.default)
 
 
 def jobs(args):
     out = [("tiny-mlp", c, 32) for c in TINY]
+    if getattr(args, "ablate", False):
+        out += [("tiny-mlp", WITHOUT + name, 32) for name in default_checks()]
     out += [(f"mlp-depth-{d}", c, 16) for d in DEPTHS for c in ("unguarded", "default")]
     if args.huge:
         out += [("huge-5000", c, 3) for c in ("unguarded", "default")]
@@ -97,6 +109,8 @@ def render(res):
     for model, confs in counts.items():
         base = confs.get("unguarded")
         for conf, n in confs.items():
+            if conf.startswith(WITHOUT):
+                continue
             ratio = f"**{n / base:.3f}×**" if base and conf != "unguarded" else "1"
             lines.append(f"| {model} | {conf} | {n / 1e6:,.2f} M | {ratio} |")
     f = res.get("fit")
@@ -107,6 +121,17 @@ def render(res):
                       f"instructions per module call** (≈ **{f['per_call_us']:.2f} µs**). Points: "
                       + ", ".join(f"{p['module_calls']} calls → +{p['extra'] / 1e3:,.0f} k" for p in f["points"])
                       + f". Rate: {f['instructions_per_us']:,.0f} instructions/µs (depth-8 unguarded step, native)."]
+    tiny = counts.get("tiny-mlp", {})
+    marginal = sorted(((tiny["default"] - n, conf[len(WITHOUT):]) for conf, n in tiny.items()
+                       if conf.startswith(WITHOUT)), reverse=True) if "default" in tiny else []
+    if marginal:
+        lines += ["", "What each default check adds to a tiny-MLP step (the default checks with and without it; "
+                      "shared work such as the gradient norms stays with the checks left):", "",
+                  "| check | instructions per step | share of guard's cost |", "|---|---|---|"]
+        extra = tiny["default"] - tiny.get("unguarded", tiny["default"])
+        for d, name in marginal:
+            share = f"{d / extra:.0%}" if extra > 0 else "n/a"
+            lines.append(f"| `{name}` | {d / 1e3:+,.1f} k | {share} |")
     return "\n".join(lines) + "\n"
 
 
@@ -114,6 +139,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--huge", action="store_true", help="also the 5,000-module model (slow under callgrind)")
     ap.add_argument("--frameworks", action="store_true", help="also Lightning and HF Trainer fits")
+    ap.add_argument("--ablate", action="store_true", help="also the tiny MLP without each default check in turn")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the counts of models not rerun from the last results")
     ap.add_argument("--only", default="", help="models to run, comma-separated (with --keep: update just those)")

@@ -25,6 +25,18 @@ def test_table_shows_ratios_and_the_fit_in_microseconds():
     assert "**4.0 k instructions per module call** (≈ **1.00 µs**)" in text
 
 
+def test_ablation_rows_become_the_marginal_cost_table():
+    counts = {"tiny-mlp": {"unguarded": 2_000_000, "default": 3_000_000,
+                           "checks=default,-nonfinite": 2_850_000, "checks=default,-explain": 2_990_000}}
+    text = sweep.render({"machine": "test box", "counts": counts})
+    assert "checks=default,-" not in text.split("What each default check adds")[0]  # not in the main table
+    rows = [ln for ln in text.splitlines() if ln.startswith("| `")]
+    assert rows == ["| `nonfinite` | +150.0 k | 15% |", "| `explain` | +10.0 k | 1% |"]
+    jobs = sweep.jobs(type("A", (), {"huge": False, "frameworks": False, "ablate": True})())
+    ablated = {c[len(sweep.WITHOUT):] for m, c, _ in jobs if c.startswith(sweep.WITHOUT)}
+    assert {"nonfinite", "weight-decay-without-grad", "explain"} <= ablated and "snoop" not in ablated
+
+
 def test_depth_sweep_models_train_without_findings():
     """The depth sweep times healthy models: a finding (reported once) must not be timed as per-step cost."""
     import torch
