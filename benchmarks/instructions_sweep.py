@@ -126,11 +126,12 @@ def render(res):
                        if conf.startswith(WITHOUT)), reverse=True) if "default" in tiny else []
     if marginal:
         lines += ["", "What each default check adds to a tiny-MLP step (the default checks with and without it; "
-                      "shared work such as the gradient norms stays with the checks left):", "",
+                      "shared work such as the gradient norms stays with the checks left; a few k either way is "
+                      "the counts' run-to-run spread):", "",
                   "| check | instructions per step | share of guard's cost |", "|---|---|---|"]
         extra = tiny["default"] - tiny.get("unguarded", tiny["default"])
         for d, name in marginal:
-            share = f"{d / extra:.0%}" if extra > 0 else "n/a"
+            share = f"{max(d, 0) / extra:.0%}" if extra > 0 else "n/a"
             lines.append(f"| `{name}` | {d / 1e3:+,.1f} k | {share} |")
     return "\n".join(lines) + "\n"
 
