@@ -63,3 +63,17 @@ def test_handler_timer_names_each_checks_handlers(capsys):
     assert "all handlers," in out.splitlines()[-1]
     for event, check in [("forward", "nonfinite"), ("step_pre", "grad-explosion"), ("backward", "loss-graph")]:
         assert any(line.split()[1:] == [event, check] for line in out.splitlines()[1:-1]), (event, check, out)
+
+
+def test_every_call_snippet_runs_in_the_harness():
+    """`benchmarks/instructions_call.sh` counts each snippet's call; the same harness runs it directly."""
+    import subprocess
+
+    calls = os.path.join(BENCH, "calls")
+    snippets = sorted(f for f in os.listdir(calls) if f.endswith(".py"))
+    assert {"empty.py", "nonfinite_root_call.py", "tensor_sum.py", "screenable.py"} <= set(snippets)
+    for name in snippets:  # each in its own process: a snippet may leave a guard started
+        out = subprocess.run([sys.executable, os.path.join(BENCH, "instructions_call.py"), os.path.join(calls, name),
+                              "--direct", "20"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "µs per call" in out.stdout

@@ -1,0 +1,7 @@
+"""The empty call: its count is subtracted from every snippet's."""
+
+
+def setup():
+    def f():
+        pass
+    return f
