@@ -226,19 +226,22 @@ def _trampoline_code() -> types.CodeType:
 
 
 _AT_CODE = _trampoline_code()
-_AT_SITES: Dict[Tuple[Any, int, Any], Callable] = {}
+# (id(caller's code), its instruction offset, id(func)) -> (that code, func, trampoline). By identity: code
+# objects of the same source in two files compare equal; the entry keeps both objects, so no id is reused.
+_AT_SITES: Dict[Tuple[int, int, int], Tuple[Any, Callable, Callable]] = {}
 
 
 def _at_caller(caller: Any, func: Callable) -> Callable:
     """`func`, called from a frame that looks like `caller`'s line to ``warnings`` (one per call site)."""
-    key = (caller.f_code, caller.f_lineno, func)
-    fn = _AT_SITES.get(key)
-    if fn is None:
+    code, glb = caller.f_code, caller.f_globals
+    key = (id(code), caller.f_lasti, id(func))
+    hit = _AT_SITES.get(key)
+    if hit is None or hit[0] is not code or hit[1] is not func or hit[2].__globals__ is not glb:
         if len(_AT_SITES) >= 1024:
             _AT_SITES.clear()
-        code = _AT_CODE.replace(co_filename=caller.f_code.co_filename, co_firstlineno=key[1])
-        fn = _AT_SITES[key] = types.FunctionType(code, caller.f_globals, _AT_NAME, None, (types.CellType(func),))
-    return fn
+        tcode = _AT_CODE.replace(co_filename=code.co_filename, co_firstlineno=caller.f_lineno)
+        hit = _AT_SITES[key] = (code, func, types.FunctionType(tcode, glb, _AT_NAME, None, (types.CellType(func),)))
+    return hit[2]
 
 
 def _drop_own_frames(exc: BaseException) -> None:

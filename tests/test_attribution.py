@@ -112,3 +112,24 @@ def test_the_source_line_names_the_right_file_when_two_files_hold_the_same_code(
         (tmp_path / name).write_text(src)
     got = [runpy.run_path(str(tmp_path / name))["LINE"] for name in ("first.py", "second.py")]
     assert got == ["first.py:3", "second.py:3"]  # the line in `where`, of each file
+
+
+def test_a_loss_warning_names_its_own_file_when_two_files_hold_the_same_code(tmp_path, monkeypatch):
+    # The patched losses call the original from a trampoline made per call site; two scripts of the same
+    # source have equal code objects, and each warning must still name its own file and line.
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    src = ("import torch\nfrom torch import nn\n"
+           "def run(model):\n"
+           "    return nn.functional.mse_loss(model(torch.randn(4, 3)), torch.randn(4))\n")
+    for name in ("first.py", "second.py"):
+        (tmp_path / name).write_text(src)
+    model = nn.Linear(3, 1)
+    with guard.guard(model, live=False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for name in ("first.py", "second.py"):
+                runpy.run_path(str(tmp_path / name))["run"](model)
+    got = [(os.path.basename(w.filename), w.lineno) for w in caught if "target size" in str(w.message)]
+    assert got == [("first.py", 4), ("second.py", 4)]
