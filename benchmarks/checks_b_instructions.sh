@@ -8,20 +8,10 @@ steps=${STEPS:-20}
 jobs=${JOBS:-3}
 py=${PYTHON:-.venv/bin/python}
 dir=$(mktemp -d)
+source benchmarks/callgrind.sh
 one() {
-    conf=$1; prefix="$dir/$(echo "$conf" | tr ' +' '__')"
-    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$prefix.out" \
-        "$py" benchmarks/checks_b.py --steps "$steps" --cue "$conf" "$prefix" >"$prefix.log" 2>&1 &
-    pid=$!
-    until [ -f "$prefix.ready" ]; do sleep 0.5; kill -0 $pid 2>/dev/null || { cat "$prefix.log"; return 1; }; done
-    callgrind_control -i on $pid >/dev/null 2>&1
-    touch "$prefix.go"
-    until [ -f "$prefix.done" ]; do sleep 0.5; done
-    callgrind_control -d $pid >/dev/null 2>&1
-    callgrind_control -i off $pid >/dev/null 2>&1
-    touch "$prefix.stop"
-    wait $pid
-    total=$(grep -h -m1 -E "^(summary|totals):" "$prefix".out.* | awk '{print $2}')
+    local conf=$1 prefix="$dir/$(echo "$1" | tr ' +' '__')" total
+    total=$(callgrind_total "$prefix" "$py" benchmarks/checks_b.py --steps "$steps" --cue "$conf" "$prefix") || return 1
     echo "$conf: $((total / steps)) instructions per step ($steps steps)"
 }
 for conf in "$@"; do

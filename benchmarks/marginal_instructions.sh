@@ -11,20 +11,10 @@ checks=("$@")
 confs=(unguarded default)
 for c in "${checks[@]}"; do confs+=("minus-$c"); done
 dir=$(mktemp -d)
+source benchmarks/callgrind.sh
 for conf in "${confs[@]}"; do
     prefix="$dir/$conf"
-    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$prefix.out" \
-        "$py" benchmarks/marginal_cost.py --steps "$steps" --cue "$conf" "$prefix" >"$prefix.log" 2>&1 &
-    pid=$!
-    until [ -f "$prefix.ready" ]; do sleep 0.5; kill -0 $pid 2>/dev/null || { cat "$prefix.log"; exit 1; }; done
-    callgrind_control -i on $pid >/dev/null 2>&1
-    touch "$prefix.go"
-    until [ -f "$prefix.done" ]; do sleep 0.5; done
-    callgrind_control -d $pid >/dev/null 2>&1
-    callgrind_control -i off $pid >/dev/null 2>&1
-    touch "$prefix.stop"
-    wait $pid
-    total=$(grep -h -m1 -E "^(summary|totals):" "$prefix".out.* | awk '{print $2}')
+    total=$(callgrind_total "$prefix" "$py" benchmarks/marginal_cost.py --steps "$steps" --cue "$conf" "$prefix")
     echo "$conf: $((total / steps)) instructions per step ($steps steps)"
 done
 rm -rf "$dir"
