@@ -67,7 +67,7 @@ class Router:
                 handlers.setdefault(ev, []).append((check, getattr(check, "on_" + ev)))
         light = {}
         for ev, hs in handlers.items():
-            kept = [h for h in hs if not h[0].costly] if _sleeps(ev) else hs
+            kept = [h for h in hs if not h[0].costly or h[0].following] if _sleeps(ev) else hs
             if kept:
                 light[ev] = kept
         self._tables = (handlers, light)

@@ -285,6 +285,10 @@ class Guard(Wiring):
         """Send `event` to the checks that handle it (a failing check is contained)."""
         self.router.dispatch(event, *args)
 
+    def follow(self, check: Check, on: bool) -> None:
+        """Route every step's events to `check` while `on` (see `Check.follow`)."""
+        self.router.rebuild()  # the budget's table of sleeping checks leaves it out, or takes it back
+
     def contain(self, check: Optional[Check], exc: BaseException) -> None:
         """`check` (or guard itself, None) failed: switch it off, say so once, keep training going."""
         self.router.contain(check, exc)

@@ -129,6 +129,57 @@ def test_one_unlucky_step_is_not_reported():
     assert g.findings == []  # layer4 had zero grads for only 2 steps
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def forward(self, x, head):
+        return (self.a if head == 0 else self.b)(self.body(x))
+
+
+def _sampled(opts, pin=None):
+    """Heads trained in turn (zero_grad keeps zeros): `b` gets a zero gradient on every other step."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with guard(model, opt, live=False, **opts) as g:
+        if pin:
+            g.meter.pin(pin)
+        for step in range(30):
+            loss = model(torch.randn(16, 4), step % 2).pow(2).mean()
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("opts,pin", [({}, None), ({"every": 2}, None), ({"every": 4}, None),
+                                      ({"budget": 0.05}, 2)], ids=["every-step", "every=2", "every=4", "budget-period-2"])
+def test_a_head_trained_every_other_step_is_no_run_when_sampled(opts, pin):
+    # Sampled steps 0, 2, 4, ... all see head b's zero gradient: three of them are no three steps in a row.
+    g = _sampled(opts, pin)
+    assert g.findings == [] and g.internal_errors == []
+
+
+@pytest.mark.parametrize("opts,pin", [({"every": 2}, None), ({"budget": 0.05}, 2)], ids=["every=2", "budget-period-2"])
+def test_a_module_without_gradient_is_still_caught_when_sampled(opts, pin):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with guard(model, opt, live=False, **opts) as g:
+        if pin:
+            g.meter.pin(pin)
+        for step in range(10):
+            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+            opt.zero_grad(set_to_none=False)
+            nn.functional.cross_entropy(model(x, deep=step < 2), y).backward()
+            opt.step()
+    f = only(g, "weight-decay-without-grad")
+    assert f.where == "layer4" and f.step == 2 and "all-zero gradients for 3 steps" in f.message
+    assert f.details["zero_grad_steps"] == 8  # the run went on to the last step, followed step by step
+
+
 def test_none_grads_and_weight_decay_free_group_are_clean():
     g = weight_decay_no_grad.train(fixed=True, live=False, checks="all")
     assert g.findings == [] and g.internal_errors == []
@@ -364,6 +415,40 @@ def test_all_zero_gradients_for_the_whole_model_mean_training_stopped():
     assert f.details["steps"] == 5 and f.details["cause"] is None
     assert "training has stopped" in f.message
     assert kinds(g) == ["grads-all-zero"]
+
+
+def _round_every_other_step(every):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False, every=every) as g:
+        for step in range(24):
+            x, y = torch.randn(16, 4), torch.randint(0, 3, (16, 1)).float()
+            out = model(x)
+            opt.zero_grad()
+            nn.functional.mse_loss(out.round() if step % 2 == 0 else out, y).backward()
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_all_zero_gradients_on_every_other_step_are_no_run_when_sampled(every):
+    g = _round_every_other_step(every)
+    assert "grads-all-zero" not in kinds(g), g.findings
+
+
+def test_all_zero_gradients_for_the_whole_model_are_still_caught_under_every_2():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False, every=2) as g:
+        for _ in range(8):
+            x, y = torch.randn(16, 4), torch.randint(0, 3, (16, 1)).float()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x).round(), y).backward()
+            opt.step()
+    f = only(g, "grads-all-zero")
+    assert f.step == 0 and f.details["steps"] == 5
 
 
 # ---------------------------------------------------------------- AMP GradScaler

@@ -119,6 +119,9 @@ class CheckContext(Protocol):
     def is_primary(self, optimizer: Any) -> bool:
         """Whether `optimizer`'s step ends the guard's step."""
 
+    def follow(self, check: Any, on: bool) -> None:
+        """Route every step's events to `check` while `on` (see `Check.follow`)."""
+
     def skipped_step(self, optimizer: Any) -> None:
         """An AMP scaler skipped `optimizer`'s step: end the step without step hooks."""
 
@@ -172,6 +175,8 @@ class Check:
     #: whole steps or none. Only checks whose condition persists over steps (a property of the code)
     #: should be costly: sampling then delays a report, it does not lose it.
     costly: ClassVar[bool] = False
+    #: set by `follow`: this check runs on every step although ``every=N`` or a budget samples it
+    following: bool = False
 
     def __init__(self, guard: CheckContext):
         self.g = guard
@@ -228,7 +233,18 @@ class Check:
     def sampling(self) -> bool:
         """Whether this check does its per-step work now (``every=N``, and the budget if it is costly)."""
         g = self.g
-        return g.sampling and (g.costly_step or not self.costly)
+        return self.following or (g.sampling and (g.costly_step or not self.costly))
+
+    def follow(self, on: bool) -> None:
+        """Run on every step while `on`, although ``every=N`` or a budget samples this check.
+
+        For a check that reports a condition only after several steps in a row: sampled steps are not
+        consecutive, and a pattern with the sampling's period (a head trained every other step) would
+        look like a run. Such a check follows the steps from the first one of a run to its end.
+        """
+        if on != self.following:
+            self.following = on
+            self.g.follow(self, on)
 
     def emit(self, kind: str, where: str, message: str, hint: str, **kw: Any) -> None:
         """Report a finding (de-duplicated by kind and where)."""

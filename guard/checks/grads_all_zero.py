@@ -2,8 +2,9 @@
 
 Per sampled step and optimizer: the total gradient norm from the shared, fused
 ``g.grad_norms(opt)`` (the same reduction ``grad-explosion`` uses, computed once
-per step), staged and read with the step's other values. `STEPS` sampled steps
-in a row with a total of exactly 0 mean training has stopped. When the cause is
+per step), staged and read with the step's other values. `STEPS` steps in a row
+with a total of exactly 0 mean training has stopped (under ``every=N`` a run's steps
+are followed one by one: sampled steps with zeros in between are no run). When the cause is
 already known (a ``loss-constant`` finding: ``cross_entropy`` over one class),
 the message names it.
 
@@ -20,14 +21,14 @@ import torch
 from .base import Check
 from .._weak import WeakIdMap
 
-STEPS = 5  # sampled steps in a row with all-zero gradients before reporting
+STEPS = 5  # consecutive steps with all-zero gradients before reporting
 
 
 class _Run:
-    __slots__ = ("count", "since", "source")
+    __slots__ = ("count", "since", "last", "source")
 
     def __init__(self) -> None:
-        self.count, self.since, self.source = 0, 0, None
+        self.count, self.since, self.last, self.source = 0, 0, -1, None
 
 
 class GradsAllZero(Check):
@@ -41,7 +42,7 @@ class GradsAllZero(Check):
         self._runs = WeakIdMap()  # optimizer -> _Run
 
     def on_step_pre(self, optimizer):
-        if not self.g.sampling:
+        if not self.sampling:
             return
         gn = self.g.grad_norms(optimizer)
         totals = list(gn.totals.values())
@@ -62,11 +63,17 @@ class GradsAllZero(Check):
         if run is None:
             run = self._runs[opt] = _Run()
         if v != 0.0:  # NaN/Inf or a real gradient: the run is broken
-            run.count = 0
+            if run.count:
+                run.count = 0
+                self.follow(any(r.count for r in self._runs.values()))
             return
+        if run.count and step != run.last + 1:
+            run.count = 0  # steps every=N left out lie between: a pattern of its period is no run
         if run.count == 0:
             run.since, run.source = step, source
+            self.follow(True)  # under every=N, see the run's steps one by one
         run.count += 1
+        run.last = step
         if run.count >= STEPS:
             self._report(opt, run, n)
 

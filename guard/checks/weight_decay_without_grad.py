@@ -36,16 +36,16 @@ from ._params import module_prefixes
 from .base import Check
 from .._weak import WeakIdMap
 
-STEPS = 3  # consecutive sampled steps with a zero gradient before reporting (not one unlucky batch)
+STEPS = 3  # consecutive steps with a zero gradient before reporting (not one unlucky batch)
 
 
 class _Track:
-    __slots__ = ("ref", "first_step", "count", "first_norm", "last_norm", "group", "why", "wd", "reported",
-                 "unreached")
+    __slots__ = ("ref", "first_step", "last_step", "count", "first_norm", "last_norm", "group", "why", "wd",
+                 "reported", "unreached")
 
     def __init__(self, p: torch.Tensor, step: int, group: int, why: str, wd: float):
         self.ref = weakref.ref(p)
-        self.first_step, self.count = step, 0
+        self.first_step, self.last_step, self.count = step, step, 0
         self.first_norm: Optional[float] = None  # weights measured from the 2nd zero-gradient step on
         self.last_norm: Optional[float] = None
         self.group, self.why, self.wd, self.reported = group, why, wd, False
@@ -127,6 +127,8 @@ class WeightDecayWithoutGrad(Check):
         cands = self._candidates(optimizer, gn)
         if not cands:
             self._tracks.pop(optimizer, None)
+            if self.following and not any(self._tracks.values()):
+                self.follow(False)
             return
         # Weights are measured only for parameters whose gradient was zero at the last resolved step:
         # nothing extra to reduce while every gradient carries signal.
@@ -249,8 +251,11 @@ class WeightDecayWithoutGrad(Check):
             if id(p) in reached:
                 continue
             t = tracks.get(id(p))
-            if t is None or t.ref() is not p:
+            if t is None or t.ref() is not p or t.last_step != step - 1:
+                # A run is of consecutive steps: every=N or a budget leaves gaps, and a head trained every
+                # other step would otherwise look like one (the check follows a run's steps, see below).
                 t = _Track(p, step, gi, why, wd)
+            t.last_step = step
             t.count += 1
             if id(p) in checked:
                 t.unreached = True
@@ -263,6 +268,7 @@ class WeightDecayWithoutGrad(Check):
             live[id(p)] = t
         self._tracks[opt] = live  # a step with signal (or not a candidate) breaks the run
         self._suspects = {i for o, tr in self._tracks.items() for i in tr}
+        self.follow(bool(self._suspects))  # sampled by every=N or a budget: see a run's steps one by one
         self._hook_suspects()
         due = [t for t in live.values() if not t.reported and t.unreached and t.count >= STEPS
                and t.first_norm is not None and t.last_norm != t.first_norm]
