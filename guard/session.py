@@ -259,6 +259,26 @@ class Guard(Wiring):
         except GuardError:
             pass  # the user's exception propagates unchanged (raise mode included)
 
+    def close_on_error(self, obj: Any, name: str) -> None:
+        """Until close, an exception leaving ``obj.<name>()`` ends the guard as a ``with`` block it escaped
+        would (the checks explain it, the report is written, everything is removed); then it propagates.
+
+        For frameworks that give no exception event (the Hugging Face Trainer): their per-step method.
+        """
+        inner = getattr(obj, name)
+        guard = self
+
+        @functools.wraps(inner)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(*args, **kwargs)
+            except BaseException as exc:
+                if guard._active:
+                    guard.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+
+        self._installer.attr(obj, name, call)
+
     def __call__(self, fn: Callable) -> Callable:
         """Use the guard as a decorator: the function runs under it, each call anew."""
         if not callable(fn):

@@ -235,6 +235,25 @@ def test_planted_pitfall(stack, fault, hf_tmp):
         assert [f.kind for f in g.findings] == ["device-mismatch"] and not g.active
 
 
+@pytest.mark.parametrize("fault", ["target", "bn-last", "device"])
+def test_a_crash_in_the_hf_trainer_is_explained_and_closes_the_guard(fault, hf_tmp):
+    # The Trainer has no exception event: the callback wraps the Trainer's training_step while it runs.
+    torch.manual_seed(0)
+    cbk = HFGuard(live=False)
+    tr = HFTrainer(model=Net(fault), args=hf_args(hf_tmp), train_dataset=Data(fault), callbacks=[cbk])
+    with pytest.raises((IndexError, RuntimeError, ValueError)) as info:
+        tr.train()
+    kind, _ = EXPECTED[fault]
+    note = {"target": "target-out-of-range at loss", "bn-last": "batchnorm-single-sample at body.1",
+            "device": "device-mismatch at offset"}[fault]
+    notes = getattr(info.value, "__notes__", [])
+    assert any(n.startswith(f"guard: {note} ") for n in notes), notes
+    g = cbk.guard
+    assert not g.active and g.findings[0].kind == kind  # closed by the crash, as a with block would be
+    assert "training_step" not in vars(tr)  # the Trainer is as it was
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in tr.model.modules())
+
+
 # --------------------------------------------------------------------------- healthy twins
 
 def test_lightning_healthy_twin_is_silent_and_bit_identical():

@@ -4,16 +4,19 @@ Requires the ``transformers`` extra (``pip install 'torch-runtime-guard[transfor
 starts a guard on the Trainer's model and its real optimizer (unwrapped from accelerate's
 ``AcceleratedOptimizer``) when training begins, numbers findings by ``state.global_step``, adds the
 finding counts to every log (``guard/errors``, ``guard/warnings``, ``guard/infos``; the Trainer's
-``on_log``), and writes the report when training ends. The Trainer has no exception event: after a
-crash the guard closes (and writes its report) at interpreter exit, at the next ``train()``, or on
-``callback.close()``.
+``on_log``), and writes the report when training ends. The Trainer has no exception event: the
+callback finds the Trainer that calls it and, while the guard runs, wraps its ``training_step``
+(forward, loss and backward), so that a crash there gets guard's explanation (a note on the exception)
+and closes the guard as a ``with`` block would. A crash elsewhere (the optimizer step, a callback)
+leaves the guard open until the next ``train()``, ``callback.close()`` or interpreter exit.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 try:
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
 except ImportError as exc:  # pragma: no cover
     raise ImportError("guard.integrations.transformers needs transformers: "
                       "pip install 'torch-runtime-guard[transformers]'") from exc
@@ -41,6 +44,9 @@ class GuardCallback(TrainerCallback):
         self.guard = Guard(model, opt, **self.options)
         self.guard.start()
         self.guard.step = int(state.global_step)
+        trainer = _calling_trainer()
+        if trainer is not None:
+            self.guard.close_on_error(trainer, "training_step")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         g = self.guard
@@ -62,3 +68,16 @@ class GuardCallback(TrainerCallback):
     def close(self) -> None:
         """Close the guard now (writes the report); idempotent."""
         _common.close(self.guard)
+
+
+def _calling_trainer(depth: int = 12) -> Optional[Any]:
+    """The ``Trainer`` whose loop runs this callback: ``self`` of a frame a few calls up."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, Trainer):
+            return obj
+        frame = frame.f_back
+    return None
