@@ -68,11 +68,13 @@ class Net(nn.Module):
         return self.fc(h + self.layer4(h) if deep else h)
 
 
-def _phase_run(make, steps=8, warm=2, set_to_none=False, fill_zeros=False, **opts):
+def _phase_run(make, steps=8, warm=2, set_to_none=False, fill_zeros=False, pin=None, **opts):
     torch.manual_seed(0)
     model = Net()
     opt = make(model)
     with guard(model, opt, live=False, **opts) as g:
+        if pin:
+            g.meter.pin(pin)  # the budget's sampling period, fixed
         for step in range(steps):
             x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
             opt.zero_grad(set_to_none=set_to_none)
@@ -164,17 +166,7 @@ def test_a_head_trained_every_other_step_is_no_run_when_sampled(opts, pin):
 
 @pytest.mark.parametrize("opts,pin", [({"every": 2}, None), ({"budget": 0.05}, 2)], ids=["every=2", "budget-period-2"])
 def test_a_module_without_gradient_is_still_caught_when_sampled(opts, pin):
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    with guard(model, opt, live=False, **opts) as g:
-        if pin:
-            g.meter.pin(pin)
-        for step in range(10):
-            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
-            opt.zero_grad(set_to_none=False)
-            nn.functional.cross_entropy(model(x, deep=step < 2), y).backward()
-            opt.step()
+    g = _phase_run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), steps=10, pin=pin, **opts)
     f = only(g, "weight-decay-without-grad")
     assert f.where == "layer4" and f.step == 2 and "all-zero gradients for 3 steps" in f.message
     assert f.details["zero_grad_steps"] == 8  # the run went on to the last step, followed step by step
