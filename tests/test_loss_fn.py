@@ -77,6 +77,33 @@ def test_nll_loss_on_log_softmax_is_clean_also_in_half():
     assert g.findings == []
 
 
+class _NaiveLogSoftmax(nn.Module):
+    def forward(self, z):
+        return z - torch.log(torch.exp(z).sum(1, keepdim=True))  # exp overflows for logits in the hundreds
+
+
+def test_an_overflowed_log_softmax_is_a_nan_finding_not_raw_scores():
+    # The rows are -inf/NaN, not scores: the NaN check names the module; the NLL probe says nothing.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), _NaiveLogSoftmax())
+    with torch.no_grad():
+        model[0].weight.mul_(400)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with guard(model, opt, checks="all", live=False) as g:
+        one_step(model, F.nll_loss(model(torch.randn(16, 8)), torch.randint(0, 4, (16,))), opt)
+    assert kinds(g) == ["nonfinite-output"] and g.findings[0].where == "1"
+
+
+def test_raw_scores_into_nll_are_still_caught_beside_a_nan_row():
+    model = nn.Linear(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks=["loss-fn"], live=False) as g:
+        scores = model(torch.randn(8, 5))
+        scores = torch.cat([scores[:7], torch.full((1, 3), float("nan"))])
+        one_step(model, F.nll_loss(scores, torch.randint(0, 3, (8,))), opt)
+    assert kinds(g) == ["softmax-before-cross-entropy"] and "raw scores" in g.findings[0].message
+
+
 def test_sigmoid_demo_and_clean_twin():
     g = sigmoid_bce.train(live=False)
     assert kinds(g) == ["sigmoid-before-bce"]
