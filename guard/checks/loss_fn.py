@@ -149,9 +149,10 @@ class LossMisuse(Check):
                 self.g.stage_flag(ok, lambda info=info: self._report_prob(*info, code=1.0))
             else:
                 # log-probabilities have logsumexp 0 over the classes; code 0 fine, 1 probabilities, 2 scores.
-                # Rows with NaN/Inf (an overflowed log-softmax) say nothing of the kind: the NaN checks report them.
+                # Rows whose logsumexp is NaN/Inf (an overflowed log-softmax: all -inf) say nothing of the kind:
+                # the NaN checks report them. (-inf entries of masked rows leave a finite logsumexp.)
                 lse = torch.logsumexp(rows, dim=cd)
-                bad = torch.where(torch.isfinite(rows).all(dim=cd), lse.abs(), 0.0).amax() > _tol(x)
+                bad = torch.where(torch.isfinite(lse), lse.abs(), 0.0).amax() > _tol(x)
                 probs = (rows.amin() >= 0) & (rows.amax() <= 1)
                 code = bad.float() * (2.0 - probs.float())
                 self.g.stage(code, lambda v, info=info: v and self._report_prob(*info, code=v))
