@@ -128,7 +128,8 @@ def test_explain_state_dict_public_and_none_when_fine():
     assert f.kind == "state-dict-mismatch" and "removeprefix" in f.hint and f.step == 0
 
 
-def test_gpu_checkpoint_on_cpu_machine_explains_map_location(tmp_path):
+@pytest.mark.parametrize("source", ["path", "buffer"])
+def test_gpu_checkpoint_on_cpu_machine_explains_map_location(tmp_path, source):
     """A real CUDA-tagged checkpoint (the location tag forced at save time), loaded by the real torch.load."""
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
@@ -142,14 +143,21 @@ def test_gpu_checkpoint_on_cpu_machine_explains_map_location(tmp_path):
         torch.save(Net().state_dict(), path)
     finally:
         serialization._package_registry.remove(entry)
+    import io
+
+    def src():
+        return path if source == "path" else io.BytesIO(path.read_bytes())  # a buffer has no name
+
     with guard(checks="all", live=False) as g:
         with pytest.raises(RuntimeError) as ei:
-            torch.load(path)
-        assert "map_location='cpu'" in _notes(ei.value)
+            torch.load(src())
+        shown = repr(str(path)) if source == "path" else "f"
+        assert f"torch.load({shown}, map_location='cpu')" in _notes(ei.value)
         assert "is_available() is False" in str(ei.value)
-        torch.load(path, map_location="cpu")  # the fix works
+        torch.load(src(), map_location="cpu")  # the fix works
     (f,) = g.findings
-    assert f.kind == "state-dict-mismatch" and f.where == str(path)
+    assert f.kind == "state-dict-mismatch" and f.where == (str(path) if source == "path" else "torch.load")
+    assert f"torch.load({shown}, map_location='cpu')" in f.hint
 
 
 def test_patches_removed_and_clean_load_has_no_findings():

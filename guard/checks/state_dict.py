@@ -243,11 +243,13 @@ def explain_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> Optio
                    where=type(model).__name__, step=0, details=res["details"])
 
 
-def _load_location(args: tuple, kwargs: dict) -> str:
+def _load_location(args: tuple, kwargs: dict) -> Optional[str]:
+    """The checkpoint's path (a file object's name), or None (a buffer)."""
     f = args[0] if args else kwargs.get("f")
     if isinstance(f, (str, os.PathLike)):
         return os.fspath(f)
-    return getattr(f, "name", None) or "torch.load"
+    name = getattr(f, "name", None)
+    return name if isinstance(name, str) and name else None
 
 
 class StateDictMismatch(Check):
@@ -295,15 +297,16 @@ class StateDictMismatch(Check):
         text = str(exc)
         if "deserialize object on" not in text or "CUDA" not in text:
             return
-        where = _load_location(args, kwargs)
+        path = _load_location(args, kwargs)
+        where, f = (path, repr(path)) if path is not None else ("torch.load", "f")  # a buffer: its variable
         if "is_available() is False" in text:
             msg = ("the checkpoint holds tensors saved on a GPU, and this machine has no usable CUDA device, so "
                    "torch.load cannot put them back where they were")
-            hint = (f"Load onto the CPU: torch.load({where!r}, map_location='cpu'), then move the model with "
+            hint = (f"Load onto the CPU: torch.load({f}, map_location='cpu'), then move the model with "
                     f".to(device); or map_location=torch.device('cuda') when a GPU is present.")
         else:
             msg = "the checkpoint names a CUDA device index this machine does not have"
-            hint = (f"Remap the devices: torch.load({where!r}, map_location='cuda:0') (or map_location='cpu'), "
+            hint = (f"Remap the devices: torch.load({f}, map_location='cuda:0') (or map_location='cpu'), "
                     f"then .to(device).")
         add_guard_note(exc, f"{NOTE_PREFIX}{msg}\n  fix: {hint}")
         self.emit(KIND, where, msg, hint, source=self.g.source(), details={"error": text.splitlines()[0][:300]})
