@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import hooks as _hooks
-from ._frames import user_source
+from ._frames import user_frame, user_source
 from .compiled import CompileBoundary
 from ._modules import RecursionRoom
 from ._dist import rank_info as _dist_rank
@@ -30,7 +30,7 @@ from .meter import Meter
 from .record import Record
 from .router import GuardInternalWarning, Router
 from .staging import GradNorms, Staging
-from .watched import Watched
+from .watched import Watched, model_labels
 from .wiring import Wiring
 
 MAX_FINDINGS = 1000
@@ -58,6 +58,7 @@ class Guard(Wiring):
                                           every=every, snoop=snoop, budget=budget, origin=origin,
                                           **extras)
         self._models = [weakref.ref(m) for m in models]  # never keep the user's model or optimizer alive
+        self._labels = model_labels(models, user_frame(2)) if len(models) > 1 else None
         self._optimizers = [weakref.ref(o) for o in opts]
         self._active = False
         self._paused = False  # a background guard stepping aside for a guard from the code
@@ -78,7 +79,7 @@ class Guard(Wiring):
         self.record = Record()
         self.router = Router(self)
         self.staging = Staging(self.router.contain, self.flush)
-        self.watched = w = Watched(self._models, self._optimizers, self.notice, self.router.contain)
+        self.watched = w = Watched(self._models, self._optimizers, self.notice, self.router.contain, self._labels)
         self._root_ids, self._paths_weak = w.root_ids, w.paths_weak  # read on every module call
         # services for checks (see CheckContext), bound once
         self.path_of, self.known_path, self.named_parameters = w.path_of, w.known_path, w.named_parameters

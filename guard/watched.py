@@ -22,6 +22,33 @@ def is_compiled(module: Any) -> bool:
     return type(module).__name__ == "OptimizedModule"
 
 
+def model_labels(models: List[Any], frame: Any) -> List[str]:
+    """Names that tell several watched models apart in paths (``G.main.0``, ``D.main.0``): the user's
+    variable (or ``self`` attribute) naming each model in `frame`, the frame that made the guard,
+    where every model has exactly one; else class names, numbered where two models share one."""
+    names: List[Optional[str]] = [None] * len(models)
+    if frame is not None:
+        try:
+            scopes = [frame.f_locals]
+            owner = frame.f_locals.get("self")
+            if owner is not None and hasattr(owner, "__dict__"):
+                scopes.append(vars(owner))
+            if frame.f_globals is not frame.f_locals:
+                scopes.append(frame.f_globals)
+            for i, m in enumerate(models):
+                for scope in scopes:
+                    found = [k for k, v in list(scope.items()) if v is m and not k.startswith("_")]
+                    if found:
+                        names[i] = found[0] if len(found) == 1 else None
+                        break
+        except Exception:
+            names = [None] * len(models)
+    if all(names) and len(set(names)) == len(names):
+        return names  # type: ignore[return-value]
+    kinds = [type(getattr(m, "module", m) if isinstance(m, DP_TYPES) else m).__name__ for m in models]
+    return [k if kinds.count(k) == 1 else f"{k}[{i}]" for i, k in enumerate(kinds)]
+
+
 class Watched:
     """The watched models and optimizers (weakly held) and the names guard gives their modules and parameters.
 
@@ -29,8 +56,11 @@ class Watched:
     """
 
     def __init__(self, models: List[weakref.ref], optimizers: List[weakref.ref], notice: Callable[[str], None],
-                 contain: Callable[[Any, BaseException], None]):
+                 contain: Callable[[Any, BaseException], None], labels: Optional[List[str]] = None):
         self.refs = models
+        #: with several models: each one's label, the first part of its paths and parameter names
+        self.labels = labels
+        self._prefix: Dict[int, str] = {}  # id(root) -> its label, for roots whose names carry one
         self.seen_optimizers: List[weakref.ref] = list(optimizers)
         #: the optimizer whose step ends the guard's step (the first given, else the first seen stepping)
         self.primary: Optional[weakref.ref] = optimizers[0] if optimizers else None
@@ -115,8 +145,9 @@ class Watched:
         name = self._param_names.get(id(param))
         if name is None:
             for m in self.roots:
+                pre = self._prefix.get(id(m))
                 for n, p in m.named_parameters(remove_duplicate=False):
-                    self._param_names.setdefault(id(p), n)
+                    self._param_names.setdefault(id(p), f"{pre}.{n}" if pre else n)
             name = self._param_names.get(id(param))
         if name is None:
             for o in optimizers:
@@ -131,10 +162,11 @@ class Watched:
         """Parameters of the watched models (or of the root modules seen, in global mode)."""
         out, seen = [], set()
         for m in self.roots:
+            pre = self._prefix.get(id(m))
             for n, p in m.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    out.append((n, p))
+                    out.append((f"{pre}.{n}" if pre else n, p))
         return out
 
     def compiled_notice(self, module: nn.Module) -> None:
@@ -149,11 +181,18 @@ class Watched:
         """Name the modules of a watched model (model mode); returns the model inside any DP/DDP wrapper."""
         inner = model.module if isinstance(model, DP_TYPES) else model
         compiled = is_compiled(inner)
+        label = None
+        if self.labels:
+            label = next((lb for r, lb in zip(self.refs, self.labels) if r() is model), None)
+            if label is not None:
+                self._prefix[id(inner._orig_mod if compiled else inner)] = label
         for path, mod in inner.named_modules():
             mod_type = type(mod).__name__
             if compiled:
                 path = path[len("_orig_mod."):]  # the user's names, not torch.compile's wrapper
                 mod_type = type(inner._orig_mod).__name__ if mod is inner else mod_type
+            if label is not None:
+                path = f"{label}.{path}" if path else label
             self.paths_by_id[id(mod)] = path or mod_type
         self.roots_seen.add(inner)
         self.root_ids.add(id(inner))
@@ -176,9 +215,24 @@ class Watched:
         if isinstance(module, DP_TYPES):
             return
         try:
-            for path, mod in module.named_modules():
-                if path == "" or mod not in self.paths_weak or self.paths_weak[mod] == type(mod).__name__:
-                    self.paths_weak[mod] = path or type(mod).__name__
+            known = self.paths_weak
+            mods = list(module.named_modules())
+            # A second model whose paths are those of another (a GAN's G.main.0 and D.main.0): its names
+            # carry a label, its class name (numbered when taken), so that findings tell them apart.
+            own = {id(mod) for _, mod in mods}
+            taken = {p for m, p in known.items() if id(m) not in own} if known else set()
+            label = None
+            if taken and any((path or type(mod).__name__) in taken for path, mod in mods if mod not in known):
+                label = base = type(module).__name__
+                n = 1
+                while label in taken or any(p.startswith(label + ".") for p in taken):
+                    n += 1
+                    label = f"{base}#{n}"
+                self._prefix[id(module)] = label
+            for path, mod in mods:
+                if path == "" or mod not in known or known[mod] == type(mod).__name__:
+                    name = path or type(mod).__name__
+                    known[mod] = (f"{label}.{path}" if path else label) if label else name
             self.roots_seen.add(module)
         except Exception as exc:
             self._contain(None, exc)

@@ -178,6 +178,73 @@ def test_lists_of_models_and_optimizers():
     assert [f.kind for f in g.findings][:1] == ["nonfinite-input"]
 
 
+class _Net(nn.Module):
+    """A GAN's networks often share their inner names (DCGAN: both have `main`)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(n_in, 8), nn.ReLU(), nn.Linear(8, n_out))
+
+    def forward(self, x):
+        return self.main(x)
+
+
+class Gen(_Net):
+    pass
+
+
+class Disc(_Net):
+    pass
+
+
+def _gan(make_guard, bad_at=1):
+    """Steps of a GAN where D's output bias turns NaN at step `bad_at`; the guard from make_guard(G, D, og, od)."""
+    torch.manual_seed(0)
+    netG, netD = Gen(4, 6), Disc(6, 1)
+    og, od = torch.optim.Adam(netG.parameters()), torch.optim.Adam(netD.parameters())
+    with make_guard(netG, netD, og, od) as g:
+        for step in range(3):
+            fake = netG(torch.randn(8, 4))
+            if step == bad_at:
+                with torch.no_grad():
+                    netD.main[2].bias.fill_(float("nan"))
+            od.zero_grad()
+            netD(torch.randn(8, 6)).mean().backward()
+            od.step()
+            og.zero_grad()
+            netD(fake).mean().backward()
+            og.step()
+    return g
+
+
+def test_several_models_are_told_apart_by_their_variable_names():
+    g = _gan(lambda netG, netD, og, od: guard([netG, netD], [od, og], live=False))
+    f = g.findings[0]
+    assert (f.kind, f.where, f.step) == ("nonfinite-param", "netD.main.2.bias", 1)
+    paths = [m["path"] for m in g.record.modules]
+    assert {"netG.main.0", "netD.main.0", "netG", "netD"} <= set(paths)  # both models in the module table
+
+
+def test_several_models_without_one_name_each_get_their_class_names():
+    def two_names(G, D, og, od):
+        netG, netD = G, D  # two names for each model: which one the user thinks of is unknown
+        return guard([netG, netD], [od, og], live=False)
+
+    assert _gan(two_names).findings[0].where == "Disc.main.2.bias"
+    assert _gan(lambda *a: guard([a[0], a[1]], [a[3], a[2]], live=False)).findings[0].where == "Disc.main.2.bias"
+    models = [mlp(), mlp()]
+    with guard([models[0], models[1]], live=False) as g:
+        pass
+    assert g.watched.labels == ["Sequential[0]", "Sequential[1]"]  # one class: numbered
+
+
+def test_a_global_guard_labels_a_second_model_whose_paths_are_taken():
+    g = _gan(lambda *a: guard(live=False))
+    assert g.findings[0].where == "Disc.main.2.bias"  # the first model keeps its plain names
+    paths = {m["path"] for m in g.record.modules}
+    assert {"main.0", "Gen", "Disc.main.0", "Disc"} <= paths
+
+
 def test_contained_check_failure_is_reported_once_and_training_continues():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
