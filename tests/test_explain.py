@@ -124,6 +124,79 @@ def test_fake_cuda_device_mismatch_message():
     assert _explained(g)[0].where == "Linear"
 
 
+def test_numpy_float64_input_names_the_input_and_the_dtypes():
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, checks=["explain"], live=False) as g:
+            model(torch.from_numpy(np.random.randn(2, 4)))  # float64, as NumPy makes it
+    note = _notes(ei.value)
+    assert "`0` (Linear) has float32 parameters but got a float64 input (args[0])" in note
+    assert "x = x.float()" in note
+    (f,) = _explained(g)
+    assert f.where == "0" and f.details["input_dtypes"] == {"args[0]": "float64"}
+
+
+def test_a_float64_weight_among_float32_ones_is_named():
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(4, 2))
+    model[0].weight = nn.Parameter(torch.from_numpy(np.random.randn(2, 4)))  # initialised from NumPy
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, checks=["explain"], live=False):
+            model(torch.randn(3, 4))
+    assert "holds parameters of different dtypes (weight: float64, bias: float32)" in _notes(ei.value)
+
+
+class _Raises(nn.Module):
+    def __init__(self, text):
+        super().__init__()
+        self.fc, self.text = nn.Linear(2, 2), text
+
+    def forward(self, x):
+        raise RuntimeError(self.text)
+
+
+def test_a_conv_input_on_the_cpu_with_cuda_weights_is_a_device_mismatch_not_a_dtype_one():
+    model = nn.Sequential(_Raises("Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should "
+                                  "be the same or input should be a MKLDNN tensor and weight is a dense tensor"))
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, checks=["explain"], live=False) as g:
+            model(torch.randn(2, 2))
+    assert "tensors on different devices" in _notes(ei.value) and "dtype" not in _notes(ei.value)
+    assert _explained(g)[0].details["devices"] == ["cpu", "cuda"]
+
+
+@pytest.mark.parametrize("shape,channels_last", [((32, 24, 3), True), ((2, 24, 24, 3), True), ((2, 1, 24, 24), False)])
+def test_conv_channel_errors_say_channels_last_or_wrong_count(shape, channels_last):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3))
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, checks=["explain"], live=False) as g:
+            model(torch.randn(*shape))  # an (H, W, C) image from OpenCV / NumPy; a grayscale batch
+    note = _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "0" and f.details["channels_last"] is channels_last
+    assert ("permute(0, 3, 1, 2)" in note and "permute(2, 0, 1).unsqueeze(0)" in note) if channels_last else (
+        "has 3 input channels but its input [2, 1, 24, 24] has 1" in note)
+
+
+@pytest.mark.parametrize("target,says,fix", [
+    (lambda y: y.float(), "looks like class indices", "F.one_hot(target.long(), 5).float()"),
+    (lambda y: torch.nn.functional.one_hot(y % 3).float(), "3 target columns for 5 outputs", "num_classes=5"),
+])
+def test_elementwise_loss_with_class_indices_or_a_narrow_one_hot(target, says, fix):
+    model = nn.Sequential(nn.Linear(8, 5))
+    y = torch.arange(16) % 5
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, live=False) as g:
+            nn.MSELoss()(model(torch.randn(16, 8)), target(y))
+    note = _notes(ei.value)
+    assert says in note and fix in note
+    (f,) = _explained(g)
+    assert f.where == "loss" and f.details["loss"] == "mse_loss" and f.details["input_shape"] == [16, 5]
+
+
 def test_batchnorm_single_sample_value_error_type_kept():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     with pytest.raises(ValueError) as ei:

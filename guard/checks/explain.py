@@ -43,12 +43,25 @@ _DP_RE = re.compile(r"'(DataParallel|DistributedDataParallel)' object has no att
 _DEV_RE = re.compile(r"found at least two devices, ([\w:]+) and ([\w:]+)")
 _DEV2_RE = re.compile(r"Tensor on device ([\w:]+) is not on the expected device ([\w:]+)")
 _SIZE_RE = re.compile(r"got input size (torch\.Size\(\[[^\]]*\]\))")
+_CHANNELS_RE = re.compile(r"weight of size \[([\d, ]+)\], expected input\[([\d, ]+)\] to have (\d+) channels, "
+                          r"but got (\d+) channels instead")
+_DTYPE_TEXTS = ("must have the same dtype", "mixed dtype", "expected scalar type", "does not match weight dtype")
+_TYPE_RE = re.compile(r"Input type \(([\w.]+)\) and (?:bias|weight) type \(([\w.]+)\) should be the same")
+_DTYPE_WORDS = {"double": "float64", "float": "float32", "half": "float16", "bfloat16": "bfloat16"}
+_PAIRED_LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+                            "binary_cross_entropy_with_logits"})
+_SIZE_TEXTS = ("must match the size of tensor", "must be the same as input size", "that is different to the input size")
 _TOP_TENSORS = 5
 TAG_STEPS = 2  # steps whose saved tensors are tagged with the module that saved them
 _CALL_IMPL = nn.Module._call_impl.__code__
 _MAX_FRAMES = 64
 _hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def _dtype_part(type_name: str) -> str:
+    """``torch.cuda.FloatTensor`` and ``float`` -> ``float``: the dtype in a legacy type name."""
+    return type_name.lower().replace("torch.", "").replace("cuda.", "").replace("tensor", "")
 
 
 def _user_line(exc: BaseException) -> Optional[str]:
@@ -206,15 +219,21 @@ class ExplainErrors(Check):
 
     def _failing_module(self, exc: BaseException) -> Optional[str]:
         """Path of the innermost watched module whose call the exception came through."""
-        path = None
+        return self._innermost(exc)[0]
+
+    def _innermost(self, exc: BaseException) -> Tuple[Optional[str], Any, tuple]:
+        """(path, module, positional inputs) of the innermost watched module whose call the exception came through."""
+        path, module, args = None, None, ()
         tb = exc.__traceback__
         while tb is not None:
             if tb.tb_frame.f_code is _CALL_IMPL:
-                p = self.g.known_path(tb.tb_frame.f_locals.get("self"))
+                local = tb.tb_frame.f_locals
+                mod = local.get("self")
+                p = self.g.known_path(mod)
                 if p is not None:
-                    path = p
+                    path, module, args = p, mod, local.get("args") or ()
             tb = tb.tb_next
-        return path
+        return path, module, args if isinstance(args, tuple) else ()
 
     # ------------------------------------------------------------------ explaining
     def on_exception(self, exc):
@@ -264,10 +283,15 @@ class ExplainErrors(Check):
             fix = ("Detach what you carry across steps (hidden = hidden.detach(), total_loss += loss.item()); "
                    "pass retain_graph=True only when you really back-propagate twice through the same graph.")
             return "backward", cause, fix, {}
+        typed = _TYPE_RE.search(text)
+        if typed and _dtype_part(typed.group(1)) != _dtype_part(typed.group(2)):
+            typed = None  # a dtype mismatch (below)
         if isinstance(exc, RuntimeError) and ("Expected all tensors to be on the same device" in text
-                                              or "is not on the expected device" in text):
+                                              or "is not on the expected device" in text or typed):
             m = _DEV_RE.search(text) or _DEV2_RE.search(text)
             devs = list(m.groups()) if m else []
+            if typed:  # "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor)": a conv's input
+                devs = ["cuda" if ".cuda." in t else "cpu" for t in typed.groups()]
             where = module or "model"
             cause = ("tensors on different devices met in one operation"
                      + (f" in `{module}`{self._mtype(module)}" if module else "")
@@ -306,6 +330,11 @@ class ExplainErrors(Check):
             else:
                 return None
             return "DataLoader", cause, fix, {"worker_signals": sigs}
+        if isinstance(exc, (RuntimeError, ValueError)):
+            hit = (self._dtype_mismatch(exc, text, module) or self._channels(text, module)
+                   or self._loss_sizes(exc, text))
+            if hit is not None:
+                return hit
         if isinstance(exc, AttributeError):
             m = _DP_RE.search(text)
             if m:
@@ -317,6 +346,97 @@ class ExplainErrors(Check):
                        f"to state_dict() keys, which gain a 'module.' prefix.")
                 return wrapper, cause, fix, {"attribute": name, "found_on_module": known}
         return None
+
+    def _dtype_mismatch(self, exc: BaseException, text: str, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+        """Float and Double met in one op: name the odd parameters of the failing module, or its input."""
+        m = _TYPE_RE.search(text)
+        if m:  # "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor)" is about devices
+            if _dtype_part(m.group(1)) == _dtype_part(m.group(2)):
+                return None
+        elif not any(t in text for t in _DTYPE_TEXTS):
+            return None
+        path, mod, args = self._innermost(exc)
+        inputs = {f"args[{i}]": str(a.dtype).replace("torch.", "") for i, a in enumerate(args)
+                  if isinstance(a, torch.Tensor) and a.is_floating_point()}
+        params: Dict[str, str] = {}
+        if isinstance(mod, nn.Module):
+            for n, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+                if t is not None and t.is_floating_point():
+                    params[n] = str(t.dtype).replace("torch.", "")
+        kinds = sorted(set(params.values()))
+        said = [w for k, w in _DTYPE_WORDS.items() if re.search(rf"\b{k}\b", text, re.I) or w in text]
+        where = path or module or "model"
+        name = f"`{where}`{self._mtype(where)}" if path else "an operation"
+        if len(kinds) > 1:
+            cause = (f"{name} holds parameters of different dtypes ("
+                     + ", ".join(f"{n}: {d}" for n, d in params.items()) + "): one op cannot mix them")
+        elif kinds:
+            odd = {n: d for n, d in inputs.items() if d != kinds[0]}
+            other = list(odd.values()) or [d for d in said if d != kinds[0]]
+            cause = (f"{name} has {kinds[0]} parameters but got a {other[0] if other else 'different'} input"
+                     + (f" ({', '.join(odd)})" if odd else "")
+                     + ("; often NumPy data: its arrays are float64, and torch.from_numpy / torch.tensor keep that"
+                        if other and other[0] == "float64" else ""))
+        else:
+            cause = f"tensors of different dtypes ({' and '.join(said) or 'float types'}) met in {name}"
+        fix = ("Give the model and its inputs one dtype: x = x.float() (torch.from_numpy(a).float() for NumPy data), "
+               "or model.to(x.dtype) / model.float() for weights made from NumPy arrays; for mixed precision use "
+               "torch.autocast rather than .half() on some tensors.")
+        return where, cause, fix, {"param_dtypes": params, "input_dtypes": inputs, "error_dtypes": said}
+
+    def _loss_sizes(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+        """An element-wise loss (MSE, L1, BCE) whose input and target cannot be paired: class indices or a
+        one-hot target of the wrong width, most of the time."""
+        if not any(t in text for t in _SIZE_TEXTS):
+            return None
+        fn, x, t = None, None, None
+        tb = exc.__traceback__
+        while tb is not None:  # the innermost call of such a loss: its own arguments
+            code = tb.tb_frame.f_code
+            if code.co_name in _PAIRED_LOSSES and is_skipped(code.co_filename):
+                local = tb.tb_frame.f_locals
+                fn, x, t = code.co_name, local.get("input"), local.get("target")
+            tb = tb.tb_next
+        if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor):
+            return None
+        xs, ts = list(x.shape), list(t.shape)
+        details = {"loss": fn, "input_shape": xs, "target_shape": ts}
+        if len(xs) >= 2 and ts == xs[:-1]:
+            c = xs[-1]
+            cause = (f"{fn}() got input {xs} and target {ts}: one target per sample for {c} outputs each, which "
+                     f"looks like class indices; an element-wise loss needs one target per output")
+            fix = (f"For classification use F.cross_entropy(logits, target.long()) (it takes class indices); to "
+                   f"keep {fn}, give it one-hot targets: F.one_hot(target.long(), {c}).float().")
+        elif len(xs) == len(ts) >= 2 and xs[:-1] == ts[:-1]:
+            c, k = xs[-1], ts[-1]
+            cause = (f"{fn}() got input {xs} and target {ts}: {k} target columns for {c} outputs (F.one_hot(y) "
+                     f"without num_classes makes max(y) + 1 columns, as many as this batch's largest label needs)")
+            fix = f"Pass the number of classes: F.one_hot(y, num_classes={c}).float(), or make the output {k} wide."
+        else:
+            cause = f"{fn}() got input {xs} and target {ts}, which cannot be paired element by element"
+            fix = "Give input and target the same shape (target.view_as(input) when they hold as many values)."
+        return "loss", cause, fix, details
+
+    def _channels(self, text: str, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+        """A convolution got another number of channels than it has: often an (H, W, C) image."""
+        m = _CHANNELS_RE.search(text)
+        if not m:
+            return None
+        shape = [int(v) for v in m.group(2).split(",")]
+        want, got = int(m.group(3)), int(m.group(4))
+        where = module or "conv"
+        name = f"`{module}`{self._mtype(module)}" if module else "a convolution"
+        details = {"input_shape": shape, "expected_channels": want, "got_channels": got}
+        if shape and shape[-1] == want:
+            cause = (f"{name} expects channels first (N, C, H, W) with C = {want}, but its input {shape} has {want} in "
+                     f"its last dimension: a channels-last image (H, W, C from PIL, OpenCV or NumPy)")
+            fix = ("Move the channels to dim 1: x = x.permute(0, 3, 1, 2) for a batch (N, H, W, C); for one image "
+                   "torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0) (or torchvision's ToTensor(), which does it).")
+            return where, cause, fix, dict(details, channels_last=True)
+        cause = f"{name} has {want} input channels but its input {shape} has {got} in dim 1"
+        fix = ("Make in_channels match what reaches the layer (the previous layer's out_channels), or fix the "
+               "input: grayscale vs RGB (x.repeat(1, 3, 1, 1), img.convert('RGB')), or a missing/extra dimension.")
+        return where, cause, fix, dict(details, channels_last=False)
 
     def _oom(self, exc: BaseException, module: Optional[str]) -> Tuple[str, str, str, Dict[str, Any]]:
         names: Dict[int, str] = {}
