@@ -14,6 +14,8 @@ import weakref
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
+import torch
+
 from .checks.base import Check
 from .findings import GuardError
 
@@ -21,6 +23,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .session import Guard
 
 Handler = Tuple[Check, Callable]
+
+
+_peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
+def _in_transform() -> bool:
+    """Whether a torch.func transform (vmap, grad, jacrev, ...) is running."""
+    return _peek is not None and _peek() is not None
 
 
 def _sleeps(event: str) -> bool:
@@ -205,7 +215,9 @@ class Router:
         error = tuple(e + "_error" for e in reversed(events))
 
         def middleware(call: Callable, args: tuple, kwargs: dict) -> Any:
-            if not active() or getattr(tls, "in_patch", False):
+            if not active() or getattr(tls, "in_patch", False) or _in_transform():
+                # Inside vmap/grad the values are functorch's wrapped tensors: checks must not keep them
+                # (they cannot be read after the transform), and the user's own call is seen outside it.
                 return call(*args, **kwargs)
             hs = self.handlers  # replaced by rebuild(): read at call time
             t0 = clock()

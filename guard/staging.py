@@ -188,7 +188,10 @@ class Staging:
             for t in gn.totals.values():
                 staged.append((t, totals.append, _VALUE))
         if staged:
-            values = read(staged)
+            try:
+                values = read(staged)
+            except Exception:
+                staged, values = self._read_each(staged)
             for (t, cb, kind), v in zip(staged, values):
                 try:
                     if kind != _FLAG:
@@ -202,6 +205,20 @@ class Staging:
         if totals:
             entry["grad_norm"] = float(sum(t * t for t in totals) ** 0.5)
         return entry
+
+
+    def _read_each(self, staged: List[Tuple[torch.Tensor, Any, int]]) -> Tuple[List[Tuple[torch.Tensor, Any, int]], List[Any]]:
+        """The batched read failed (a value that cannot be read on the host): read entry by entry, and
+        leave out, as its check's failure, each one that cannot be read; the others keep their step."""
+        kept, values = [], []
+        for entry in staged:
+            try:
+                values.append(read([entry])[0])
+            except Exception as exc:
+                self._contain(getattr(entry[1], "__self__", None), exc)
+                continue
+            kept.append(entry)
+        return kept, values
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:

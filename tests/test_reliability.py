@@ -778,3 +778,49 @@ def test_models_called_with_any_arguments(scope):
             loss.backward()
             opt.step()
     assert g.findings == [] and g.internal_errors == [] and g.step == len(calls)
+
+
+def _per_sample_grads_step(model, opt, x, y, nan_at_step=None, step=0):
+    """DP-SGD style: per-sample gradients of cross_entropy with vmap(grad(functional_call)), assigned by hand."""
+    from torch.func import functional_call, grad, vmap
+
+    def loss_fn(params, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, params, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    per_sample = vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, x, y)
+    for n, p in model.named_parameters():
+        p.grad = per_sample[n].mean(0)
+        if step == nan_at_step and n == "weight":
+            p.grad[0, 0] = float("nan")
+    opt.step()
+
+
+def test_losses_inside_vmap_and_grad_are_left_to_the_transform():
+    # Guard's loss handlers would keep functorch's wrapped tensors, which cannot be read after the transform:
+    # the read failed every step (internal error) and, at exit, raised out of the with block.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with guard(model, opt, live=False, checks="all") as g:
+        for step in range(8):
+            _per_sample_grads_step(model, opt, x, y, nan_at_step=5, step=step)
+    assert g.internal_errors == []
+    assert [(f.kind, f.where, f.step) for f in g.findings] == [("nonfinite-grad", "weight", 5)]
+
+
+def test_a_staged_value_that_cannot_be_read_costs_only_itself():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    with guard(model, opt, live=False) as g:
+        for step in range(3):
+            g.stage(torch.zeros((), device="meta"), seen.append)  # no value on the host
+            g.stage(torch.tensor(float(step)), seen.append)
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    assert seen == [0.0, 1.0, 2.0]  # the readable values of every step were read
+    assert len(g.internal_errors) == 1 and g.active is False
+    assert [e["step"] for e in g.timeline] == [0, 1, 2] and all("loss" in e for e in g.timeline)
