@@ -497,8 +497,13 @@ def test_torch_func_grad_runs_under_guard(checks):
     assert g.findings == [] and g.internal_errors == []
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["inside-forward", "whole-model"])
+@pytest.mark.parametrize("scope", ["model", "global"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing(reentrant):
+def test_activation_checkpointing(reentrant, scope, whole):
+    # The recomputation runs inside backward(): under a global guard it once looked like an outermost
+    # call (guard's saved-tensor hooks went above checkpoint's: CheckpointError), and a reentrant
+    # checkpoint of the whole model hid its parameters from the loss-disconnected walk (a false alarm).
     from torch.utils.checkpoint import checkpoint
 
     class Ckpt(nn.Module):
@@ -513,7 +518,8 @@ def test_activation_checkpointing(reentrant):
     def run(use_guard, nan_at=None):
         torch.manual_seed(0)
         model = Ckpt()
-        ctx = guard(model, checks="all", live=False) if use_guard else contextlib.nullcontext()
+        watched = model if scope == "model" else None
+        ctx = guard(watched, checks="all", live=False) if use_guard else contextlib.nullcontext()
         with ctx as g:
             x_shape = (4, 4)
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -522,7 +528,8 @@ def test_activation_checkpointing(reentrant):
                 if s == nan_at:
                     with torch.no_grad():
                         x[0, 0] = float("nan")
-                loss = model(x).pow(2).mean()
+                out = checkpoint(model, x, use_reentrant=reentrant) if whole else model(x)
+                loss = out.pow(2).mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

@@ -14,7 +14,10 @@ with the parameters of every optimizer seen: when none of them is held by an
 optimizer, the loss is disconnected. A loss that trains only a head, a GAN's
 discriminator loss (it reaches the discriminator's parameters, whichever optimizer
 holds them), and optimizing a plain tensor (style transfer: ``LBFGS([image])``) stay
-silent; without any optimizer (a manual update) nothing is judged.
+silent; without any optimizer (a manual update) nothing is judged. A graph through a Python
+``autograd.Function`` that reaches no parameter is not judged either: such a function may use
+parameters the graph does not show (``torch.utils.checkpoint(use_reentrant=True)`` runs the model
+inside its backward).
 
 Cost: a graph walk per ``backward()`` that stops at the first parameter (a handful of
 nodes on a healthy loss); host only, no device values. Nothing per module call.
@@ -30,6 +33,7 @@ from torch import nn
 from .base import Check
 
 MAX_NODES = 20_000
+_PY_FUNCTION = torch.autograd.function.BackwardCFunction  # the graph node of a Python autograd.Function
 MAX_LEAVES = 16
 
 
@@ -47,12 +51,15 @@ def _leaves(roots: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
             stack.append(t.grad_fn)
     seen = set()
     keep = []  # node objects stay alive during the walk, so ids stay unique
+    opaque = False  # met a Python autograd.Function: it may use parameters the graph does not show
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
         keep.append(node)
+        if isinstance(node, _PY_FUNCTION):
+            opaque = True
         if len(seen) > MAX_NODES:
             return None  # too large to judge: assume connected
         try:
@@ -70,6 +77,10 @@ def _leaves(roots: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
                     found.append(var)
             elif id(child) not in seen:
                 stack.append(child)
+    if opaque:
+        # torch.utils.checkpoint(use_reentrant=True) runs the model inside its backward: the parameters
+        # get their gradients there, and its node lists only the inputs. Such a graph is not judged.
+        return None
     return found
 
 
