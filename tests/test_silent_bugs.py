@@ -416,6 +416,24 @@ def test_grads_all_zero_demo_and_twin():
     assert grads_all_zero.train(fixed=True, checks="all", live=False).findings == []
 
 
+def test_episodes_without_reward_are_no_stopped_training():
+    # Vanilla REINFORCE: an unrewarded episode's loss is exactly 0, and so is every gradient; learning
+    # resumes with the next reward. Zero gradients of a zero loss are no sign that training stopped.
+    from torch.distributions import Categorical
+
+    torch.manual_seed(0)
+    policy = nn.Linear(4, 3)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    with guard(policy, opt, live=False) as g:
+        for reward in [1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1]:
+            dist = Categorical(logits=policy(torch.randn(4)))
+            loss = -(dist.log_prob(dist.sample()) * reward)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == []
+
+
 def test_grads_all_zero_is_no_longer_a_grad_explosion_and_interrupted_runs_are_silent():
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

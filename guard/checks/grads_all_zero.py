@@ -4,7 +4,9 @@ Per sampled step and optimizer: the total gradient norm from the shared, fused
 ``g.grad_norms(opt)`` (the same reduction ``grad-explosion`` uses, computed once
 per step), staged and read with the step's other values. `STEPS` steps in a row
 with a total of exactly 0 mean training has stopped (under ``every=N`` a run's steps
-are followed one by one: sampled steps with zeros in between are no run). When the cause is
+are followed one by one: sampled steps with zeros in between are no run). A step whose loss
+is exactly 0 breaks a run: there was nothing to learn (an episode without reward), unless the
+loss cannot change at all (a ``loss-constant`` finding). When the cause is
 already known (a ``loss-constant`` finding: ``cross_entropy`` over one class),
 the message names it.
 
@@ -40,6 +42,7 @@ class GradsAllZero(Check):
     def __init__(self, guard):
         super().__init__(guard)
         self._runs = WeakIdMap()  # optimizer -> _Run
+        self._zeros: list = []  # (optimizer ref, step, source, parameters) of this step's zero totals
 
     def on_step_pre(self, optimizer):
         if not self.sampling:
@@ -63,19 +66,43 @@ class GradsAllZero(Check):
         if run is None:
             run = self._runs[opt] = _Run()
         if v != 0.0:  # NaN/Inf or a real gradient: the run is broken
-            if run.count:
-                run.count = 0
-                self.follow(any(r.count for r in self._runs.values()))
+            self._break(run)
             return
-        if run.count and step != run.last + 1:
-            run.count = 0  # steps every=N left out lie between: a pattern of its period is no run
-        if run.count == 0:
-            run.since, run.source = step, source
-            self.follow(True)  # under every=N, see the run's steps one by one
-        run.count += 1
-        run.last = step
-        if run.count >= STEPS:
-            self._report(opt, run, n)
+        self._zeros.append((oref, step, source, n))  # counted in on_resolved, once the step's loss is known
+
+    def on_resolved(self):
+        if self.g.mid_step or not self._zeros:
+            return  # a read for the user mid-step: the step's loss comes with the step's own resolution
+        zeros, self._zeros = self._zeros, []
+        tl = self.g.timeline
+        entry = tl[-1] if tl else {}
+        # A loss of exactly 0 has nothing to teach (a REINFORCE episode without reward, a hinge loss with
+        # every margin met): zero gradients then are no sign that training stopped. Unless the loss
+        # cannot change at all (loss-constant: cross_entropy over one class), which is the bug.
+        idle = (entry.get("loss") == 0.0 and entry.get("step") == zeros[0][1]
+                and not any(f.kind == "loss-constant" for f in self.g.findings))
+        for oref, step, source, n in zeros:
+            opt = oref()
+            run = self._runs.data.get(id(opt)) if opt is not None else None
+            if run is None:
+                continue
+            if idle:
+                self._break(run)
+                continue
+            if run.count and step != run.last + 1:
+                run.count = 0  # steps every=N left out lie between: a pattern of its period is no run
+            if run.count == 0:
+                run.since, run.source = step, source
+                self.follow(True)  # under every=N, see the run's steps one by one
+            run.count += 1
+            run.last = step
+            if run.count >= STEPS:
+                self._report(opt, run, n)
+
+    def _break(self, run: _Run) -> None:
+        if run.count:
+            run.count = 0
+            self.follow(any(r.count for r in self._runs.values()))
 
     def _report(self, opt, run: _Run, n: int) -> None:
         cause = next((f for f in self.g.findings if f.kind == "loss-constant"), None)
