@@ -238,3 +238,88 @@ def test_weights_poisoned_by_an_earlier_nan_do_not_blame_later_layers():
             loss.backward()
             opt.step()
     assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 1)]
+
+
+# --------------------------------------------------------------------------- -inf as a mask
+
+class _CausalLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+        self.out = nn.Linear(16, 20)
+
+    def forward(self, x, src_mask=None):
+        return self.out(self.enc(self.emb(x), mask=src_mask, is_causal=src_mask is not None))
+
+
+class _MaskedLogits(nn.Module):
+    """SimCLR-style: similarities with the diagonal (a sample with itself) masked out by -inf."""
+
+    def __init__(self, whole_row=False):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.whole_row = whole_row
+
+    def forward(self, x):
+        z = nn.functional.normalize(self.proj(x), dim=1)
+        mask = torch.eye(len(x), dtype=torch.bool)
+        if self.whole_row:
+            mask[0] = True  # the bug: a row with nothing left to predict
+        return (z @ z.T / 0.5).masked_fill(mask, float("-inf"))
+
+
+@pytest.fixture(params=[True, False], ids=["host-direct", "batched-read"])
+def read_path(request, monkeypatch):
+    from guard import tensors
+
+    monkeypatch.setattr(tensors, "HOST_DIRECT", request.param)  # False: the path accelerators take
+
+
+def test_a_causal_float_mask_passed_to_the_model_is_no_dirty_input(read_path):
+    # nn.Transformer.generate_square_subsequent_mask: 0 on and below the diagonal, -inf above it.
+    torch.manual_seed(0)
+    model = _CausalLM()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    mask = nn.Transformer.generate_square_subsequent_mask(8)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(3):
+            x = torch.randint(0, 20, (4, 8))
+            loss = nn.functional.cross_entropy(model(x, src_mask=mask).reshape(-1, 20), x.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_logits_masked_with_minus_inf_are_fine_until_a_row_is_masked_whole(read_path):
+    def run(whole_row):
+        torch.manual_seed(0)
+        model = _MaskedLogits(whole_row)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with guard(model, opt, checks="all", live=False) as g:
+            for _ in range(3):
+                logits = model(torch.randn(6, 8))
+                loss = nn.functional.cross_entropy(logits, torch.arange(6).roll(1))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return g
+
+    assert run(False).findings == []
+    f = run(True).findings[0]
+    assert (f.kind, f.where, f.step) == ("nonfinite-loss", "loss", 0)
+    assert "held -inf (a mask) but no NaN" in f.message and "masked whole" in f.hint
+
+
+def test_plus_inf_and_nan_inputs_are_still_dirty_data(read_path):
+    for bad in (float("inf"), float("nan")):
+        model = nn.Sequential(nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with guard(model, opt, live=False) as g:
+            x = torch.randn(3, 4)
+            x[1, 2] = bad
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert g.findings[0].kind == "nonfinite-input", bad

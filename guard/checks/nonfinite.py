@@ -115,6 +115,7 @@ class NonFinite(Check):
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
         self._bad: set = set()
+        self._masks: set = set()  # flags whose only non-finite values are -inf (a mask, see _on_resolved)
         self._tensors: Dict[int, Tuple[weakref.ref, int]] = {}  # id(tensor) -> (ref, flag index)
         self._refs: Dict[int, weakref.ref] = {}  # flag index -> tensor ref (for details)
         self._calls: List[_Call] = []
@@ -141,11 +142,13 @@ class NonFinite(Check):
 
     def _collect(self):
         """At resolution: one ``isfinite(stack(sums))`` per device; marks the bad flag indices."""
-        sums, bad = self._sums, self._bad
+        sums, bad, masks = self._sums, self._bad, self._masks
         by_dev: Dict[Any, List[int]] = {}
         for i, s in enumerate(sums):
             by_dev.setdefault(s.device, []).append(i)
         out = []
+        # A sum is -inf only when -inf is the one non-finite value in its tensor (+inf or NaN make it
+        # +inf or NaN): such flags go to `masks` as well.
         for dev, idx in by_dev.items():
             if dev.type == "cpu" and len(idx) <= _FEW and _tensor_mod.HOST_DIRECT:
                 # Host values: read one by one (no transfer to batch, and no stack kernel).
@@ -153,16 +156,34 @@ class NonFinite(Check):
                     v = sums[i].item()
                     if not (cmath.isfinite(v) if isinstance(v, complex) else math.isfinite(v)):
                         bad.add(i)
+                        if v == _NEG_INF:
+                            masks.add(i)
                 continue
             st = torch.stack([sums[i] for i in idx])
             if st.dtype is torch.float32:
                 # The sums themselves are read (exactly, as float32) and tested on the host: no
                 # isfinite and no bool->float copy on the device (five small ops a step fewer).
                 def mark(values, idx=idx):
-                    bad.update(i for i, v in zip(idx, values) if not math.isfinite(v))
+                    for i, v in zip(idx, values):
+                        if not math.isfinite(v):
+                            bad.add(i)
+                            if v == _NEG_INF:
+                                masks.add(i)
                 out.append((st, mark))
                 continue
-            ok = torch.isfinite(st)  # float64 (may overflow float32) or complex sums: tested on the device
+            if st.dtype is torch.float64:
+                # Read as float32 the sums could overflow: tested on the device, 0 finite, -1 -inf, 1 else.
+                code = torch.where(torch.isfinite(st), 0.0, torch.where(st == _NEG_INF, -1.0, 1.0))
+
+                def mark_code(values, idx=idx):
+                    for i, v in zip(idx, values):
+                        if v:
+                            bad.add(i)
+                            if v < 0:
+                                masks.add(i)
+                out.append((code, mark_code))
+                continue
+            ok = torch.isfinite(st)  # complex sums: tested on the device
 
             def mark_ok(values, idx=idx):
                 bad.update(i for i, v in zip(idx, values) if not v)
@@ -332,12 +353,21 @@ class NonFinite(Check):
                 self._in_update = promote
 
     def _on_resolved(self):
-        bad = self._bad
+        bad, masks = self._bad, self._masks
         window = (self._calls, self._losses, self._grads, self._refs)
         self._new_window()
         if not bad:
             return
         calls, losses, grads, refs = window
+        if masks:
+            # -inf alone is a mask value (an additive attention mask from generate_square_subsequent_mask,
+            # logits masked with masked_fill(mask, -inf)), not NaN/Inf trouble: it counts in the loss and
+            # the gradients only. Where it goes on to make NaN (-inf - -inf, a softmax over a row masked
+            # whole), the module that made the NaN is the one reported.
+            held = {f for f, _, _ in losses} | {f for f, _, _, _ in grads}
+            bad = {i for i in bad if i not in masks or i in held}
+            if not bad:
+                return
         self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
         if self._check_params():
             return
@@ -365,11 +395,20 @@ class NonFinite(Check):
         for flag, source, step in losses:
             if flag in bad:
                 if not calls or not any(i in bad for c in calls for _, i in c.outputs):
-                    self.emit("nonfinite-loss", "loss",
-                              "the loss passed to backward() is NaN/Inf although the model's outputs were finite",
-                              "The loss computation itself overflows or divides by zero (log(0), sqrt(<0), x/0): "
-                              "clamp its inputs (e.g. torch.log(p.clamp_min(1e-8))) or use a stable built-in loss.",
-                              step=step, source=source)
+                    if any(i in masks for c in calls for _, i in c.outputs):
+                        self.emit("nonfinite-loss", "loss",
+                                  "the loss passed to backward() is NaN/Inf; the model's outputs held -inf (a mask) "
+                                  "but no NaN",
+                                  "A row masked whole (every class -inf) has no probability to take: softmax and "
+                                  "cross_entropy give NaN there. Leave at least one entry per row unmasked, or use a "
+                                  "large negative number (torch.finfo(x.dtype).min) instead of -inf.",
+                                  step=step, source=source, details={"masked_outputs": True})
+                    else:
+                        self.emit("nonfinite-loss", "loss",
+                                  "the loss passed to backward() is NaN/Inf although the model's outputs were finite",
+                                  "The loss computation itself overflows or divides by zero (log(0), sqrt(<0), x/0): "
+                                  "clamp its inputs (e.g. torch.log(p.clamp_min(1e-8))) or use a stable built-in loss.",
+                                  step=step, source=source)
                 return
         for flag, gn, step, source in grads:
             if flag in bad and not self._bad_param_names:  # NaN weights make NaN grads: not news
@@ -452,6 +491,9 @@ class NonFinite(Check):
                   "check optimizer settings such as eps=0 or a huge momentum, and clip gradients.",
                   step=step, source=source, details={"parameters": bad[:20], "count": len(bad)})
         return True
+
+
+_NEG_INF = float("-inf")
 
 
 def _output_hint(mtype: str, params: bool) -> str:
