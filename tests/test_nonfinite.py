@@ -256,16 +256,17 @@ class _CausalLM(nn.Module):
 class _MaskedLogits(nn.Module):
     """SimCLR-style: similarities with the diagonal (a sample with itself) masked out by -inf."""
 
-    def __init__(self, whole_row=False):
+    def __init__(self, whole_row_at=None):
         super().__init__()
         self.proj = nn.Linear(8, 8)
-        self.whole_row = whole_row
+        self.whole_row_at, self.calls = whole_row_at, 0
 
     def forward(self, x):
         z = nn.functional.normalize(self.proj(x), dim=1)
         mask = torch.eye(len(x), dtype=torch.bool)
-        if self.whole_row:
+        if self.calls == self.whole_row_at:
             mask[0] = True  # the bug: a row with nothing left to predict
+        self.calls += 1
         return (z @ z.T / 0.5).masked_fill(mask, float("-inf"))
 
 
@@ -293,9 +294,9 @@ def test_a_causal_float_mask_passed_to_the_model_is_no_dirty_input(read_path):
 
 
 def test_logits_masked_with_minus_inf_are_fine_until_a_row_is_masked_whole(read_path):
-    def run(whole_row):
+    def run(whole_row_at):
         torch.manual_seed(0)
-        model = _MaskedLogits(whole_row)
+        model = _MaskedLogits(whole_row_at)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with guard(model, opt, checks="all", live=False) as g:
             for _ in range(3):
@@ -306,10 +307,13 @@ def test_logits_masked_with_minus_inf_are_fine_until_a_row_is_masked_whole(read_
                 opt.step()
         return g
 
-    assert run(False).findings == []
-    f = run(True).findings[0]
-    assert (f.kind, f.where, f.step) == ("nonfinite-loss", "loss", 0)
+    assert run(None).findings == []
+    f = run(2).findings[0]  # the mask was seen healthy at steps 0 and 1: the loss is where it went wrong
+    assert (f.kind, f.where, f.step) == ("nonfinite-loss", "loss", 2)
     assert "held -inf (a mask) but no NaN" in f.message and "masked whole" in f.hint
+    f = run(0).findings[0]  # -inf never seen healthy: the module that made it is the origin
+    assert (f.kind, f.where, f.step) == ("nonfinite-output", "_MaskedLogits", 0)
+    assert f.details["counts"]["output"]["neginf"] > 0 and f.details["counts"]["output"]["nan"] == 0
 
 
 def test_plus_inf_and_nan_inputs_are_still_dirty_data(read_path):

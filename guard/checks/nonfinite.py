@@ -104,6 +104,7 @@ class NonFinite(Check):
         super().__init__(guard)
         self._new_window()
         self._bad_param_names: set = set()
+        self._maskers: set = set()  # (module path, argument): where -inf masks were seen on healthy steps
         self._bad_grad_steps: set = set()
         self._passthrough: Dict[type, bool] = {}
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
@@ -359,15 +360,20 @@ class NonFinite(Check):
         if not bad:
             return
         calls, losses, grads, refs = window
+        known: set = set()  # flags of -inf masks seen before (not an origin)
         if masks:
             # -inf alone is a mask value (an additive attention mask from generate_square_subsequent_mask,
-            # logits masked with masked_fill(mask, -inf)), not NaN/Inf trouble: it counts in the loss and
-            # the gradients only. Where it goes on to make NaN (-inf - -inf, a softmax over a row masked
-            # whole), the module that made the NaN is the one reported.
+            # logits masked with masked_fill(mask, -inf)), not NaN/Inf trouble, on a step where nothing
+            # else is bad: the tensors (module and argument) that carry it are then known as masks. On a
+            # bad step, -inf counts again unless it comes from a known mask: an overflow to -inf (a
+            # hand-written log-softmax) is the origin, a mask that was always there is not.
             held = {f for f, _, _ in losses} | {f for f, _, _, _ in grads}
-            bad = {i for i in bad if i not in masks or i in held}
-            if not bad:
+            sites = [((call.path, name), i) for call in calls for name, i in call.inputs + call.outputs if i in masks]
+            if all(i in masks and i not in held for i in bad):
+                self._maskers.update(site for site, _ in sites)
                 return
+            known = {i for site, i in sites if site in self._maskers}
+            bad = {i for i in bad if i not in known}
         self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
         if self._check_params():
             return
@@ -395,7 +401,7 @@ class NonFinite(Check):
         for flag, source, step in losses:
             if flag in bad:
                 if not calls or not any(i in bad for c in calls for _, i in c.outputs):
-                    if any(i in masks for c in calls for _, i in c.outputs):
+                    if any(i in known for c in calls for _, i in c.outputs):
                         self.emit("nonfinite-loss", "loss",
                                   "the loss passed to backward() is NaN/Inf; the model's outputs held -inf (a mask) "
                                   "but no NaN",
@@ -457,9 +463,14 @@ class NonFinite(Check):
             self._armed[id(module)] = call.path
         why = (f"its parameters {', '.join(bad_params[:5])} are non-finite" if bad_params
                else "its inputs were finite")
+        hint = _output_hint(call.type, bool(bad_params))
+        if out_counts and all(c.get("nan") == 0 and c.get("posinf") == 0 for c in out_counts.values()):
+            hint = ("Its output holds -inf and no NaN: an overflow to -inf (log(0), log of an overflowed sum of "
+                    "exp: use torch.logsumexp / log_softmax) or a -inf mask that covers a whole row (leave one "
+                    "entry per row unmasked). " + hint)
         self.emit("nonfinite-output", call.path,
                   f"{call.path} ({call.type}) produced NaN/Inf; {why}",
-                  _output_hint(call.type, bool(bad_params)),
+                  hint,
                   step=call.step, source=call.source,
                   details={"module": call.type, "counts": out_counts, "input_stats": in_stats,
                            "output_stats": out_stats, "nonfinite_params": bad_params})
