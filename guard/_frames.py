@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -62,17 +62,6 @@ def _skipped(filename: str) -> bool:
 def is_skipped(filename: str) -> bool:
     """Whether `filename` is not the user's code (torch, guard, the standard library, installed packages)."""
     return _level(filename) != 0
-
-
-def user_frame(depth: int = 1) -> Any:
-    """The innermost frame of the user's own code on the stack, or None."""
-    try:
-        f = sys._getframe(depth)
-    except ValueError:
-        return None
-    while f is not None and _level(f.f_code.co_filename) != 0:
-        f = f.f_back
-    return f
 
 
 def user_source(depth: int = 1) -> Optional[str]:
