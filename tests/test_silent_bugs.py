@@ -157,7 +157,7 @@ def _fit(loader, steps=None, backward=True, target=lambda y: y, classes=4):
     model = nn.Linear(6, classes)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with guard(model, opt, live=False) as g:
-        for i, (x, y) in enumerate(loader):
+        for i, (x, y, *_) in enumerate(loader):
             out = model(x)
             if backward:
                 loss = F.cross_entropy(out, target(y)) if y.dtype == torch.int64 else F.mse_loss(out[:, 0], y)
@@ -188,7 +188,14 @@ def test_unshuffled_sorted_labels_found_through_a_dict_batch():
     assert f.where == "DataLoader" and f.details["single_class_batches"] == f.details["batches"] == 5
 
 
-@pytest.mark.parametrize("case", ["shuffled", "sampler", "batch1", "validation", "imbalanced", "float-targets"])
+def test_unshuffled_sorted_labels_found_beside_a_third_tensor():
+    x, y = _sorted()
+    f = only(_fit(DataLoader(TensorDataset(x, y, torch.arange(len(y))), batch_size=8)), "unshuffled-labels")
+    assert f.details["single_class_batches"] == f.details["batches"]
+
+
+@pytest.mark.parametrize("case", ["shuffled", "sampler", "batch1", "validation", "imbalanced", "float-targets",
+                                  "series-ids", "length-buckets"])
 def test_unshuffled_labels_healthy_patterns_are_silent(case):
     x, y = _sorted()
     ds = TensorDataset(x, y)
@@ -204,8 +211,22 @@ def test_unshuffled_labels_healthy_patterns_are_silent(case):
     elif case == "imbalanced":  # in random order, 97% one class: single-class batches of one class only
         y = (torch.rand(len(y)) < 0.03).long()
         loader = DataLoader(TensorDataset(x, y), batch_size=8)
-    else:  # a time series in time order: float targets, not classes
+    elif case == "float-targets":  # a time series in time order: float targets, not classes
         loader = DataLoader(TensorDataset(x, torch.linspace(0, 1, len(y))), batch_size=8)
+    elif case == "series-ids":  # windows of 4 series in time order: the series id is no label
+        loader = DataLoader(TensorDataset(x, torch.linspace(0, 1, len(y)), y.clone()), batch_size=8)
+    else:  # a tagger's batches bucketed by length: (tokens, per-token tags, lengths); the tags are 2-d
+        tags = torch.randint(0, 4, (len(y), 5))
+        loader = DataLoader(TensorDataset(x, tags, y.clone()), batch_size=8)
+        model = nn.Linear(6, 20)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with guard(live=False) as g:
+            for xb, tb, _ in loader:
+                F.cross_entropy(model(xb).view(-1, 4, 5), tb).backward()
+                opt.step()
+                opt.zero_grad()
+        assert "unshuffled-labels" not in kinds(g)
+        return
     assert "unshuffled-labels" not in kinds(_fit(loader))
 
 

@@ -9,10 +9,13 @@ followed: a ``SequentialSampler`` (``shuffle=False``, no sampler given) inside
 torch's own ``BatchSampler`` with ``batch_size >= 2``; shuffled loaders, custom
 samplers and batch samplers, and iterable-style datasets are never looked at.
 
-Per batch of such a loader, the labels are the last 1-d integer tensor of the
-batch (or ``batch["label"|"labels"|"target"|"targets"|"y"]``) on the CPU: a 2-d
-target (a language model's next tokens) or float targets (regression, time
-series) are not classes and are skipped. ``aminmax`` on the host tells whether
+Per batch of such a loader, the labels are the second element of an ``(x, y, ...)``
+tuple or list, or ``batch["label"|"labels"|"target"|"targets"|"y"]``, when that is a
+1-d integer tensor on the CPU: a 2-d target (a language model's next tokens, a
+tagger's tags) or float targets (regression, time series) are not classes and are
+skipped, and so are batches whose labels are not in those places (another integer
+tensor, such as sequence lengths or series ids, is no label: bucketing by length or
+keeping a time order is no sorting by class). ``aminmax`` on the host tells whether
 the batch holds a single class. A batch counts as a training batch only when a
 ``backward()`` follows it before the loader's next batch (validation loaders,
 unshuffled on purpose, never count). Reported when, after at least `MIN_BATCHES`
@@ -59,12 +62,9 @@ def _labels(batch: Any) -> Optional[torch.Tensor]:
             t = batch.get(k)
             if isinstance(t, torch.Tensor):
                 return t
-        batch = list(batch.values())
-    if not isinstance(batch, (list, tuple)):
         return None
-    for t in reversed(batch):
-        if isinstance(t, torch.Tensor):
-            return t
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
+        return batch[1]
     return None
 
 
