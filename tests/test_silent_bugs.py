@@ -393,6 +393,29 @@ class EmbedNet(nn.Module):
         return self.mlp(e.detach() + (e - e.detach()) * 1e-7)  # same values; the embedding's gradient x 1e-7
 
 
+def test_two_models_under_one_grad_scaler_are_not_one_stack_of_layers():
+    # The AMP docs' recipe for several models: model0's first layer was paired with model1's last, whose
+    # gradients were still scaled (x65536) when model0's were unscaled: "5.6e-06x", on a healthy run.
+    torch.manual_seed(0)
+    model0, model1 = (nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4)) for _ in range(2))
+    opt0, opt1 = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model0, model1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=10 ** 6)
+    with guard([model0, model1], [opt0, opt1], live=False) as g:
+        for _ in range(25):
+            x, y = torch.randn(16, 10), torch.randint(0, 4, (16,))
+            opt0.zero_grad()
+            opt1.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model0(x) + model1(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt0)
+            torch.nn.utils.clip_grad_norm_(model0.parameters(), 1.0)
+            scaler.step(opt0)
+            scaler.step(opt1)
+            scaler.update()
+    assert g.findings == [] and g.internal_errors == []
+
+
 @pytest.mark.parametrize("case", ["frozen-early", "embedding"])
 def test_vanishing_gradients_healthy_patterns_are_silent(case):
     if case == "frozen-early":  # a sigmoid stack whose early (vanishing) layers are frozen on purpose

@@ -7,8 +7,9 @@ reductions), and staged with the step's other values. `RUN` samples in a row
 under `RATIO` (1e-5) are reported: a deep sigmoid/tanh stack without
 normalization or residuals, where the first layers barely learn.
 
-Layers are the watched modules in the order of their first call (the module
-table), with a weight of two or more dimensions that requires a gradient:
+Layers are the watched modules of one model (the one with most such layers among
+those whose weights the primary optimizer updates) in the order of their first call
+(the module table), with a weight of two or more dimensions that requires a gradient:
 biases and norm scales are left out, as are ``nn.Embedding`` weights (a
 pretrained embedding's sparse, tiny gradient is normal) and frozen layers. Nets
 with fewer than `MIN_LAYERS` such layers are not looked at.
@@ -44,22 +45,32 @@ class VanishingGradients(Check):
         self._ratios: List[float] = []
         self._done = False
 
-    def _layers(self) -> Optional[Tuple[str, weakref.ref, str, weakref.ref, int]]:
-        by_module = {}
-        for name, p in self.g.named_parameters():
-            if p.dim() >= 2 and p.requires_grad:
-                mod, _, _ = name.rpartition(".")
-                by_module.setdefault(mod, p)
-        order = []
-        for path, info in self.g.modules.items():  # in the order of first calls
-            key = path if path in by_module else "" if path == info.get("type") else None  # the root: its class name
-            if key not in by_module or info.get("type") in ("Embedding", "EmbeddingBag"):
-                continue
-            order.append((path, by_module[key]))
-        if len(order) < MIN_LAYERS:
+    def _layers(self, optimizer) -> Optional[Tuple[str, weakref.ref, str, weakref.ref, int]]:
+        """The first and last weight layers of one model, all of whose weights `optimizer` updates.
+
+        One model at a time: a GAN's or an AMP recipe's two networks are no stack of layers (and under
+        one GradScaler one optimizer's gradients may be unscaled while the other's are not yet).
+        """
+        held = {id(p) for grp in optimizer.param_groups for p in grp["params"]}
+        best: List[Tuple[str, torch.Tensor]] = []
+        for root in self.g.roots:
+            by_module = {}
+            for p in root.parameters():
+                if p.dim() >= 2 and p.requires_grad and id(p) in held:
+                    mod, _, _ = self.g.param_name(p).rpartition(".")
+                    by_module.setdefault(mod, p)
+            order = []
+            for path, info in self.g.modules.items():  # in the order of first calls
+                key = path if path in by_module else "" if path == info.get("type") else None  # the root: its class name
+                if key not in by_module or info.get("type") in ("Embedding", "EmbeddingBag"):
+                    continue
+                order.append((path, by_module[key]))
+            if len(order) > len(best):
+                best = order
+        if len(best) < MIN_LAYERS:
             return None
-        (fp, fw), (lp, lw) = order[0], order[-1]
-        return fp, weakref.ref(fw), lp, weakref.ref(lw), len(order)
+        (fp, fw), (lp, lw) = best[0], best[-1]
+        return fp, weakref.ref(fw), lp, weakref.ref(lw), len(best)
 
     def on_step_pre(self, optimizer):
         if self._done or not self.g.sampling or not self.g.is_primary(optimizer) or self.g.step % EVERY:
@@ -68,7 +79,7 @@ class VanishingGradients(Check):
             if self._tried_at >= 0 and self.g.step < self._tried_at + 10 * EVERY:
                 return
             self._tried_at = self.g.step
-            self._pair = self._layers()
+            self._pair = self._layers(optimizer)
             if self._pair is None:
                 return
         fp, fref, lp, lref, n = self._pair
