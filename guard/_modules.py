@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 
 def tree_stats(module: nn.Module) -> Tuple[int, int]:
@@ -18,7 +19,8 @@ def tree_stats(module: nn.Module) -> Tuple[int, int]:
         for p in mod._parameters.values():
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
-                numel += p.numel()
+                if not is_lazy(p):  # nn.LazyLinear before its first call: no size yet
+                    numel += p.numel()
         for child in mod._modules.values():
             if child is not None and id(child) not in seen_mods:
                 seen_mods.add(id(child))

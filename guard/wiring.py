@@ -110,10 +110,15 @@ class Wiring:
         # guard above checkpoint's own, no forward counted against the next backward).
         root = depth == 0 and not _in_backward()
         if root:
-            if module not in self._paths_weak:
-                self.watched.adopt_root(module)
-                self.room.note(module)
-            self._enter_root()
+            try:
+                if module not in self._paths_weak:
+                    self.watched.adopt_root(module)
+                    self.room.note(module)
+                self._enter_root()
+            except GuardError:
+                raise
+            except Exception as exc:  # guard's own bookkeeping must never fail the user's forward
+                self.contain(None, exc)
         if self.router.forward_pre and self._active:
             self.router.dispatch_forward_pre(module, args, {}, root)
         self.meter.own += _clock() - t0

@@ -594,3 +594,47 @@ def test_eval_without_no_grad_counts_only_the_reported_models_calls():
     n = f.details["forwards"]
     assert f.message.startswith(f"{n} forward passes of Linear")
     assert sum(f.details["sources"].values()) == n  # the sources count that model's calls, no other's
+
+
+def test_a_critic_steps_detached_generator_outputs_are_graphs_built_for_nothing_not_kept_memory():
+    # WGAN style: `fake = G(z).detach()` for every critic step. G's graphs die at once: the finding says
+    # so (and how to avoid building them) instead of "evaluation keeps every activation".
+    import torch
+    from torch import nn
+
+    from guard import guard
+
+    torch.manual_seed(0)
+    G, D = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6)), nn.Sequential(nn.Linear(6, 1))
+    og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    with guard([G, D], [og, od], live=False) as g:
+        for _ in range(3):
+            for _ in range(3):
+                fake = G(torch.randn(8, 4)).detach()
+                od.zero_grad()
+                (D(fake).mean() - D(torch.randn(8, 6)).mean()).backward()
+                od.step()
+            og.zero_grad()
+            (-D(G(torch.randn(8, 4))).mean()).backward()
+            og.step()
+    (f,) = g.findings
+    assert (f.kind, f.where) == ("eval-without-no-grad", "G") and f.details["dropped_at_once"] is True
+    assert "dropped at once" in f.message and "keeps every activation" not in f.message
+    assert "with torch.no_grad(): fake = G(z)" in f.hint
+
+
+def test_one_dry_run_of_a_model_is_no_evaluation():
+    import torch
+    from torch import nn
+
+    from guard import guard
+
+    model = nn.Sequential(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        model(torch.randn(1, 4))  # a shape check, result thrown away
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    assert g.findings == []

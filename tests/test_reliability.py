@@ -831,3 +831,21 @@ def test_a_staged_value_that_cannot_be_read_costs_only_itself():
     assert seen == [0.0, 1.0, 2.0]  # the readable values of every step were read
     assert len(g.internal_errors) == 1 and g.active is False
     assert [e["step"] for e in g.timeline] == [0, 1, 2] and all("loss" in e for e in g.timeline)
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_lazy_modules_are_watched_from_their_dry_run_on(scope):
+    # nn.LazyLinear has no size before its first call: guard read numel() of it and failed at start
+    # (model guard) or inside the user's first forward (global guard).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+    with guard(model if scope == "model" else None, checks="all", live=False) as g:
+        model(torch.randn(2, 3))  # the dry run that makes the parameters
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(4, 3)), torch.randint(0, 2, (4,))).backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []
+    root = next(m for m in g.record.modules if m["type"] == "Sequential")
+    assert root["params"] == 3 * 8 + 8 + 8 * 2 + 2

@@ -33,6 +33,7 @@ WALK_BUDGET = 50_000  # graph nodes visited when looking for the variable that h
 MAX_PENDING = 4096
 GRACE = 2  # steps a still-alive, unclaimed graph may wait for its backward
 MAX_OUTPUTS = 8
+MIN_DROPPED = 3  # training-mode forwards whose graphs were dropped at once, before they are worth a word
 
 
 class _Tag:
@@ -43,11 +44,13 @@ class _Tag:
 
 
 class _Fwd:
-    __slots__ = ("step", "source", "path", "used", "tags", "outs", "age", "module")
+    __slots__ = ("step", "source", "path", "used", "tags", "outs", "age", "module", "eval_mode", "short")
 
     def __init__(self, step: int, source: Optional[str], path: str, module: Any = None):
         self.step, self.source, self.path = step, source, path
         self.module = weakref.ref(module) if module is not None else None
+        self.eval_mode = module is not None and not getattr(module, "training", True)
+        self.short = False  # its graph was gone by the next model call: dropped at once (x = G(z).detach())
         self.used = False
         self.tags: List[weakref.ref] = []
         self.outs: List[weakref.ref] = []
@@ -84,6 +87,9 @@ class EvalWithoutNoGrad(Check):
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if is_root:
             self._backwards_at_call = self._backwards
+            for rec in self._pending:
+                if not rec.used and not rec.short and not rec.alive():
+                    rec.short = True
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root or self._done or not torch.is_grad_enabled():
@@ -192,7 +198,15 @@ class EvalWithoutNoGrad(Check):
         return keep
 
     def _report(self, unused: List[_Fwd]) -> None:
-        unused = self._trained(unused)
+        # A training-mode forward whose graph was dropped at once (a lazy module's dry run, a GAN's
+        # `fake = G(z).detach()` for the critic) kept nothing: a few such calls are no evaluation; when
+        # they recur they are reported as what they are (graphs built for nothing), not as kept memory.
+        drops: Dict[Tuple[str, Optional[str]], int] = {}
+        for r in unused:
+            if r.short and not r.eval_mode:
+                drops[(r.path, r.source)] = drops.get((r.path, r.source), 0) + 1
+        unused = self._trained([r for r in unused if r.eval_mode or not r.short
+                                or drops[(r.path, r.source)] >= MIN_DROPPED])
         if not unused:
             return
         self._done = True
@@ -220,10 +234,21 @@ class EvalWithoutNoGrad(Check):
             if holder:
                 details["holder"] = holder
         n = len(same)
-        message = (f"{n} forward pass{'es' if n != 1 else ''} of {first.path} at {first.source} built autograd "
-                   f"graphs (outputs require grad) that no backward() used; evaluation outside "
-                   f"torch.no_grad() keeps every activation for a backward that never comes{mem}")
-        hint = ("Run evaluation under `with torch.no_grad():` (or `torch.inference_mode()`), and call "
-                "model.eval() first; this saves the activation memory and time.")
+        dropped = all(r.short and not r.eval_mode for r in same)
+        details["dropped_at_once"] = dropped
+        if dropped:
+            message = (f"{n} forward pass{'es' if n != 1 else ''} of {first.path} at {first.source} built autograd "
+                       f"graphs (outputs require grad) that were dropped at once, never back-propagated (a "
+                       f"`.detach()`ed or discarded output): building them costs time and memory for nothing")
+            hint = ("Run forwards whose outputs need no gradient under `with torch.no_grad():` (a GAN's critic "
+                    "step: `with torch.no_grad(): fake = G(z)`); for evaluation also call model.eval() first.")
+        else:
+            waste = ("keeps every activation for a backward that never comes" if details["graphs_alive"] else
+                     "saves activations and spends time on graphs for a backward that never comes")
+            message = (f"{n} forward pass{'es' if n != 1 else ''} of {first.path} at {first.source} built autograd "
+                       f"graphs (outputs require grad) that no backward() used; evaluation outside "
+                       f"torch.no_grad() {waste}{mem}")
+            hint = ("Run evaluation under `with torch.no_grad():` (or `torch.inference_mode()`), and call "
+                    "model.eval() first; this saves the activation memory and time.")
         self.emit("eval-without-no-grad", first.path, message, hint, step=first.step, source=first.source,
                   details=details)
