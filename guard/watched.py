@@ -13,6 +13,7 @@ from .tensors import first_tensor
 from ._weak import WeakIdMap
 
 MAX_MODULES = 5000
+REPLACED = 16  # steps of other optimizers without one of the primary: the primary was replaced
 
 DP_TYPES: Tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 
@@ -65,6 +66,7 @@ class Watched:
         #: the optimizer whose step ends the guard's step (the first given, else the first seen stepping)
         self.primary: Optional[weakref.ref] = optimizers[0] if optimizers else None
         self._opt_watch = WeakIdMap()  # optimizer -> whether it steps the watched models
+        self.idle = 0  # steps of other optimizers since the primary's last one
         for r in optimizers:
             if r() is not None:
                 self._opt_watch[r()] = True
@@ -97,6 +99,16 @@ class Watched:
 
     def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
         return self.primary is not None and self.primary() is optimizer
+
+    def takes_over(self, optimizer: torch.optim.Optimizer) -> bool:
+        """A watched optimizer other than the primary stepped: True when it becomes the primary, because
+        the primary has not stepped during `REPLACED` steps of others (it was replaced, as Adam by SGD
+        mid-run, but is still referenced). A GAN's optimizers alternate and never get there."""
+        self.idle += 1
+        if self.idle < REPLACED:
+            return False
+        self.primary, self.idle = weakref.ref(optimizer), 0
+        return True
 
     def watch_optimizer(self, opt: torch.optim.Optimizer) -> Tuple[bool, Optional[bool]]:
         """Whether `opt` steps parameters of the watched models (decided once per optimizer), and

@@ -16,6 +16,7 @@ from torch import nn
 from . import hooks as _hooks
 from ._frames import user_source
 from .callstack import pop_call, push_call
+from . import watched as _watched
 from .findings import GuardError
 
 _task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -249,6 +250,15 @@ class Wiring:
         try:
             self.dispatch("step_post", opt)
             if self.is_primary(opt):
+                self.watched.idle = 0
+                self._end_step(t0)
+            elif self.watched.takes_over(opt):
+                n = _watched.REPLACED
+                self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the optimizer "
+                            f"guard counted steps by, which was replaced: its steps count from now on (findings "
+                            f"of steps {self.step}-{self.step + n - 1} carry step {self.step}).")
+                self._resolve()
+                self.step += n - 1  # the steps it made meanwhile count too: numbers follow the loop again
                 self._end_step(t0)
         except GuardError:
             raise

@@ -178,6 +178,36 @@ def test_lists_of_models_and_optimizers():
     assert [f.kind for f in g.findings][:1] == ["nonfinite-input"]
 
 
+def test_an_optimizer_replaced_mid_run_takes_over_the_step_count():
+    # Adam for 20 steps, then SGD; the old Adam stays referenced (a list of past optimizers): its steps
+    # were the unit, so guard's step stood still at 20 and a NaN at step 40 was reported at step 20.
+    torch.manual_seed(0)
+    model = mlp()
+    history = []
+    with guard(model, live=False) as g:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for step in range(60):
+            if step == 20:
+                history.append(opt)
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            nan_step(model, opt, step, bad_step=40)
+    assert g.step == 60
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 40)]
+    assert any("SGD has stepped 16 times" in n for n in g.notices)
+
+
+def test_a_critic_stepping_five_times_per_generator_step_does_not_take_over():
+    torch.manual_seed(0)
+    G, D = mlp(), mlp()
+    og, od = torch.optim.SGD(G.parameters(), lr=0.01), torch.optim.SGD(D.parameters(), lr=0.01)
+    with guard([G, D], [og, od], live=False) as g:
+        for _ in range(6):
+            for _ in range(5):
+                nan_step(D, od, 0, bad_step=-1)
+            nan_step(G, og, 0, bad_step=-1)
+    assert g.step == 6 and g.notices == []
+
+
 class _Net(nn.Module):
     """A GAN's networks often share their inner names (DCGAN: both have `main`)."""
 
