@@ -212,6 +212,29 @@ def test_frozen_batchnorm_models_without_dropout_and_eval_then_train_are_silent(
     assert train_steps(optout, g_opts={"checks": ["train-in-eval-mode"]}).findings == []
 
 
+def test_a_linear_probe_on_a_backbone_kept_in_eval_mode_is_silent():
+    # model.eval(); model.head.train(): the backbone's BatchNorm statistics frozen on purpose, the head trains.
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    model.requires_grad_(False)
+    model[3].requires_grad_(True)
+    opt = torch.optim.SGD(model[3].parameters(), lr=0.1)
+    model.eval()
+    model[3].train()
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 8)), torch.randint(0, 2, (8,))).backward()
+            opt.step()
+    assert g.findings == []
+    model[3].eval()  # the head itself left in eval mode: the classic missing model.train() again
+    with guard(model, opt, checks=["train-in-eval-mode"], live=False) as g:
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 8)), torch.randint(0, 2, (8,))).backward()
+            opt.step()
+    assert kinds(g) == ["train-in-eval-mode"]
+
+
 # --------------------------------------------------------------------------- loss-shape-broadcast
 
 def test_loss_shape_demo_names_both_shapes_and_the_fix():

@@ -10,7 +10,9 @@ was made with the root in eval mode (``model.training`` False) while it holds
 Dropout (``p > 0``) or BatchNorm (tracking running statistics) modules in eval mode.
 Frozen BatchNorm on purpose (``bn.eval()`` on the BatchNorm layers while the model
 trains) leaves the root in training mode and stays silent, as do models without
-dropout/BatchNorm. ``Module.train`` is watched through a declared patch, so the
+dropout/BatchNorm, and a frozen backbone kept in eval mode while the trained parts
+are in training mode (a linear probe: ``model.eval(); model.head.train()``, every
+module holding a parameter the optimizer updates in training mode). ``Module.train`` is watched through a declared patch, so the
 finding names where ``.eval()`` (or ``.train(False)``) was called. To silence it for
 a model trained in eval mode on purpose, set ``model.guard_eval_mode_ok = True``.
 
@@ -82,8 +84,11 @@ class TrainInEvalMode(Check):
             del self._eval_calls[model]
             if model in self._reported or model.training or getattr(model, OPT_OUT, False):
                 continue
-            if not self._trains(model, optimizer):
+            owners = self._owners(model, optimizer)
+            if not owners:
                 continue
+            if all(m.training for m in owners):
+                continue  # the trained parts were put in training mode on purpose (a linear probe's head)
             mods = self._mods.get(model)
             if mods is None:
                 mods = self._mods[model] = mode_sensitive(model)
@@ -91,10 +96,11 @@ class TrainInEvalMode(Check):
             if off:
                 self._emit(model, off, call_src)
 
-    def _trains(self, model: nn.Module, optimizer) -> bool:
-        """Whether `optimizer` holds a parameter of `model` (a step of another network says nothing)."""
+    def _owners(self, model: nn.Module, optimizer) -> List[nn.Module]:
+        """The modules of `model` that hold a parameter `optimizer` updates (none: a step of another
+        network says nothing about this one)."""
         ids = {id(p) for grp in optimizer.param_groups for p in grp["params"]}
-        return any(id(p) in ids for p in model.parameters())
+        return [m for m in model.modules() if any(p is not None and id(p) in ids for p in m._parameters.values())]
 
     def _emit(self, model: nn.Module, off: List[Tuple[str, nn.Module]], call_src: Optional[str]) -> None:
         self._reported.add(model)
