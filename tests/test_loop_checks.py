@@ -434,6 +434,25 @@ def test_layers_switched_back_to_train_after_model_eval_are_deliberate(switched_
         assert kinds(g) == (["eval-in-train-mode"] if forgot_eval else []), (forgot_eval, g.findings)
 
 
+def test_batchnorm_statistics_recomputed_by_hand_are_deliberate():
+    # Precise BN: reset the statistics, momentum=None (a cumulative average), forwards in train mode
+    # under no_grad, as swa_utils.update_bn does. A BatchNorm with its usual momentum is the bug.
+    for momentum in (None, 0.1):
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = batches(1)[0]
+        with guard(model, opt, live=False) as g:
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            model[1].reset_running_stats()
+            model[1].momentum = momentum
+            with torch.no_grad():
+                for _ in range(3):
+                    model(x)
+        assert kinds(g) == ([] if momentum is None else ["eval-in-train-mode"]), momentum
+
+
 def test_eval_in_train_mode_clean_patterns():
     x, y = batches(1)[0]
     # no dropout/BN: train mode makes no difference

@@ -12,7 +12,8 @@ after), and only while the model itself is in training mode: after ``model.eval(
 a Dropout or BatchNorm switched back to ``train()`` is deliberate (Monte Carlo
 dropout samples predictions that way). A momentum/EMA teacher or a DQN target
 network that only ever runs under ``no_grad`` is never reported, nor are model calls made by ``torch.optim``
-(``swa_utils.update_bn`` recomputes BatchNorm statistics in train mode). To silence it for one module, set
+(``swa_utils.update_bn`` recomputes BatchNorm statistics in train mode), nor a BatchNorm with
+``momentum=None`` (a cumulative average: statistics recomputed by hand). To silence it for one module, set
 ``module.guard_train_mode_ok = True`` on the model or on the Dropout/BatchNorm
 module; to silence it everywhere, ``checks=["default", "-eval-in-train-mode"]``.
 
@@ -42,6 +43,12 @@ _TORCH_OPTIM = os.path.dirname(os.path.abspath(torch.optim.__file__)) + os.sep  
 _GUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MODULE_FILES = (os.path.abspath(nn.modules.module.__file__),)
 _CONTEXTLIB = os.path.abspath(contextlib.__file__)
+
+
+def _recalibrating(m: nn.Module) -> bool:
+    """A BatchNorm with ``momentum=None`` keeps a cumulative average: its statistics are being recomputed on
+    purpose (precise BN, what ``swa_utils.update_bn`` does by hand)."""
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None
 
 
 def _called_by_torch() -> bool:
@@ -94,7 +101,7 @@ class EvalInTrainMode(Check):
         if not mods:
             return
         training = [(n, m) for n, r in mods if (m := r()) is not None and m.training
-                    and not getattr(m, OPT_OUT, False)]
+                    and not getattr(m, OPT_OUT, False) and not _recalibrating(m)]
         if not training:
             return
         if _called_by_torch():
