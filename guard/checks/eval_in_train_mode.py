@@ -30,6 +30,7 @@ from typing import List, Optional
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._modes import mode_sensitive
 from .base import Check
@@ -48,7 +49,7 @@ _CONTEXTLIB = os.path.abspath(contextlib.__file__)
 def _recalibrating(m: nn.Module) -> bool:
     """A BatchNorm with ``momentum=None`` keeps a cumulative average: its statistics are being recomputed on
     purpose (precise BN, what ``swa_utils.update_bn`` does by hand)."""
-    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None
+    return isinstance(m, _BatchNorm) and m.momentum is None
 
 
 def _called_by_torch() -> bool:

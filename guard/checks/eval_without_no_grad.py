@@ -201,6 +201,9 @@ class EvalWithoutNoGrad(Check):
         # A training-mode forward whose graph was dropped at once (a lazy module's dry run, a GAN's
         # `fake = G(z).detach()` for the critic) kept nothing: a few such calls are no evaluation; when
         # they recur they are reported as what they are (graphs built for nothing), not as kept memory.
+        for r in unused:
+            if not r.eval_mode and not r.short and not r.alive():
+                r.short = True  # gone by now, with no model call after it to tell when: counted as dropped
         drops: Dict[Tuple[str, Optional[str]], int] = {}
         for r in unused:
             if r.short and not r.eval_mode:
