@@ -315,6 +315,24 @@ def _run_exit_callbacks(reason: str) -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM: write the reports (`_sigterm_once`). A SIGCHLD that arrived just before SIGTERM may still run
+    torch's handler inside this one, before ours holds SIGCHLD, and raise there (a DataLoader worker died):
+    then the work is done once more, and that error is raised after it, as the program would have seen it."""
+    raised: List[BaseException] = []
+    passed: List[bool] = []  # set once the program's own SIGTERM handler has been called: no second run then
+    for _ in range(3):
+        try:
+            _sigterm_once(signum, frame, passed)
+            break
+        except Exception as exc:
+            if passed:
+                raise  # the program's own handler raised: its exception, at once
+            raised.append(exc)
+    if raised:
+        raise raised[0]
+
+
+def _sigterm_once(signum: int, frame: Any, passed: List[bool]) -> None:
     """Write the reports first, shielded from other signals' handlers, then let SIGTERM do what it did before.
 
     Under SLURM ``scancel`` or ``docker stop`` the whole process group gets SIGTERM: DataLoader workers die too,
@@ -347,6 +365,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
             except (ValueError, OSError, TypeError):
                 pass
     if callable(prev):
+        passed.append(True)
         prev(signum, frame)
     if held and callable(old_chld):
         old_chld(chld, held[0])  # what the program would have seen without guard (e.g. torch's worker error)

@@ -25,12 +25,14 @@ if TYPE_CHECKING:  # pragma: no cover
 Handler = Tuple[Check, Callable]
 
 
-_peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+def _transforms_active() -> bool:  # a torch without the C switch (it has been there since 2.0)
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
-def _in_transform() -> bool:
-    """Whether a torch.func transform (vmap, grad, jacrev, ...) is running."""
-    return _peek is not None and _peek() is not None
+#: True while a torch.func transform (vmap, grad, jacrev, ...) runs (the C switch: peek_interpreter_stack
+#: costs about ten times as much inside a training step)
+_in_transform = getattr(torch._C, "_are_functorch_transforms_active", None) or _transforms_active
 
 
 def _sleeps(event: str) -> bool:

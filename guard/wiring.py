@@ -19,12 +19,8 @@ from .callstack import pop_call, push_call
 from . import watched as _watched
 from .findings import GuardError
 
+#: -1 unless autograd's engine is running a backward (on any of its threads)
 _task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward (on any of its threads)."""
-    return _task_id() != -1
 
 _NO_OUTPUT = object()
 
@@ -109,7 +105,7 @@ class Wiring:
         # A call that starts inside backward() is a recomputation (torch.utils.checkpoint), never a model
         # call of the user's: its layers are checked, but it is no outermost call (no saved-tensor hooks of
         # guard above checkpoint's own, no forward counted against the next backward).
-        root = depth == 0 and not _in_backward()
+        root = depth == 0 and _task_id() == -1
         if root:
             try:
                 if module not in self._paths_weak:
@@ -135,7 +131,7 @@ class Wiring:
 
     def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict]) -> None:
         t0 = _clock()
-        is_root = id(module) in self._root_ids and not _in_backward()  # (see _hook_pre_global)
+        is_root = id(module) in self._root_ids and _task_id() == -1  # (see _hook_pre_global)
         if is_root:
             self._enter_root()
         if self.router.forward_pre and self._active:
@@ -145,10 +141,10 @@ class Wiring:
     def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = _NO_OUTPUT) -> None:
         if output is _NO_OUTPUT:  # forward raised: torch calls always_call global hooks as (module, args, result)
             kwargs, output = {}, kwargs
-        self._after_forward(module, args, kwargs, output, pop_call(self._tls) and not _in_backward())
+        self._after_forward(module, args, kwargs, output, pop_call(self._tls) and _task_id() == -1)
 
     def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self._after_forward(module, args, kwargs, output, id(module) in self._root_ids and not _in_backward())
+        self._after_forward(module, args, kwargs, output, id(module) in self._root_ids and _task_id() == -1)
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any, is_root: bool) -> None:
         if not self._active:
