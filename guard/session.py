@@ -45,6 +45,17 @@ def _delegate(part: str, name: str, doc: str) -> property:
     return property(lambda self: getattr(getattr(self, part), name), doc=doc)
 
 
+def _unwrapped(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The real optimizer inside a wrapper that subclasses Optimizer without its machinery (accelerate's
+    ``AcceleratedOptimizer``: no step hooks of its own; its ``step()`` calls the wrapped one's)."""
+    for _ in range(4):
+        inner = getattr(opt, "optimizer", None)
+        if hasattr(opt, "_optimizer_step_pre_hooks") or not isinstance(inner, torch.optim.Optimizer):
+            break
+        opt = inner
+    return opt
+
+
 class Guard(Wiring):
     """A runtime guard over a model/optimizer; see ``guard()`` for the arguments."""
 
@@ -52,7 +63,7 @@ class Guard(Wiring):
                  report: Any = None, live: Any = None, every: Any = 1, snoop: Any = False, budget: Any = None,
                  origin: Optional[Dict[str, str]] = None, **extras: Any):
         models = as_list(model, "model", nn.Module, "an nn.Module")
-        opts = as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
+        opts = [_unwrapped(o) for o in as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")]
         self._registry = registry()
         self.config: Config = make_config(self._registry, checks=checks, mode=mode, report=report, live=live,
                                           every=every, snoop=snoop, budget=budget, origin=origin,

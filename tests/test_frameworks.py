@@ -311,3 +311,23 @@ def test_healthy_twins_silent_while_costly_checks_sleep(sleeping, hf_tmp):
     assert g.findings == [] and g.meter.period == 3
     g, _ = run_hf(None, hf_tmp, max_grad_norm=1.0, eval_strategy="epoch", warmup_steps=2, weight_decay=0.01)
     assert g.findings == [] and g.meter.period == 3
+
+
+def test_accelerate_prepared_optimizer_is_guarded_through_its_wrapper():
+    # accelerate's AcceleratedOptimizer subclasses Optimizer without its hook machinery: guard(model, opt)
+    # after prepare() failed with AttributeError. The real optimizer inside is watched now.
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    acc = accelerate.Accelerator(cpu=True)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with guard(model, opt, live=False) as g:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            if step == 2:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            acc.backward(nn.functional.cross_entropy(model(x), torch.randint(0, 2, (8,))))
+            opt.step()
+    assert g.step == 4 and g.internal_errors == []
+    assert [(f.kind, f.step) for f in g.findings][:1] == [("nonfinite-input", 2)]
