@@ -327,3 +327,46 @@ def test_plus_inf_and_nan_inputs_are_still_dirty_data(read_path):
             model(x).sum().backward()
             opt.step()
         assert g.findings[0].kind == "nonfinite-input", bad
+
+
+class _Imputer(nn.Module):
+    """A tabular model that takes NaN for "missing": it imputes 0 and adds a missing-indicator column."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x, labels=None):
+        missing = torch.isnan(x)
+        out = self.fc(torch.cat([torch.where(missing, 0.0, x), missing.float()], dim=1))
+        if labels is None:
+            return out
+        known = ~torch.isnan(labels)  # NaN labels: no target for that row
+        return nn.functional.mse_loss(out[known], labels[known])
+
+
+@pytest.mark.parametrize("where", ["features", "labels"])
+def test_nan_the_model_takes_for_missing_is_no_dirty_data(where, read_path):
+    torch.manual_seed(0)
+    model = _Imputer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(3):
+            x, y = torch.randn(16, 4), torch.randn(16, 1)
+            (x if where == "features" else y)[::3, 0] = float("nan")
+            opt.zero_grad()
+            model(x, labels=y).backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_nan_input_that_reaches_the_output_is_still_the_origin(read_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        x = torch.randn(8, 4)
+        x[3, 1] = float("nan")
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    assert [(f.kind, f.where) for f in g.findings][:1] == [("nonfinite-input", "input")]

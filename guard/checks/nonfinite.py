@@ -374,6 +374,12 @@ class NonFinite(Check):
                 return
             known = {i for site, i in sites if site in self._maskers}
             bad = {i for i in bad if i not in known}
+        produced = {i for call in calls for _, i in call.outputs}
+        if all(i not in produced and any(i == j for c in calls if c.is_root for _, j in c.inputs) for i in bad):
+            # NaN/Inf only in what the model was given, with every output, the loss and the gradients finite:
+            # the model handles it on purpose (imputes missing features, masks targets marked NaN as missing).
+            # Dirty data that matters makes an output or the loss NaN, and is then the origin reported.
+            return
         self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
         if self._check_params():
             return
@@ -383,7 +389,6 @@ class NonFinite(Check):
         # model's outputs under a global guard) is not fed dirty data: the origin lies upstream. Calls
         # are listed as they return, so the calls before a root call's own inner calls (those up to the
         # previous root call) ran before it; matching by flag misses reshaped outputs (logits.view(-1, C)).
-        produced = {i for call in calls for _, i in call.outputs}
         upstream = False  # some call that ended before the current root call began made NaN/Inf
         done = 0
         for k, call in enumerate(calls):
