@@ -38,13 +38,16 @@ Middleware = Callable[[Callable[..., Any], tuple, dict], Any]
 # on its closures): every hook and wrapper returns at once when dynamo traces it. Dynamo folds this call
 # to True while tracing, so the hook inlines to nothing (no graph break, no guard on guard's state).
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+# torch.jit.trace runs the model with its hooks: guard's tensor tests there would be recorded into the
+# trace (TracerWarnings) and the tracing pass taken for an evaluation. Not None while tracing.
+_tracing = getattr(torch._C, "_get_tracing_state", lambda: None)
 
 
 def _eager_only(fn: Callable) -> Callable:
-    """`fn` as a hook that does nothing inside code torch.compile traces."""
+    """`fn` as a hook that does nothing inside code torch.compile traces, nor while torch.jit.trace runs."""
 
     def hook(*args: Any, **kwargs: Any) -> Any:
-        if _compiling():
+        if _compiling() or _tracing() is not None:
             return None
         return fn(*args, **kwargs)
 

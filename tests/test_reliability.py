@@ -849,3 +849,23 @@ def test_lazy_modules_are_watched_from_their_dry_run_on(scope):
     assert g.findings == [] and g.internal_errors == []
     root = next(m for m in g.record.modules if m["type"] == "Sequential")
     assert root["params"] == 3 * 8 + 8 + 8 * 2 + 2
+
+
+def test_jit_trace_of_a_guarded_model_records_nothing_of_guard():
+    # torch.jit.trace runs the model with its hooks: guard's tests of the tensors were recorded into the
+    # trace (TracerWarnings) and the tracing pass was taken for an evaluation outside no_grad.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with guard(model, opt, live=False) as g, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 6)).pow(2).mean().backward()
+            opt.step()
+        model.eval()
+        traced = torch.jit.trace(model, torch.randn(2, 6))
+    assert [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)] == []
+    assert g.findings == [] and g.internal_errors == []
+    x = torch.randn(3, 6)
+    assert torch.equal(traced(x), model(x))
