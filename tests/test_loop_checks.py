@@ -657,3 +657,32 @@ def test_one_dry_run_of_a_model_is_no_evaluation():
             model(torch.randn(8, 4)).pow(2).mean().backward()
             opt.step()
     assert g.findings == []
+
+
+def test_eval_without_no_grad_at_exit_after_the_optimizer_is_gone():
+    # A global guard closing after the training function returned: the optimizer is collected. A model
+    # with trainable parameters evaluated with grad is still reported; a parameterless module (a
+    # quantization observer that convert() calls) is not taken for a trained model.
+    import gc
+
+    import torch
+    from torch import nn
+
+    from guard import guard
+
+    model, observer = nn.Sequential(nn.Linear(4, 4)), nn.ReLU()
+
+    def train():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+
+    g = guard(live=False).start()
+    train()
+    gc.collect()
+    seen = observer(torch.randn(2, 4, requires_grad=True) * 2)  # noqa: F841  (graphs alive at exit)
+    kept = [model(torch.randn(2, 4)) for _ in range(3)]  # noqa: F841
+    g.close()
+    assert [(f.kind, f.where) for f in g.findings] == [("eval-without-no-grad", "Sequential")]

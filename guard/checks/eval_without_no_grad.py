@@ -182,7 +182,13 @@ class EvalWithoutNoGrad(Check):
         ``nn.LSTM(3, 3)`` called to show its output) is not being evaluated, whatever its graph."""
         opts = self.g.optimizers
         if not opts:
-            return unused  # manual updates: nothing to tell trained from untrained
+            if not self.g.has_optimizer:
+                return unused  # manual updates: nothing to tell trained from untrained
+            # The optimizers are gone (collected before a global guard closes at exit, the training having
+            # run in a function): a module with trainable parameters may have been trained; one without
+            # (a quantization observer called by convert()) was not.
+            return [r for r in unused if (m := r.module() if r.module is not None else None) is not None
+                    and any(p.requires_grad for p in m.parameters())]
         trained = {id(p) for o in opts for group in o.param_groups for p in group["params"]}
         verdict: Dict[int, bool] = {}
         keep = []
