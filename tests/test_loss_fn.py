@@ -104,6 +104,18 @@ def test_raw_scores_into_nll_are_still_caught_beside_a_nan_row():
     assert kinds(g) == ["softmax-before-cross-entropy"] and "raw scores" in g.findings[0].message
 
 
+def test_focal_loss_through_nll_loss_is_no_misuse():
+    # The widely copied focal loss: nll_loss((1 - p) ** gamma * log_p, y). nll_loss only gathers and
+    # negates, so reweighted log-probabilities (all <= 0, logsumexp != 0) are fine.
+    model = nn.Linear(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(3):
+            log_p = F.log_softmax(model(torch.randn(8, 5)), dim=1)
+            one_step(model, F.nll_loss((1 - log_p.exp()) ** 2 * log_p, torch.randint(0, 3, (8,))), opt)
+    assert g.findings == []
+
+
 def test_sigmoid_demo_and_clean_twin():
     g = sigmoid_bce.train(live=False)
     assert kinds(g) == ["sigmoid-before-bce"]

@@ -152,7 +152,11 @@ class LossMisuse(Check):
                 # Rows whose logsumexp is NaN/Inf (an overflowed log-softmax: all -inf) say nothing of the kind:
                 # the NaN checks report them. (-inf entries of masked rows leave a finite logsumexp.)
                 lse = torch.logsumexp(rows, dim=cd)
-                bad = torch.where(torch.isfinite(lse), lse.abs(), 0.0).amax() > _tol(x)
+                fin = torch.isfinite(lse)
+                bad = torch.where(fin, lse.abs(), 0.0).amax() > _tol(x)
+                # Rows with no positive entry are reweighted log-probabilities (focal loss:
+                # nll_loss((1 - p) ** gamma * log_p, y), which only gathers and negates), not scores.
+                bad = bad & (torch.where(fin, rows.amax(dim=cd), float("-inf")).amax() > _tol(x))
                 probs = (rows.amin() >= 0) & (rows.amax() <= 1)
                 code = bad.float() * (2.0 - probs.float())
                 self.g.stage(code, lambda v, info=info: v and self._report_prob(*info, code=v))
