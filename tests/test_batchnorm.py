@@ -183,3 +183,20 @@ def test_escaping_valueerror_carries_the_finding_as_a_note():
     notes = getattr(err.value, "__notes__", [])
     assert any(n.startswith("guard: batchnorm-single-sample at 1 (step 0)") and "drop_last=True" in n for n in notes)
     assert [f.kind for f in g.findings] == ["batchnorm-single-sample"]
+
+
+def test_graph_batches_whose_batchnorm_sees_nodes_are_not_warned():
+    # PyG-style: the collate concatenates sets of nodes, so BatchNorm's batch dimension is the nodes of
+    # all graphs in the batch. A last batch of one graph still has several nodes: no crash to predict.
+    torch.manual_seed(0)
+    graphs = [torch.randn(int(torch.randint(5, 12, ())), 4) for _ in range(9)]  # 9 = 2 * 4 + 1
+    loader = DataLoader(graphs, batch_size=4, collate_fn=lambda b: torch.cat(b))
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            for nodes in loader:
+                opt.zero_grad()
+                model(nodes).pow(2).mean().backward()
+                opt.step()
+    assert g.findings == [] and g.internal_errors == []

@@ -114,7 +114,11 @@ class BatchNormBatch(Check):
         self._pending = []
         if crashy:
             for p in pending:
-                self._report_last_batch(p, crashy)
+                # Only a BatchNorm whose batch dimension is the loader's samples gets one value per channel
+                # from a last batch of one: nodes of a graph batch or flattened time steps are not samples.
+                mine = {path: shape for path, shape in crashy.items() if shape[0] == p["batch_size"]}
+                if mine:
+                    self._report_last_batch(p, mine)
 
     # ------------------------------------------------------------------ DataLoader epochs
     def on_dataloader_iter(self, args, kwargs):
