@@ -188,6 +188,36 @@ def test_unshuffled_sorted_labels_found_through_a_dict_batch():
     assert f.where == "DataLoader" and f.details["single_class_batches"] == f.details["batches"] == 5
 
 
+def test_a_binary_dataset_sorted_by_label_is_found_through_bce():
+    x = torch.randn(64, 6)
+    y = torch.cat([torch.zeros(32), torch.ones(32)]).long()  # all negatives, then all positives
+    model = nn.Linear(6, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for xb, yb in DataLoader(TensorDataset(x, y), batch_size=8):
+            opt.zero_grad()
+            F.binary_cross_entropy_with_logits(model(xb).squeeze(1), yb.float()).backward()
+            opt.step()
+    assert only(g, "unshuffled-labels").details["classes_filling_batches"] == [0, 1]
+
+
+def test_lengths_in_the_labels_place_of_a_length_sorted_ctc_loader_are_no_labels():
+    # SortaGrad: the first epoch sorted by length; batches (x, input_lengths, targets, target_lengths).
+    torch.manual_seed(0)
+    lengths = torch.arange(40) // 8 + 6  # 8 sequences of each length
+    xs = torch.randn(40, 10, 4)
+    ds = TensorDataset(xs, lengths, torch.randint(1, 5, (40, 3)), torch.full((40,), 3))
+    model = nn.Linear(4, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for x, in_len, tgt, tgt_len in DataLoader(ds, batch_size=8):
+            log_probs = model(x).log_softmax(-1).transpose(0, 1)  # [T, N, C]
+            opt.zero_grad()
+            F.ctc_loss(log_probs, tgt, in_len, tgt_len).backward()
+            opt.step()
+    assert "unshuffled-labels" not in kinds(g)
+
+
 def test_unshuffled_sorted_labels_found_beside_a_third_tensor():
     x, y = _sorted()
     f = only(_fit(DataLoader(TensorDataset(x, y, torch.arange(len(y))), batch_size=8)), "unshuffled-labels")

@@ -13,9 +13,11 @@ Per batch of such a loader, the labels are the second element of an ``(x, y, ...
 tuple or list, or ``batch["label"|"labels"|"target"|"targets"|"y"]``, when that is a
 1-d integer tensor on the CPU: a 2-d target (a language model's next tokens, a
 tagger's tags) or float targets (regression, time series) are not classes and are
-skipped, and so are batches whose labels are not in those places (another integer
-tensor, such as sequence lengths or series ids, is no label: bucketing by length or
-keeping a time order is no sorting by class). ``aminmax`` on the host tells whether
+skipped, and so are batches whose labels are not in those places. And they are labels
+only once a classification loss (``cross_entropy``, ``nll_loss``, the two BCE forms) of
+that batch takes them as its target (on the CPU: the same values; on an accelerator:
+as many): sequence lengths in the labels' place (a length-sorted CTC loader, packed
+sequences) or series ids are no labels, and bucketing by length is no sorting by class. ``aminmax`` on the host tells whether
 the batch holds a single class. A batch counts as a training batch only when a
 ``backward()`` follows it before the loader's next batch (validation loaders,
 unshuffled on purpose, never count). Reported when, after at least `MIN_BATCHES`
@@ -39,6 +41,7 @@ MIN_BATCHES = 4
 FRACTION = 0.75
 MAX_BATCHES = 400
 _LABEL_KEYS = ("label", "labels", "target", "targets", "y")
+_CLASS_LOSSES = ("cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits")
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -85,7 +88,8 @@ class UnshuffledLabels(Check):
                                               "shuffle=False)")}
     description = "training batches that each hold one class: a label-sorted dataset with shuffle=False"
     patches = {"dataloader_iter": "torch.utils.data.DataLoader.__iter__",
-               "dataloader_next": "torch.utils.data.dataloader._BaseDataLoaderIter.__next__"}
+               "dataloader_next": "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
+               **{f"labels_{fn}": f"torch.nn.functional.{fn}" for fn in _CLASS_LOSSES}}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -130,13 +134,31 @@ class UnshuffledLabels(Check):
             return
         lo, hi = torch.aminmax(y)
         lo, hi = int(lo), int(hi)
-        self._pending = (st, lo == hi, lo, hi)
+        self._pending = (st, lo == hi, lo, hi, y, [False])
+
+    def _target(self, args: tuple, kwargs: dict) -> None:
+        """A classification loss of this batch: are the batch's labels its target? (Sequence lengths or ids
+        in the label's place never are: a length-sorted CTC or packed-sequence loader is no sorted dataset.)"""
+        pending = self._pending
+        if pending is None or pending[5][0]:
+            return
+        t = args[1] if len(args) > 1 else kwargs.get("target")
+        y = pending[4]
+        if not isinstance(t, torch.Tensor) or t.numel() != y.numel():
+            return
+        if t.device.type == "cpu":  # on an accelerator the target is a copy: its size is what can be told
+            try:
+                if not torch.equal(t.detach().reshape(-1).to(y.dtype), y):
+                    return
+            except Exception:
+                return
+        pending[5][0] = True
 
     def on_backward(self, tensors, kwargs):
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        st, single, lo, hi = pending
+        if pending is None or not pending[5][0]:
+            return  # no classification loss took these labels as its target
+        st, single, lo, hi = pending[:4]
         if st.done:
             return
         if st.counted == 0:
@@ -171,3 +193,14 @@ class UnshuffledLabels(Check):
                   details={"loader": st.name, "single_class_batches": st.single, "batches": st.counted,
                            "classes_filling_batches": st.classes[:20], "label_range": [st.lo, st.hi],
                            "sampler": "SequentialSampler"})
+
+
+def _target_handler(fn: str):
+    def on_loss(self, args: tuple, kwargs: dict) -> None:
+        self._target(args, kwargs)
+    on_loss.__name__ = f"on_labels_{fn}"
+    return on_loss
+
+
+for _fn in _CLASS_LOSSES:
+    setattr(UnshuffledLabels, f"on_labels_{_fn}", _target_handler(_fn))
