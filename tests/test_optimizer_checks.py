@@ -267,6 +267,23 @@ def test_finetune_frozen_backbone_in_optimizer_and_new_head_missing():
     assert "add_param_group" in missing.hint
 
 
+def test_a_probe_updated_by_an_optimizer_not_given_to_guard_is_not_in_no_optimizer():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"enc": nn.Linear(4, 8), "probe": nn.Linear(8, 2)})
+    opt = torch.optim.Adam(model.enc.parameters(), lr=1e-3)
+    probe_opt = torch.optim.SGD(model.probe.parameters(), lr=0.1)  # only `opt` is handed to guard
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            h = model.enc(torch.randn(8, 4))
+            loss = h.pow(2).mean() + nn.functional.cross_entropy(model.probe(h.detach()), torch.randint(0, 2, (8,)))
+            opt.zero_grad()
+            probe_opt.zero_grad()
+            loss.backward()
+            opt.step()
+            probe_opt.step()
+    assert "param-not-in-optimizer" not in kinds(g), g.findings
+
+
 def test_frozen_backbone_done_right_is_clean():
     g = finetune_optimizer.train(fixed=True, live=False, checks="all")
     assert g.findings == [] and g.internal_errors == []

@@ -5,9 +5,11 @@
   Checked once per optimizer, at its first ``step()``.
 * ``param-not-in-optimizer`` [warning]: parameters of the watched model that receive
   gradients but are in no watched optimizer (e.g. a layer replaced after the optimizer
-  was built), reported at the first step. With no optimizer given to the guard, every
-  optimizer stepping is watched, so the check waits for the second step: by then each
-  optimizer of the loop has stepped once (a GAN's two optimizers, say).
+  was built), looked at the first step and reported (with that step) at the second one,
+  if no optimizer that stepped meanwhile holds them: every optimizer stepping the model is
+  watched, and by then each one of the loop has stepped once (a GAN's two). A parameter
+  that changed in place meanwhile (its version counter) was updated after all: by an
+  optimizer not given to guard (a probe's own), or by hand; it is not reported.
 
 Host-only work, once per optimizer / once per run; no device values are read.
 """
@@ -38,17 +40,36 @@ class OptimizerParams(Check):
         super().__init__(guard)
         self._seen = WeakIdMap()  # optimizers looked at
         self._missing_done = False
+        self._cand = None  # (names missing at the first step, that step, its line): told at the next step
 
     def on_step_pre(self, optimizer):
         if id(optimizer) not in self._seen.data:
             self._seen[optimizer] = True
             self._frozen(optimizer)
         if not self._missing_done and self.g.is_primary(optimizer):
-            # The session's own list: optimizers given explicitly are all known from the start.
-            explicit = self.g.given_optimizers
-            if explicit or self.g.step >= 1:
-                self._missing_done = True
-                self._missing()
+            # Looked at the first step, told at the next one: by then every optimizer of the loop has stepped
+            # once (a GAN's two, a probe's own optimizer beside the one given to guard) and is watched.
+            if self._cand is None:
+                named = dict(self.g.named_parameters())
+                versions = {n: named[n]._version for n in self._missing_names()}
+                self._cand = (versions, self.g.step, self.g.source())
+            else:
+                self._confirm()
+
+    def on_exit(self):
+        if not self._missing_done and self._cand is not None:
+            self._confirm()  # a run of one step
+
+    def _confirm(self) -> None:
+        self._missing_done = True
+        versions, step, source = self._cand
+        still = set(self._missing_names())
+        named = dict(self.g.named_parameters())
+        # A parameter changed in place since (its version counter moved) was updated after all: by an
+        # optimizer guard was not given (a probe's own), or by hand.
+        missing = [n for n, v in versions.items() if n in still and n in named and named[n]._version == v]
+        if missing:
+            self._missing(missing, step, source)
 
     def _frozen(self, opt) -> None:
         frozen = [p for grp in opt.param_groups for p in grp["params"] if not p.requires_grad]
@@ -68,12 +89,13 @@ class OptimizerParams(Check):
                   details={"optimizer": type(opt).__name__, "modules": shown, "parameters": len(frozen),
                            "names": names[:20]})
 
-    def _missing(self) -> None:
+    def _missing_names(self) -> List[str]:
+        """Trainable parameters of the watched models with a gradient that no watched optimizer holds."""
         held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        return [n for n, p in self.g.named_parameters() if p.requires_grad and p.grad is not None and id(p) not in held]
+
+    def _missing(self, missing: List[str], step: int, source) -> None:
         named = self.g.named_parameters()
-        missing = [n for n, p in named if p.requires_grad and p.grad is not None and id(p) not in held]
-        if not missing:
-            return
         prefixes = module_prefixes(missing, [n for n, _ in named], limit=11)
         shown, more = prefixes[:10], len(prefixes) > 10
         opts = ", ".join(type(o).__name__ for o in self.g.optimizers)
@@ -83,5 +105,5 @@ class OptimizerParams(Check):
                   "Build the optimizer after the model is final (e.g. after replacing a layer or head), or add "
                   "them: optimizer.add_param_group({'params': model.<module>.parameters()}). If they are meant "
                   "to stay fixed, set requires_grad=False.",
-                  source=self.g.source(),
+                  step=step, source=source,
                   details={"modules": shown, "parameters": len(missing), "names": missing[:20]})
