@@ -43,6 +43,12 @@ def test_unit_range_images_into_conv_net():
     assert g.findings[0].count == 1  # once, not per step
 
 
+def test_a_one_channel_input_is_not_told_to_use_imagenets_three_channel_statistics():
+    g = train(convnet(1), [(torch.rand(4, 1, 16, 16) > 0.5).float() for _ in range(3)])  # 0/1 grids
+    hint = g.findings[0].hint
+    assert "0.485" not in hint and "ImageNet" not in hint and "your dataset's own per-channel mean/std" in hint
+
+
 def test_unit_range_into_mlp_and_mnist_like_are_not_reported():
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 2))
     assert train(mlp, [torch.rand(4, 3, 16, 16)], checks="all").findings == []

@@ -99,15 +99,19 @@ class InputStats(Check):
         mean, std, lo, hi = (list(map(float, r)) for r in stats.float().cpu().tolist())
         fmt = lambda v: "(" + ", ".join(f"{a:.3g}" for a in v) + ")"  # noqa: E731
         rng = f"[{min(lo):.3g}, {max(hi):.3g}]"
+        # ImageNet's statistics fit RGB images only; other channel counts get their own dataset's.
+        example = (f"e.g. torchvision.transforms.{IMAGENET} for ImageNet-style models, or your dataset's own mean/std"
+                   if len(mean) == 3 else
+                   f"with your dataset's own per-channel mean/std (Normalize(mean={fmt(mean)}, std={fmt(std)}) from "
+                   f"this batch)")
         if max(hi) > RAW_MAX:
             why = f"values span {rng}: raw 0-255 pixels"
             fix = (f"Scale to [0, 1] (divide by 255, or torchvision's ToTensor()) and then normalize per channel, "
-                   f"e.g. torchvision.transforms.{IMAGENET} for ImageNet-style models, or your dataset's own "
-                   f"mean/std.")
+                   f"{example}.")
         else:
             why = f"values lie in {rng} with mean {fmt(mean)}, far from 0, and the model starts with a convolution"
-            fix = (f"Normalize per channel after ToTensor(), e.g. torchvision.transforms.{IMAGENET} (ImageNet), "
-                   f"or your dataset's own mean/std, so inputs are centred near 0 with unit spread.")
+            fix = (f"Normalize per channel after ToTensor(), {example}, so inputs are centred near 0 with unit "
+                   f"spread.")
         self.emit("input-not-normalized", "input",
                   f"the input to {path if path == mtype else f'{path} ({mtype})'} looks unnormalized: {shape} {dtype} images whose {why}; "
                   f"per-channel mean {fmt(mean)}, std {fmt(std)}",
