@@ -481,6 +481,23 @@ def test_loss_constant_demo_at_the_loss_line_and_grads_all_zero_names_the_cause(
     assert loss_constant.train(fixed=True, checks="all", live=False).findings == []
 
 
+def test_in_batch_negatives_with_a_last_batch_of_one_are_no_constant_loss():
+    # CLIP-style: logits [N, N] against arange(N). 65 samples in batches of 16 leave a last batch of one:
+    # cross_entropy over [1, 1] once, which is no head built with a single class.
+    torch.manual_seed(0)
+    enc = nn.Linear(6, 4)
+    opt = torch.optim.Adam(enc.parameters(), lr=1e-3)
+    data = TensorDataset(torch.randn(65, 6), torch.randn(65, 6))
+    with guard(enc, opt, live=False) as g:
+        for a, b in DataLoader(data, batch_size=16):
+            logits = F.normalize(enc(a), dim=1) @ F.normalize(enc(b), dim=1).T / 0.1
+            target = torch.arange(len(a))
+            opt.zero_grad()
+            ((F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2).backward()
+            opt.step()
+    assert "loss-constant" not in kinds(g), g.findings
+
+
 def test_grads_all_zero_demo_and_twin():
     g = grads_all_zero.train(live=False)
     f = only(g, "grads-all-zero")

@@ -35,7 +35,9 @@ class LossConstant(Check):
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return
         cdim = 1 if x.dim() >= 2 else 0
-        if x.shape[cdim] != 1 or x.numel() == 0:
+        if x.shape[cdim] != 1 or x.numel() <= 1:
+            # A single row of one class is the ragged last batch of in-batch negatives (CLIP's [N, N]
+            # logits with N = 1), not a head built with one output: that one shows on every full batch.
             return
         self._done = True
         shape = list(x.shape)
