@@ -169,7 +169,9 @@ def cmd_run(argv: Sequence[str]) -> int:
             if sys.path:
                 sys.path[0] = os.path.dirname(os.path.abspath(script))
             with g:
-                runpy.run_path(script, run_name="__main__")
+                # Absolute, as python makes a main script's __file__ (a script that chdir()s still finds
+                # its own folder; tracebacks name the full path).
+                runpy.run_path(os.path.abspath(script), run_name="__main__")
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except KeyboardInterrupt:

@@ -11,11 +11,11 @@ from guard.__main__ import main
 from guard.checks import registry
 
 SCRIPT = """\
-import sys
+import os, sys
 import torch
 from torch import nn
 
-print("argv", sys.argv[1:], "name", __name__, "file", __file__.endswith("train.py"))
+print("argv", sys.argv[1:], "name", __name__, "file", __file__.endswith("train.py"), "abs", os.path.isabs(__file__))
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -49,7 +49,7 @@ def proj(tmp_path):
 def test_run_script_like_python_with_args_exit_status_and_dump(proj):
     r = _run(["run", "--mode", "record", "--report", "r.json", "train.py", "--dirty", "--exit", "3", "-x"], proj)
     assert r.returncode == 3, r.stderr
-    assert "argv ['--dirty', '--exit', '3', '-x'] name __main__ file True" in r.stdout
+    assert "argv ['--dirty', '--exit', '3', '-x'] name __main__ file True abs True" in r.stdout  # as python does
     dump = json.loads((proj / "r.json").read_text())
     assert [(f["kind"], f["where"], f["step"]) for f in dump["findings"]] == [("nonfinite-input", "input", 1)]
     assert dump["findings"][0]["source"].endswith("train.py:13")
