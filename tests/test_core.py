@@ -178,6 +178,19 @@ def test_lists_of_models_and_optimizers():
     assert [f.kind for f in g.findings][:1] == ["nonfinite-input"]
 
 
+def test_nan_weights_after_an_unscreened_step_do_not_claim_finite_gradients():
+    # every=2: a NaN input at step 1 (not screened) makes NaN gradients and NaN weights; at step 2 only the
+    # weights are seen. The finding must not say the gradients were finite: they were not looked at.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, every=2, live=False) as g:
+        for s in range(4):
+            nan_step(model, opt, s, bad_step=1)
+    f = g.findings[0]
+    assert f.kind == "nonfinite-param" and f.step == 1 and f.details["grads_screened"] is False
+    assert "step 1 was not screened: every=2" in f.message and "although the gradients were finite" not in f.hint
+
+
 def test_an_optimizer_replaced_mid_run_takes_over_the_step_count():
     # Adam for 20 steps, then SGD; the old Adam stays referenced (a list of past optimizers): its steps
     # were the unit, so guard's step stood still at 20 and a NaN at step 40 was reported at step 20.

@@ -15,7 +15,8 @@ from __future__ import annotations
 import cmath
 import math
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -104,6 +105,7 @@ class NonFinite(Check):
         super().__init__(guard)
         self._new_window()
         self._bad_param_names: set = set()
+        self._screened: Deque[int] = deque(maxlen=8)  # the last steps whose gradients were staged
         self._maskers: set = set()  # (module path, argument): where -inf masks were seen on healthy steps
         self._bad_grad_steps: set = set()
         self._passthrough: Dict[type, bool] = {}
@@ -303,6 +305,7 @@ class NonFinite(Check):
             self._stage_grads(optimizer)
 
     def _stage_grads(self, optimizer) -> None:
+        self._screened.append(self.g.step)
         gn = self.g.grad_norms(optimizer)
         for total in gn.totals.values():
             self._grads.append((self._flag(total, own=True), gn, self.g.step, self.g.source()))
@@ -500,12 +503,22 @@ class NonFinite(Check):
         self._bad_param_names.update(bad)
         if not new or caused:
             return False  # already known, or the step's gradients were NaN/Inf (reported upstream)
+        screened = step in self._screened
+        if screened:
+            why = ""
+            hint = ("The update itself overflowed although the gradients were finite: lower the learning rate, "
+                    "check optimizer settings such as eps=0 or a huge momentum, and clip gradients.")
+        else:  # every=N: that step's inputs, loss and gradients were not looked at
+            why = (f" (step {step} was not screened: every={self.g.config.every} samples the NaN/Inf checks, so "
+                   f"a NaN input, loss or gradient of that step may be the cause)")
+            hint = ("Run with every=1 (the default) to see where NaN/Inf first appears; if the gradients were "
+                    "finite, the update overflowed: lower the learning rate, check eps=0 or a huge momentum, and "
+                    "clip gradients.")
         self.emit("nonfinite-param", bad[0],
                   f"after optimizer.step() {len(bad)} parameter(s) are NaN/Inf: {', '.join(bad[:5])}"
-                  + (" ..." if len(bad) > 5 else ""),
-                  "The update itself overflowed although the gradients were finite: lower the learning rate, "
-                  "check optimizer settings such as eps=0 or a huge momentum, and clip gradients.",
-                  step=step, source=source, details={"parameters": bad[:20], "count": len(bad)})
+                  + (" ..." if len(bad) > 5 else "") + why,
+                  hint, step=step, source=source,
+                  details={"parameters": bad[:20], "count": len(bad), "grads_screened": screened})
         return True
 
 
