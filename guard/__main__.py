@@ -133,6 +133,28 @@ def _exit_code(code: Any) -> int:
     return 1
 
 
+def _guard_children(g: Any, opts: Dict[str, Any]) -> None:
+    """Processes the script starts as new interpreters (``torch.multiprocessing.spawn``, ``subprocess``) get
+    the environment's guard with the same options, as under ``TORCH_GUARD=1``: each writes its own report
+    next to this one (``report.pid123.json``). This process stays the main one. Without a report, they
+    are not guarded (the environment's guard always writes one)."""
+    report = g.config.report
+    if not report:
+        return
+    from ._procs import mark_main
+
+    mark_main()
+    mode = g.config.mode
+    env = {"TORCH_GUARD": "1" if mode == "warn" else mode, "TORCH_GUARD_REPORT": report,
+           "TORCH_GUARD_EVERY": str(g.config.every)}
+    if opts.get("checks") is not None:
+        checks = opts["checks"]
+        env["TORCH_GUARD_CHECKS"] = checks if isinstance(checks, str) else ",".join(checks)
+    if opts.get("live") is not None:
+        env["TORCH_GUARD_LIVE"] = {True: "1", False: "0"}.get(opts["live"], str(opts["live"]))
+    os.environ.update(env)
+
+
 def cmd_run(argv: Sequence[str]) -> int:
     opts = _parse_run(argv)
     import runpy
@@ -154,6 +176,7 @@ def cmd_run(argv: Sequence[str]) -> int:
                                                "every": "--every"})
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+    _guard_children(g, opts)
     saved_argv, saved_path0 = list(sys.argv), sys.path[0] if sys.path else None
     code = 0
     try:

@@ -174,3 +174,38 @@ def test_console_script_torch_guard():
     assert os.path.exists(exe)
     r = subprocess.run([exe, "frobnicate"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "guard: unknown command 'frobnicate'; allowed: run, report, checks"
+
+
+SPAWNING = """\
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def work(rank):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 4)
+        if step == 1:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    mp.spawn(work, nprocs=1)
+    print("main done")
+"""
+
+
+def test_run_guards_the_processes_the_script_spawns(tmp_path):
+    # As under TORCH_GUARD=1: a torch.multiprocessing.spawn child writes its own report next to the main one.
+    (tmp_path / "spawning.py").write_text(SPAWNING)
+    r = _run(["run", "--no-live", "--report", "r.json", "spawning.py"], tmp_path)
+    assert r.returncode == 0 and "main done" in r.stdout, r.stderr
+    children = sorted(tmp_path.glob("r.pid*.json"))
+    assert len(children) == 1, sorted(p.name for p in tmp_path.iterdir())
+    dump = json.loads(children[0].read_text())
+    assert [(f["kind"], f["step"]) for f in dump["findings"]] == [("nonfinite-input", 1)]
