@@ -37,14 +37,17 @@ def _library_roots() -> tuple:
 _LIBS = _library_roots()
 _MARKERS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 _cache: dict = {}  # filename -> 0 (user), 1 (library: a framework or the stdlib), 2 (torch, guard, <...>)
+_TYPED = ("<stdin>", "<ipython-input-")
 
 
 def _level(filename: str) -> int:
     hit = _cache.get(filename)
     if hit is None:
         path = os.path.abspath(filename)
-        if filename.startswith("<") or path.startswith(_SKIP):
-            hit = 2
+        if filename.startswith(_TYPED):
+            hit = 0  # `python -` and old IPython cells: the user's code, typed in (no file)
+        elif filename.startswith("<") or path.startswith(_SKIP):
+            hit = 2  # generated code (dataclasses' <string>, torch.fx's <eval_with_key>), frozen modules
         elif path.startswith(_LIBS) or any(m in path for m in _MARKERS):
             hit = 1
         else:

@@ -133,3 +133,15 @@ def test_a_loss_warning_names_its_own_file_when_two_files_hold_the_same_code(tmp
                 runpy.run_path(str(tmp_path / name))["run"](model)
     got = [(os.path.basename(w.filename), w.lineno) for w in caught if "target size" in str(w.message)]
     assert got == [("first.py", 4), ("second.py", 4)]
+
+
+def test_code_typed_on_stdin_is_the_users_code():
+    import subprocess
+    import sys
+
+    src = ("import torch, torch.nn as nn\nfrom guard import guard\nm = nn.Linear(4, 1)\n"
+           "with guard(m, live=False) as g:\n    x = torch.randn(2, 4)\n    x[0, 0] = float('nan')\n"
+           "    m(x).sum().backward()\nprint([(f.kind, f.source) for f in g.findings])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_GUARD")}
+    r = subprocess.run([sys.executable, "-"], input=src, capture_output=True, text=True, timeout=120, env=env)
+    assert "[('nonfinite-input', '<stdin>:7')]" in r.stdout, r.stdout + r.stderr
