@@ -133,17 +133,16 @@ def _exit_code(code: Any) -> int:
     return 1
 
 
-def _guard_children(g: Any, opts: Dict[str, Any]) -> None:
+def _guard_children(g: Any, opts: Dict[str, Any]) -> Dict[str, Optional[str]]:
     """Processes the script starts as new interpreters (``torch.multiprocessing.spawn``, ``subprocess``) get
     the environment's guard with the same options, as under ``TORCH_GUARD=1``: each writes its own report
     next to this one (``report.pid123.json``). This process stays the main one. Without a report, they
     are not guarded (the environment's guard always writes one)."""
     report = g.config.report
     if not report:
-        return
-    from ._procs import mark_main
+        return {}
+    from ._procs import MAIN_PID_VAR, mark_main
 
-    mark_main()
     mode = g.config.mode
     env = {"TORCH_GUARD": "1" if mode == "warn" else mode, "TORCH_GUARD_REPORT": report,
            "TORCH_GUARD_EVERY": str(g.config.every)}
@@ -152,7 +151,10 @@ def _guard_children(g: Any, opts: Dict[str, Any]) -> None:
         env["TORCH_GUARD_CHECKS"] = checks if isinstance(checks, str) else ",".join(checks)
     if opts.get("live") is not None:
         env["TORCH_GUARD_LIVE"] = {True: "1", False: "0"}.get(opts["live"], str(opts["live"]))
+    saved = {k: os.environ.get(k) for k in list(env) + [MAIN_PID_VAR]}
+    mark_main()
     os.environ.update(env)
+    return saved  # put back when the run ends
 
 
 def cmd_run(argv: Sequence[str]) -> int:
@@ -176,7 +178,7 @@ def cmd_run(argv: Sequence[str]) -> int:
                                                "every": "--every"})
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    _guard_children(g, opts)
+    saved_env = _guard_children(g, opts)
     saved_argv, saved_path0 = list(sys.argv), sys.path[0] if sys.path else None
     code = 0
     try:
@@ -213,6 +215,11 @@ def cmd_run(argv: Sequence[str]) -> int:
         sys.argv = saved_argv
         if saved_path0 is not None and sys.path:
             sys.path[0] = saved_path0
+        for key, value in saved_env.items():  # `main()` may run in a longer-lived process (tests, tools)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     try:
         sys.stdout.flush()
     except Exception:

@@ -209,3 +209,13 @@ def test_run_guards_the_processes_the_script_spawns(tmp_path):
     assert len(children) == 1, sorted(p.name for p in tmp_path.iterdir())
     dump = json.loads(children[0].read_text())
     assert [(f["kind"], f["step"]) for f in dump["findings"]] == [("nonfinite-input", 1)]
+
+
+def test_run_in_process_leaves_the_environment_as_it_was(proj, monkeypatch):
+    # run exports TORCH_GUARD* for the processes a script starts; called in a longer-lived process (a
+    # test, a tool) it must put the environment back, or every later guard and child would inherit it.
+    for key in [k for k in os.environ if k.startswith("TORCH_GUARD") or k == "_TORCH_GUARD_MAIN_PID"]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(proj)
+    assert main(["run", "--no-live", "--report", "r.json", "train.py"]) == 0
+    assert [k for k in os.environ if "TORCH_GUARD" in k] == []
