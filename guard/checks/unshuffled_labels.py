@@ -89,7 +89,8 @@ class UnshuffledLabels(Check):
     description = "training batches that each hold one class: a label-sorted dataset with shuffle=False"
     patches = {"dataloader_iter": "torch.utils.data.DataLoader.__iter__",
                "dataloader_next": "torch.utils.data.dataloader._BaseDataLoaderIter.__next__",
-               **{f"labels_{fn}": f"torch.nn.functional.{fn}" for fn in _CLASS_LOSSES}}
+               # the same events as loss-fn's and loss-constant's: one dispatch per loss call for all
+               **{fn: f"torch.nn.functional.{fn}" for fn in _CLASS_LOSSES}}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -154,6 +155,11 @@ class UnshuffledLabels(Check):
                 return
         pending[5][0] = True
 
+    def on_cross_entropy(self, args: tuple, kwargs: dict) -> None:
+        self._target(args, kwargs)
+
+    on_nll_loss = on_binary_cross_entropy = on_binary_cross_entropy_with_logits = on_cross_entropy
+
     def on_backward(self, tensors, kwargs):
         pending, self._pending = self._pending, None
         if pending is None or not pending[5][0]:
@@ -194,13 +200,3 @@ class UnshuffledLabels(Check):
                            "classes_filling_batches": st.classes[:20], "label_range": [st.lo, st.hi],
                            "sampler": "SequentialSampler"})
 
-
-def _target_handler(fn: str):
-    def on_loss(self, args: tuple, kwargs: dict) -> None:
-        self._target(args, kwargs)
-    on_loss.__name__ = f"on_labels_{fn}"
-    return on_loss
-
-
-for _fn in _CLASS_LOSSES:
-    setattr(UnshuffledLabels, f"on_labels_{_fn}", _target_handler(_fn))
