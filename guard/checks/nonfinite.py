@@ -378,7 +378,7 @@ class NonFinite(Check):
             known = {i for site, i in sites if site in self._maskers}
             bad = {i for i in bad if i not in known}
         produced = {i for call in calls for _, i in call.outputs}
-        if all(i not in produced and any(i == j for c in calls if c.is_root for _, j in c.inputs) for i in bad):
+        if bad <= {i for c in calls if c.is_root for _, i in c.inputs} - produced:
             # NaN/Inf only in what the model was given, with every output, the loss and the gradients finite:
             # the model handles it on purpose (imputes missing features, masks targets marked NaN as missing).
             # Dirty data that matters makes an output or the loss NaN, and is then the origin reported.
