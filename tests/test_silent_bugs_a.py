@@ -288,6 +288,47 @@ def test_healthy_loss_shapes_are_silent():
     assert g.findings == []
 
 
+
+def _classify_with_mse(target_of, batch, classes=4, steps=3):
+    torch.manual_seed(0)
+    model = mlp(classes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            x, y = torch.randn(batch, 8), torch.randint(0, classes, (batch,))
+            loss = F.mse_loss(model(x), target_of(y))  # the labelled line
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("target_of, batch, shape", [
+    (lambda y: y.float().unsqueeze(1), 16, [16, 1]),  # one label per sample, broadcast over the 4 outputs
+    (lambda y: y.float(), 4, [4]),  # batch size == classes: broadcast along the columns, PyTorch only warns
+])
+def test_mse_on_class_indices_that_broadcast_silently_asks_for_one_hot(target_of, batch, shape):
+    g = _classify_with_mse(target_of, batch)
+    [f] = g.findings
+    assert f.kind == "loss-shape-broadcast" and f.severity == "error" and f.where == "loss" and f.step == 0
+    assert f"target {shape} holding class indices (whole numbers in [0, 4))" in f.message
+    assert "F.one_hot(target.long().view(-1), 4).float()" in f.hint and "F.cross_entropy" in f.hint
+    assert f.source == line_of(_classify_with_mse, "# the labelled line")
+    assert f.details["class_indices"] is True
+
+
+@pytest.mark.parametrize("target_of, batch", [
+    (lambda y: F.one_hot(y, 4).float(), 16),  # the fix
+    (lambda y: torch.randn(16, 1), 16),  # four heads fitted to one real-valued target (an ensemble)
+    (lambda y: torch.tensor([0.0, 1.0, 2.0, 3.0]), 16),  # one constant target per output column
+    (lambda y: torch.randn(4), 4),  # real-valued, even with batch == classes
+])
+def test_targets_broadcast_into_the_outputs_without_class_indices_are_silent(target_of, batch):
+    g = _classify_with_mse(target_of, batch)
+    assert g.findings == [] and g.internal_errors == []
+
+
 # --------------------------------------------------------------------------- zero-grad-before-step
 
 def test_zero_grad_demo_names_the_three_lines():

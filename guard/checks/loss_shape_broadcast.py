@@ -10,7 +10,12 @@ and ``binary_cross_entropy_with_logits`` (``nn.MSELoss``, ``nn.L1Loss``, ... cal
 Reported when the broadcast shape differs from the input's: the input is replicated
 against targets it was never meant to meet. A target that broadcasts *into* the
 input's shape (a scalar or a per-feature constant target) pairs each prediction with
-one target value and is left alone, as is a single prediction (``numel() == 1``) fitted to many
+one target value and is left alone, unless it holds one class index per sample: an
+``mse_loss(out, y.float())`` over ``[N, C]`` outputs with labels ``[N, 1]``, or ``[N]`` when
+the batch size happens to equal ``C``, pulls every output toward the label's number (the
+seed notes' "MSE needs one-hot"). Such a target is told by its values (whole numbers in
+``[0, C)``), read with the step's one transfer, for the first few calls of each shape; an
+ensemble of heads fitted to one real-valued target stays silent. Also left alone: as is a single prediction (``numel() == 1``) fitted to many
 targets, and equal shapes (a deliberate
 ``target.expand_as(input)`` included) and the ``weight``/``pos_weight`` arguments.
 (The BCE forms raise a ValueError on any size mismatch; guard names the fix first.)
@@ -19,7 +24,7 @@ Cost: a shape comparison on the host per loss call; no device work.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -27,6 +32,7 @@ from .base import Check
 
 _FNS = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
         "binary_cross_entropy_with_logits")
+_LABEL_LOOKS = 3  # calls of one (loss, shapes) whose target values are looked at
 
 
 def _broadcast(a: torch.Size, b: torch.Size) -> Optional[List[int]]:
@@ -42,6 +48,10 @@ class LossShapeBroadcast(Check):
     description = "mse/l1/smooth_l1/huber/BCE with input and target shapes that broadcast ([N, 1] vs [N] gives [N, N])"
     patches = {f"shape_{fn}": f"torch.nn.functional.{fn}" for fn in _FNS}
 
+    def __init__(self, guard):
+        super().__init__(guard)
+        self._looked: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], int] = {}
+
     def _look(self, fn: str, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("input")
         t = args[1] if len(args) > 1 else kwargs.get("target")
@@ -51,9 +61,46 @@ class LossShapeBroadcast(Check):
         if xs == ts or x.numel() == 1:
             return  # a single prediction against many targets is an explicit fit of a constant
         out = _broadcast(xs, ts)
-        if out is None or out == list(xs):
-            return  # not broadcastable (PyTorch raises itself), or the target fits into the input's shape
+        if out is None:
+            return  # not broadcastable: PyTorch raises itself (explain names the cause)
+        if out == list(xs):
+            self._per_sample_labels(fn, x, t)  # the target fits into the input's shape: fine unless labels
+            return
         self._emit(fn, list(xs), list(ts), out)
+
+    def _per_sample_labels(self, fn: str, x: torch.Tensor, t: torch.Tensor) -> None:
+        """Stage a look at a target of one value per sample broadcast over `x`'s C outputs."""
+        xs, ts = list(x.shape), list(t.shape)
+        if fn.startswith("binary_cross_entropy") or len(xs) != 2 or xs[1] < 2 or not t.is_floating_point():
+            return
+        if not (ts == [xs[0], 1] or (ts == [xs[0]] and xs[0] == xs[1])):
+            return
+        key = (fn, tuple(xs), tuple(ts))
+        n = self._looked.get(key, 0)
+        if n >= _LABEL_LOOKS or t.device.type == "meta":
+            return
+        self._looked[key] = n + 1
+        c = xs[1]
+        tt = t.detach()
+        whole = ((tt == tt.round()) & (tt >= 0) & (tt < c)).all()
+        source = self.g.source()
+
+        def told(labels_like: bool) -> None:
+            if labels_like:
+                self._emit_labels(fn, xs, ts, c, source)
+        self.g.stage(whole, told)
+
+    def _emit_labels(self, fn: str, xs: List[int], ts: List[int], c: int, source: Optional[str]) -> None:
+        how = ("one per sample, broadcast over the outputs' columns" if len(ts) == 2 else
+               f"one per sample, but a 1-d target lines up with the {c} output columns, not with the samples (the batch "
+               f"size equals the number of outputs here), so each row is compared with the whole batch's labels")
+        message = (f"{fn}() got input {xs} and target {ts} holding class indices (whole numbers in [0, {c})), {how}: "
+                   f"every output is pulled toward a label's number instead of a one-hot target; PyTorch only warns")
+        hint = (f"For classification use F.cross_entropy(logits, target.long()) (it takes class indices); to keep "
+                f"{fn}, give it one-hot targets: F.one_hot(target.long().view(-1), {c}).float().")
+        self.emit("loss-shape-broadcast", "loss", message, hint, source=source,
+                  details={"loss": fn, "input_shape": xs, "target_shape": ts, "broadcast_shape": xs,
+                           "class_indices": True})
 
     def _emit(self, fn: str, xs: List[int], ts: List[int], out: List[int]) -> None:
         n_in = 1
