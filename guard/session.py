@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -108,6 +108,8 @@ class Guard(Wiring):
         self._installer = inst = _hooks.Installer()
         self.grad_hook, self.graph_prehook, self.replace_attr = inst.grad_hook, inst.graph_prehook, inst.attr
         self._mod_handles: Dict[int, Tuple[Any, Any]] = {}  # id(module) -> (pre, post) hook handles (model mode)
+        self._root_seen = False  # a watched model was called (model mode)
+        self._standins: Set[int] = set()  # ids of layers whose calls stand in for a model never called (Wiring._standin)
         self.compile = CompileBoundary(self, {"pre": self._hook_pre, "post": self._hook_post,
                                               "pre_global": self._hook_pre_global, "post_global": self._hook_post_global},
                                        self._mod_handles, inst, model_mode=bool(self._models))

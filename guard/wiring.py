@@ -55,7 +55,6 @@ class Wiring:
         if self._models:
             # Per-module pre-hooks only when a check needs them; roots always get one (the
             # model call's source line, step bookkeeping). Post-hooks fill the module table.
-            every_pre = bool(router.all_forward_pre)
             for mref in self._models:
                 model = mref()
                 if model is None:
@@ -66,7 +65,9 @@ class Wiring:
                 for mod in dict.fromkeys(m for _, m in inner.named_modules()) if not compiled else (inner,):
                     if isinstance(mod, torch.jit.ScriptModule):
                         continue  # register_forward_*hook raises on ScriptModules
-                    wanted = mod is inner or (every_pre and router.nonroot(router.pre_for, router.all_forward_pre, mod))
+                    # Every module's first call is seen from its start: one called outside any call of its
+                    # model stands in for the model (`_standin`); the others lose the pre-hook when settled.
+                    wanted = True
                     if compiled and getattr(mod, "_compiled_call_impl", None) is not None:
                         continue  # model.compile(): the boundary around its compiled call does the root's part
                     handles = inst.module_hooks(mod, self._hook_pre if wanted else None, self._hook_post)
@@ -131,12 +132,40 @@ class Wiring:
 
     def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict]) -> None:
         t0 = _clock()
-        is_root = id(module) in self._root_ids and _task_id() == -1  # (see _hook_pre_global)
+        if id(module) in self._root_ids:
+            is_root = _task_id() == -1  # (see _hook_pre_global)
+            self._root_seen = True
+            if self._standins:
+                push_call(self._tls, _hooks.caller_frame())
+        elif self._standins or not self._root_seen:
+            is_root = self._standin(module, _hooks.caller_frame())
+        else:
+            is_root = False
         if is_root:
             self._enter_root()
         if self.router.forward_pre and self._active:
             self.router.dispatch_forward_pre(module, args, kwargs or {}, is_root)
         self.meter.own += _clock() - t0
+
+    def _standin(self, module: nn.Module, frame: Any) -> bool:
+        """Whether this call of a watched layer is an outermost call that stands in for its model's.
+
+        A model that is a container (``nn.ModuleDict`` of an encoder and a decoder) or a wrapper whose
+        parts the loop calls itself (``m.head(m.encoder(x))``) is never called: the layers called
+        outside any call of it, before it is ever called, take its place as model calls (inputs and
+        outputs screened, the step's forwards counted). Once chosen, such a layer is a model call
+        whenever it is called outside every other one (calls in flight are kept per thread).
+        """
+        mid = id(module)
+        if mid not in self._standins:
+            if self._root_seen or mid in self.watched.module_ids or _task_id() != -1 or not self._active:
+                return False
+            if push_call(self._tls, frame):  # nested in another stand-in's call
+                self._tls.calls.pop()
+                return False
+            self._standins.add(mid)
+            return True
+        return push_call(self._tls, frame) == 0 and _task_id() == -1
 
     def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = _NO_OUTPUT) -> None:
         if output is _NO_OUTPUT:  # forward raised: torch calls always_call global hooks as (module, args, result)
@@ -144,7 +173,14 @@ class Wiring:
         self._after_forward(module, args, kwargs, output, pop_call(self._tls) and _task_id() == -1)
 
     def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self._after_forward(module, args, kwargs, output, id(module) in self._root_ids and _task_id() == -1)
+        mid = id(module)
+        if mid in self._root_ids:
+            if self._standins:
+                pop_call(self._tls)
+            is_root = _task_id() == -1
+        else:
+            is_root = mid in self._standins and pop_call(self._tls) and _task_id() == -1
+        self._after_forward(module, args, kwargs, output, is_root)
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any, is_root: bool) -> None:
         if not self._active:
@@ -162,7 +198,7 @@ class Wiring:
                 # A layer no check keeps loses its hooks (model mode): torch's hook-free speed from now on.
                 keep_pre, keep_post = self.router.settle(module, output)
                 handles = self._mod_handles.get(id(module))
-                if handles is not None and id(module) not in self._root_ids:
+                if handles is not None and id(module) not in self._root_ids and id(module) not in self._standins:
                     if handles[0] is not None and not keep_pre:
                         handles[0].remove()
                     if not keep_post:

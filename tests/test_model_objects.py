@@ -417,3 +417,83 @@ def test_model_nested_as_deep_as_plain_pytorch_runs_guarded(scope):
     assert plain - 2 <= guarded <= plain + 8, (plain, guarded)  # torch's hooked calls nest one frame deeper
     assert errors == []
     assert sys.getrecursionlimit() == limit  # put back on close
+
+
+# --------------------------------------------------------------------------- models never called whole
+
+class Parts(nn.Module):
+    """A wrapper whose forward the loop never calls: it calls the parts itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 8)
+
+
+def _parts(kind):
+    torch.manual_seed(0)
+    if kind == "moduledict":
+        m = nn.ModuleDict({"encoder": nn.Sequential(nn.Linear(8, 16), nn.Tanh()), "head": nn.Linear(16, 8)})
+    else:
+        m = Parts()
+    return m, (lambda x: m["head"](m["encoder"](x))) if kind == "moduledict" else (lambda x: m.head(m.encoder(x)))
+
+
+@pytest.mark.parametrize("kind", ["moduledict", "wrapper"])
+@pytest.mark.parametrize("bug, expected", [
+    ("no-zero-grad", ("missing-zero-grad", "SGD", 1)),
+    ("zero-grad-before-step", ("zero-grad-before-step", "SGD", 0)),
+    ("disconnected", ("loss-disconnected", "loss", 0)),
+    ("total", ("loss-graph-retained", "total", 0)),
+    ("nan-input", ("nonfinite-input", "input", 3)),
+    (None, None),
+])
+def test_a_model_whose_parts_the_loop_calls_is_watched_as_if_called(kind, bug, expected):
+    m, forward = _parts(kind)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    total = 0
+    with guard(m, opt, live=False) as g:
+        for step in range(6):
+            x = torch.randn(16, 8)
+            if bug == "nan-input" and step == 3:
+                x[2, 1] = float("nan")
+            loss = nn.functional.mse_loss(forward(x), x)
+            if bug == "disconnected":
+                loss = torch.tensor(loss.item(), requires_grad=True)
+            if bug == "total":
+                total += loss
+            if bug != "no-zero-grad":
+                opt.zero_grad()
+            loss.backward()
+            if bug == "zero-grad-before-step":
+                opt.zero_grad()
+            opt.step()
+    got = [(f.kind, f.where, f.step) for f in g.findings if f.severity != "info"]
+    assert got == ([expected] if expected else []) and g.internal_errors == []
+
+
+def test_a_part_called_alone_before_the_model_is_no_model_call_inside_it():
+    """`model.encoder(dummy)` to infer a shape, then `model(x)`: the encoder's later calls are nested in the
+    model's, so a NaN input is reported once, at its step, as the model's input."""
+
+    class Net(Parts):
+        def forward(self, x):
+            return self.head(self.encoder(x))
+
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with guard(m, opt, live=False) as g:
+        with torch.no_grad():
+            m.encoder(torch.zeros(1, 8))
+        for step in range(5):
+            x = torch.randn(16, 8)
+            if step == 3:
+                x[0, 0] = float("inf")
+            loss = nn.functional.mse_loss(m(x), x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = [f for f in g.findings if f.kind.startswith("nonfinite")]
+    assert (f.kind, f.where, f.step, f.count) == ("nonfinite-input", "input", 3, 1)
+    assert g.report()["steps"] == 5
