@@ -32,16 +32,38 @@ def test_softmax_demo_and_clean_twin():
     assert softmax_cross_entropy.train(fixed=True, checks="all", live=False).findings == []
 
 
-def test_cross_entropy_on_log_softmax_and_segmentation_logits_is_clean():
+def test_cross_entropy_on_segmentation_logits_is_clean():
     model = nn.Conv2d(3, 4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with guard(model, opt, checks="all", live=False) as g:
-        for _ in range(2):
+        for _ in range(3):
             out = model(torch.randn(2, 3, 8, 8))
             one_step(model, F.cross_entropy(out, torch.randint(0, 4, (2, 8, 8))), opt)
-            # log_softmax before CrossEntropy is redundant but gives the same loss: not reported
-            one_step(model, F.cross_entropy(model(torch.randn(2, 3, 8, 8)).log_softmax(1),
-                                            torch.randint(0, 4, (2, 8, 8))), opt)
+    assert g.findings == []
+
+
+@pytest.mark.parametrize("log_probs", [lambda z: z.log_softmax(1), lambda z: nn.LogSoftmax(dim=1)(z),
+                                       lambda z: torch.log(torch.softmax(z, 1))])
+def test_double_log_softmax_is_named_with_both_fixes(log_probs):
+    """The contract's "double log-softmax": harmless to the numbers, but the model does not return logits."""
+    model = nn.Conv2d(3, 4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(3):
+            loss = F.cross_entropy(log_probs(model(torch.randn(2, 3, 8, 8))), torch.randint(0, 4, (2, 8, 8)))
+            one_step(model, loss, opt)
+    [f] = g.findings
+    assert (f.kind, f.severity, f.where, f.step) == ("softmax-before-cross-entropy", "warning", "loss", 0)
+    assert "already log-probabilities" in f.message and "log_softmax is applied twice" in f.message
+    assert "NLLLoss" in f.hint and "return logits" in f.hint
+    assert f.details["looks_like"] == "log-probabilities"
+
+
+def test_a_single_class_log_softmax_is_not_double_log_softmax():
+    """C = 1: log_softmax gives zeros (loss-constant's case), not a second log_softmax."""
+    model = nn.Linear(3, 1)
+    with guard(model, checks=["loss-fn"], live=False) as g:
+        F.cross_entropy(model(torch.randn(8, 3)), torch.zeros(8, dtype=torch.long)).backward()
     assert g.findings == []
 
 

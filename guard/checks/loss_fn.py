@@ -143,10 +143,18 @@ class LossMisuse(Check):
             info = (fn, list(x.shape), type(x.grad_fn).__name__ if x.grad_fn is not None else None,
                     self.g.step, self.g.source())
             if fn == "cross_entropy":
-                # rows that are probabilities: non-negative and summing to 1 (NaN compares False: no alarm)
+                # code 1: rows that are probabilities, non-negative and summing to 1 (NaN compares False: no
+                # alarm); code 3: rows that are log-probabilities, all <= 0 with logsumexp 0 over the classes
+                # (a log_softmax before the loss; rows masked whole or overflowed are left out of it)
                 dev = (rows.sum(dim=cd) - 1).abs().amax()
-                ok = ~((rows.amin() >= 0) & (dev <= _tol(x)))
-                self.g.stage_flag(ok, lambda info=info: self._report_prob(*info, code=1.0))
+                probs = (rows.amin() >= 0) & (dev <= _tol(x))
+                code = probs.float()
+                if rows.shape[cd] >= 2:
+                    lse = torch.logsumexp(rows, dim=cd)
+                    fin = torch.isfinite(lse)
+                    logp = fin.any() & (torch.where(fin, lse.abs(), 0.0).amax() <= _tol(x)) & (rows.amax() <= _tol(x))
+                    code = code + 3.0 * (logp & ~probs).float()
+                self.g.stage(code, lambda v, info=info: v and self._report_prob(*info, code=v))
             else:
                 # log-probabilities have logsumexp 0 over the classes; code 0 fine, 1 probabilities, 2 scores.
                 # Rows whose logsumexp is NaN/Inf (an overflowed log-softmax: all -inf) say nothing of the kind:
@@ -163,6 +171,19 @@ class LossMisuse(Check):
 
     def _report_prob(self, fn, shape, grad_fn, step, source, code: float) -> None:
         self._want_prob = False  # reported once; no more per-call work
+        if fn == "cross_entropy" and code == 3.0:
+            self.emit("softmax-before-cross-entropy", "loss",
+                      f"cross_entropy() (CrossEntropyLoss) got rows that are already log-probabilities (each row's "
+                      f"logsumexp is 0; input {shape}" + (f", made by {grad_fn}" if grad_fn else "") + "): "
+                      "log_softmax is applied twice. The loss and gradients equal those of the logits (log_softmax "
+                      "of log-probabilities changes nothing), but the model does not return the logits the loss "
+                      "expects",
+                      "Use one of the two pairs: return logits and keep CrossEntropyLoss (it applies log_softmax "
+                      "itself), or keep the final log_softmax and use NLLLoss (nn.NLLLoss / F.nll_loss), which "
+                      "expects log-probabilities.",
+                      step=step, source=source, details={"loss": fn, "input_shape": shape, "grad_fn": grad_fn,
+                                                         "looks_like": "log-probabilities"})
+            return
         if fn == "cross_entropy":
             self.emit("softmax-before-cross-entropy", "loss",
                       f"cross_entropy() (CrossEntropyLoss) got rows that are already probabilities (non-negative, "
@@ -170,7 +191,8 @@ class LossMisuse(Check):
                       "softmax was applied twice, which flattens the loss and makes gradients vanish",
                       "CrossEntropyLoss takes raw logits (it applies log_softmax itself): remove the softmax "
                       "before the loss and apply it only to get predictions.",
-                      step=step, source=source, details={"loss": fn, "input_shape": shape, "grad_fn": grad_fn})
+                      step=step, source=source, details={"loss": fn, "input_shape": shape, "grad_fn": grad_fn,
+                                                         "looks_like": "probabilities"})
             return
         probs = code == 1.0
         what = "probabilities (softmax without log)" if probs else "raw scores, not log-probabilities"
