@@ -152,7 +152,7 @@ class LossMisuse(Check):
                 if rows.shape[cd] >= 2:
                     lse = torch.logsumexp(rows, dim=cd)
                     fin = torch.isfinite(lse)
-                    logp = fin.any() & (torch.where(fin, lse.abs(), 0.0).amax() <= _tol(x)) & (rows.amax() <= _tol(x))
+                    logp = (fin.sum() > 0) & (torch.where(fin, lse.abs(), 0.0).amax() <= _tol(x)) & (rows.amax() <= _tol(x))
                     code = code + 3.0 * (logp & ~probs).float()
                 self.g.stage(code, lambda v, info=info: v and self._report_prob(*info, code=v))
             else:
