@@ -370,3 +370,83 @@ def test_nan_input_that_reaches_the_output_is_still_the_origin(read_path):
         model(x).pow(2).mean().backward()
         opt.step()
     assert [(f.kind, f.where) for f in g.findings][:1] == [("nonfinite-input", "input")]
+
+
+class Gated(nn.Module):
+    """A gate logit that is -inf by design: softmax gives the second branch weight 0 and gradient 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 1), nn.Linear(4, 1)
+        self.gate = nn.Parameter(torch.tensor([0.0, float("-inf")]))
+
+    def forward(self, x):
+        w = self.gate.softmax(0)
+        return w[0] * self.a(x) + w[1] * self.b(x)
+
+
+def _train_gated(model, opt, steps=10, blow_up_at=None):
+    for step in range(steps):
+        if step == blow_up_at:
+            for grp in opt.param_groups:
+                grp["lr"] = 3e38
+        x = torch.randn(8, 4)
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_a_parameter_minus_inf_by_design_is_no_nonfinite_param(scope):
+    torch.manual_seed(0)
+    m = Gated()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    with guard(m if scope == "model" else None, opt if scope == "model" else None, checks="all", live=False) as g:
+        _train_gated(m, opt)
+    assert torch.isinf(m.gate).any() and g.findings == [] and g.internal_errors == []
+
+
+def test_weights_broken_by_an_update_are_told_apart_from_a_minus_inf_by_design():
+    torch.manual_seed(0)
+    m = Gated()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    with guard(m, opt, live=False) as g:
+        _train_gated(m, opt, blow_up_at=9)
+    [f] = g.findings
+    assert (f.kind, f.step) == ("nonfinite-param", 9)
+    assert "gate" not in f.details["parameters"] and set(f.details["parameters"]) <= {"a.weight", "a.bias"}
+
+
+def test_the_last_update_is_checked_when_main_drops_the_model_before_guard_exits():
+    """`if __name__ == "__main__": main()` under TORCH_GUARD=1: the model and optimizer are locals of main(),
+    gone before the environment's guard closes; their weights are looked at as the optimizer dies."""
+    def main():
+        torch.manual_seed(0)
+        m = nn.Linear(4, 1)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+        _train_gated(m, opt, blow_up_at=9)
+        assert not torch.isfinite(m.weight).all()
+
+    g = guard(live=False).start()
+    try:
+        main()
+        [f] = g.findings
+        assert (f.kind, f.where, f.step) == ("nonfinite-param", "weight", 9)
+    finally:
+        g.close()
+
+
+def test_nan_weights_loaded_into_a_trained_layer_are_named_once():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")  # a bad checkpoint, then training starts
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    assert [f.kind for f in g.findings if f.kind == "nonfinite-param"] == []
+    f = only(g, "nonfinite-output")
+    assert f.step == 0 and "2.weight" in f.details["nonfinite_params"]

@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import tensors as _tensor_mod
 from ..tensors import distinct_view, finite_stats, fused_norms, iter_named_tensors, nonfinite_counts, screenable
+from .._weak import WeakIdMap
 from .base import Check
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -114,6 +115,12 @@ class NonFinite(Check):
         self._in_update: Optional[Tuple[int, Optional[str]]] = None  # an update under way (between step hooks)
         self._pending_update: Optional[Tuple[int, Optional[str]]] = None  # step_pre seen, not yet resolved
         self._step_call: Optional[Tuple[int, Optional[str]]] = None  # (step, line) of the last step_pre
+        # parameters NaN/Inf before their optimizer's first update ("inf" or "nan"): a -inf gate logit or
+        # forbidden CRF transitions hold -inf by design (softmax/logsumexp give them weight 0, gradient 0)
+        self._born = WeakIdMap()
+        # id(optimizer) -> (weak reference whose callback checks the weights as it dies, its param_groups):
+        # a script whose model and optimizer are locals of main() drops them before guard's exit
+        self._ends: Dict[int, Tuple[Any, list]] = {}
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -300,9 +307,54 @@ class NonFinite(Check):
         # The resolution that follows is before the update; later ones until step_post (an LBFGS
         # closure's further calls) happen mid-update, and NaN weights then are this step's.
         self._pending_update = self._step_call = (self.g.step, self.g.source())
+        if id(optimizer) not in self._ends:
+            self._first_step(optimizer)
         # A GradScaler's fused step (found_inf set on the optimizer) skips NaN/Inf grads itself: expected.
         if self.g.sampling and not isinstance(getattr(optimizer, "found_inf", None), torch.Tensor):
             self._stage_grads(optimizer)
+
+    def _first_step(self, optimizer) -> None:
+        """Before an optimizer's first update: note the weights already NaN/Inf (in the step's one read), and
+        look at the weights once more when the optimizer dies (the last update may have broken them)."""
+        key = id(optimizer)
+
+        def died(_: Any) -> None:
+            ent = self._ends.pop(key, None)
+            if ent is not None and self.g.active:
+                try:
+                    self._check_params([p for grp in ent[1] for p in grp["params"]])
+                except Exception as exc:
+                    self.g.contain(self, exc)
+
+        self._ends[key] = (weakref.ref(optimizer, died), optimizer.param_groups)
+        params = [p for grp in optimizer.param_groups for p in grp["params"] if screenable(p)]
+        if not params:
+            return
+        by_device: Dict[Any, List[torch.Tensor]] = {}
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+
+        def collect():
+            out = []
+            with torch.no_grad():
+                for group in by_device.values():
+                    norms, _ = fused_norms([p.detach() for p in group])
+                    out.append((torch.stack([n.reshape(()).float() for n in norms]),
+                                lambda values, group=group: self._note_born(group, values)))
+            return out
+        self.g.stage_batch(collect)
+
+    def _note_born(self, params: List[torch.Tensor], values: List[float]) -> None:
+        for p, v in zip(params, values):
+            if v != v:
+                self._born[p] = "nan"
+            elif v in (_INF, _NEG_INF):
+                self._born[p] = "inf"
+
+    def _as_born(self, p: torch.Tensor, norm: float) -> bool:
+        """Whether `p` (of L2 norm `norm`) is NaN/Inf only as it was before its first update."""
+        born = self._born.get(p)
+        return born == "nan" or (born == "inf" and norm == _INF)
 
     def _stage_grads(self, optimizer) -> None:
         self._screened.append(self.g.step)
@@ -320,21 +372,28 @@ class NonFinite(Check):
 
     def on_exit(self):
         """At the end the weights are looked at once: the last update may have broken them."""
-        self._check_params()
+        ends, self._ends = self._ends, {}
+        params = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]]
+        seen = {id(p) for p in params}
+        for _, groups in ends.values():  # optimizers that are still alive but no longer watched
+            params += [p for grp in groups for p in grp["params"] if id(p) not in seen]
+        self._check_params(params)
 
-    def _check_params(self) -> bool:
+    def _check_params(self, params: Optional[List[torch.Tensor]] = None) -> bool:
         """NaN/Inf weights after an update: True when that was just reported (later findings are its effects)."""
         update = self._in_update or self._update
         if update is None:
             return False
         step, source = update
-        params = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"] if screenable(p)]
+        if params is None:
+            params = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]]
+        params = [p for p in params if screenable(p)]
         if not params:
             return False
         with torch.no_grad():
             norms, _ = fused_norms([p.detach() for p in params])
-            ok = torch.isfinite(torch.stack([n.reshape(()).float().cpu() for n in norms])).tolist()
-        group = [p for p, good in zip(params, ok) if not good]
+            values = torch.stack([n.reshape(()).float().cpu() for n in norms]).tolist()
+        group = [p for p, v in zip(params, values) if not math.isfinite(v) and not self._as_born(p, v)]
         if not group:
             return False
         return self._report_params(group, step, source, caused=step in self._bad_grad_steps)
@@ -453,7 +512,7 @@ class NonFinite(Check):
         bad_params: List[str] = []
         if module is not None:
             for n, p in module.named_parameters():
-                if screenable(p) and not bool(torch.isfinite(p.detach()).all()):
+                if screenable(p) and not bool(torch.isfinite(p.detach()).all()) and self._born.get(p) != "inf":
                     if self.g.param_name(p) in self._bad_param_names:
                         return True  # a consequence of an already reported nonfinite-param
                     bad_params.append(n)
@@ -523,6 +582,7 @@ class NonFinite(Check):
 
 
 _NEG_INF = float("-inf")
+_INF = float("inf")
 
 
 def _output_hint(mtype: str, params: bool) -> str:
