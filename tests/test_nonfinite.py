@@ -450,3 +450,31 @@ def test_nan_weights_loaded_into_a_trained_layer_are_named_once():
     assert [f.kind for f in g.findings if f.kind == "nonfinite-param"] == []
     f = only(g, "nonfinite-output")
     assert f.step == 0 and "2.weight" in f.details["nonfinite_params"]
+
+
+@pytest.mark.parametrize("blown", [["a"], ["a", "head"]])
+def test_an_overflow_inside_standard_layers_names_the_huge_weights(blown):
+    """Standard fp32 layers are not screened one by one: weights blown up to ~1e37 say which overflowed."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(self.b(self.a(x)))
+
+    torch.manual_seed(0)
+    m = M()
+    with torch.no_grad():
+        for name in blown:
+            getattr(m, name).weight.fill_(1e38)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with guard(m, opt, live=False) as g:
+        loss = nn.functional.cross_entropy(m(torch.ones(2, 4)), torch.tensor([0, 1]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-output")
+    assert f.step == 0 and "are huge" in f.message and "overflowed float32" in f.message and "learning rate" in f.hint
+    assert sorted(f.details["huge_weights"]) == sorted(f"{n}.weight" for n in blown)
+    assert f.where == (blown[0] if len(blown) == 1 else "M")

@@ -531,17 +531,42 @@ class NonFinite(Check):
         why = (f"its parameters {', '.join(bad_params[:5])} are non-finite" if bad_params
                else "its inputs were finite")
         hint = _output_hint(call.type, bool(bad_params))
-        if out_counts and all(c.get("nan") == 0 and c.get("posinf") == 0 for c in out_counts.values()):
-            hint = ("Its output holds -inf and no NaN: an overflow to -inf (log(0), log of an overflowed sum of "
-                    "exp: use torch.logsumexp / log_softmax) or a -inf mask that covers a whole row (leave one "
-                    "entry per row unmasked). " + hint)
-        self.emit("nonfinite-output", call.path,
-                  f"{call.path} ({call.type}) produced NaN/Inf; {why}",
+        where, what = call.path, f"{call.path} ({call.type})"
+        huge = self._huge_weights(module) if module is not None and not bad_params else []
+        if huge:
+            # The standard layers inside are not screened one by one: their weights say which one overflowed.
+            owners = list(dict.fromkeys(owner for _, _, owner in huge))
+            shown = ", ".join(f"{n} up to {v:.1e}" for n, v, _ in huge[:3]) + (" ..." if len(huge) > 3 else "")
+            if len(owners) == 1:
+                path = self.g.known_path(owners[0]) or call.path
+                where, what = path, f"{path} ({type(owners[0]).__name__})"
+                why = f"its inputs were finite but its weights are huge ({shown}), so it overflowed float32's range"
+            else:
+                why = (f"its inputs were finite but the weights of {len(owners)} of its layers are huge ({shown}): "
+                       f"one of them overflowed float32's range")
+            hint = ("The weights grew far beyond normal: the learning rate is too high or a scheduler keeps raising "
+                    "it (a LambdaLR factor above 1), or a loaded checkpoint is corrupt. Lower the learning rate, "
+                    "check the scheduler's factor, and clip gradients (torch.nn.utils.clip_grad_norm_).")
+        self.emit("nonfinite-output", where,
+                  f"{what} produced NaN/Inf; {why}",
                   hint,
                   step=call.step, source=call.source,
                   details={"module": call.type, "counts": out_counts, "input_stats": in_stats,
-                           "output_stats": out_stats, "nonfinite_params": bad_params})
+                           "output_stats": out_stats, "nonfinite_params": bad_params,
+                           **({"huge_weights": {n: v for n, v, _ in huge[:20]}} if huge else {})})
         return True
+
+    def _huge_weights(self, module: nn.Module) -> List[Tuple[str, float, nn.Module]]:
+        """Finite weights of `module` far beyond any trained network's (looked at on a bad step only):
+        (name, largest |value|, the module holding it), largest first."""
+        found = []
+        for mname, owner in module.named_modules():
+            for pname, p in owner.named_parameters(recurse=False):
+                if screenable(p):
+                    v = float(p.detach().abs().amax())
+                    if HUGE_WEIGHT < v < _INF:
+                        found.append((f"{mname}.{pname}" if mname else pname, v, owner))
+        return sorted(found, key=lambda e: -e[1])
 
     def _report_grads(self, gn, step: int, source: Optional[str]) -> None:
         values = gn.per_param()
@@ -583,6 +608,8 @@ class NonFinite(Check):
 
 _NEG_INF = float("-inf")
 _INF = float("inf")
+#: a weight this large is no trained network's: a blown-up update (float32 overflows at 3.4e38)
+HUGE_WEIGHT = 1e10
 
 
 def _output_hint(mtype: str, params: bool) -> str:
