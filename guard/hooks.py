@@ -307,6 +307,7 @@ _exit_callbacks: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDict
 _exit_installed = False
 _prev_sigterm: Any = None
 _sigterm_installed = False
+_prev_excepthook: Any = None  # sys.excepthook before guard's, while guard's is installed
 
 
 def _run_exit_callbacks(reason: str) -> None:
@@ -315,6 +316,19 @@ def _run_exit_callbacks(reason: str) -> None:
             obj.on_process_exit(reason)
         except Exception:  # never let guard break interpreter shutdown
             pass
+
+
+def _on_uncaught(exc_type: Any, exc: Any, tb: Any) -> None:
+    """sys.excepthook: an exception no `with guard` block saw ends the program (a guard from `TORCH_GUARD=1`,
+    or one started with `.start()`): the running guards explain it (notes on it), then it is printed as
+    before, with them."""
+    if isinstance(exc, BaseException):
+        for obj in list(_exit_callbacks.values()):
+            try:
+                obj.on_uncaught(exc)
+            except Exception:  # the user's traceback comes first, whatever guard's trouble
+                pass
+    (_prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -376,12 +390,14 @@ def _sigterm_once(signum: int, frame: Any, passed: List[bool]) -> None:
 
 def _watch_process_exit(obj: Any) -> _Handle:
     """Call ``obj.on_process_exit(reason)`` at interpreter exit and on SIGTERM while registered."""
-    global _exit_installed, _prev_sigterm, _sigterm_installed
+    global _exit_installed, _prev_sigterm, _sigterm_installed, _prev_excepthook
     with _lock:
         _exit_callbacks[id(obj)] = obj
         if not _exit_installed:
             atexit.register(_run_exit_callbacks, "exit")
             _exit_installed = True
+        if sys.excepthook is not _on_uncaught:
+            _prev_excepthook, sys.excepthook = sys.excepthook, _on_uncaught
         if not _sigterm_installed and threading.current_thread() is threading.main_thread():
             try:
                 _prev_sigterm = signal.getsignal(signal.SIGTERM)
@@ -392,9 +408,11 @@ def _watch_process_exit(obj: Any) -> _Handle:
     key = id(obj)
 
     def remove() -> None:
-        global _sigterm_installed
+        global _sigterm_installed, _prev_excepthook
         with _lock:
             _exit_callbacks.pop(key, None)
+            if not len(_exit_callbacks) and sys.excepthook is _on_uncaught:
+                sys.excepthook, _prev_excepthook = _prev_excepthook or sys.__excepthook__, None
             if not len(_exit_callbacks) and _sigterm_installed:
                 try:
                     if signal.getsignal(signal.SIGTERM) is _on_sigterm:

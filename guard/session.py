@@ -266,6 +266,11 @@ class Guard(Wiring):
             self.close()
         return False
 
+    def on_uncaught(self, exc: BaseException) -> None:
+        """`exc` ends the program uncaught while this guard runs (called from sys.excepthook): explain it."""
+        if self._active:
+            self.exception(exc)
+
     def exception(self, exc: BaseException) -> None:
         """Tell the checks that `exc` escaped the guarded code (they may explain it); never raises."""
         try:

@@ -167,3 +167,47 @@ def test_sigterm_still_writes_the_dump(buggy):
     assert p.returncode == -signal.SIGTERM  # still "killed by SIGTERM" for the caller
     dump = json.loads((buggy / "guard-report.json").read_text())
     assert [f["kind"] for f in dump["findings"]] == ["nonfinite-input"] and dump["steps"] == 4
+
+
+UNCAUGHT = """
+import sys
+import torch
+from torch import nn
+
+class Gate(nn.Module):
+    def forward(self, x):
+        y = torch.sigmoid(x)
+        y.mul_(2)  # in place on what sigmoid saved for backward
+        return y
+
+def main():
+    model = nn.Sequential(nn.Linear(8, 8), Gate(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:  # a hook of the program's own, set after torch's import
+        sys.excepthook = lambda t, e, tb: print("own hook:", t.__name__, file=sys.stderr)
+    main()
+"""
+
+
+def test_an_uncaught_cryptic_error_is_explained_by_the_environments_guard(tmp_path):
+    """No `with` block sees the exception: the guard explains it as the traceback is printed."""
+    (tmp_path / "train.py").write_text(UNCAUGHT)
+    r = _run(["train.py"], tmp_path, TORCH_GUARD="1")
+    assert r.returncode == 1 and "modified by an inplace operation" in r.stderr
+    note = r.stderr.index("guard: a tensor that `1` (Gate) saved for backward")
+    assert note > r.stderr.index("RuntimeError: one of the variables")  # a note under PyTorch's message
+    dump = json.loads((tmp_path / "guard-report.json").read_text())
+    assert [(f["kind"], f["where"], f["step"]) for f in dump["findings"]] == [("explained-error", "1", 0)]
+
+
+def test_the_programs_own_excepthook_is_left_alone(tmp_path):
+    (tmp_path / "train.py").write_text(UNCAUGHT)
+    r = _run(["train.py", "own"], tmp_path, TORCH_GUARD="1")
+    assert r.returncode == 1 and "own hook: RuntimeError" in r.stderr and "Traceback" not in r.stderr
