@@ -101,6 +101,30 @@ def test_loss_graph_variants_name_the_holder(form, where, name, needle, where_fn
     assert f.source == src and f.details["detected_at_step"] <= 10 and f.details["steps"] >= 3
 
 
+SCRIPT_QUOTING_THE_BUG = '''"""Training notes: total += loss would keep every graph; we do it on purpose below."""
+import torch
+from torch import nn
+model = nn.Linear(10, 3)  # total += loss, said again in a comment
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+total = 0.0
+for step in range(8):
+    loss = nn.functional.cross_entropy(model(torch.randn(16, 10)), torch.randint(0, 3, (16,)))
+    opt.zero_grad(); loss.backward(); opt.step()
+    msg = "total += loss"
+    total += loss
+'''
+
+
+def test_loss_graph_source_is_the_update_not_a_string_or_comment_quoting_it(tmp_path):
+    import runpy
+    path = tmp_path / "train_quoting.py"
+    path.write_text(SCRIPT_QUOTING_THE_BUG)
+    with guard(live=False) as g:
+        runpy.run_path(str(path), run_name="__main__")
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
+    assert f.where == "total" and f.source.endswith("train_quoting.py:11")
+
+
 def test_loss_graph_clean_patterns():
     torch.manual_seed(0)
     # truncated BPTT with hidden.detach()

@@ -20,9 +20,11 @@ were freed by ``backward()``, so ``tracemalloc`` does not see it).
 """
 from __future__ import annotations
 
+import io
 import linecache
 import re
 import time
+import tokenize
 import types
 import weakref
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -99,15 +101,48 @@ def _last_part(name: str) -> Tuple[str, str]:
     return base, r"(?<![\w.])" + re.escape(base) + r"\b"
 
 
+_CODE_TEXT: Dict[Tuple[str, int], List[str]] = {}
+
+
+def _code_lines(filename: str, lines: List[str]) -> List[str]:
+    """`lines` with strings and comments blanked out (a docstring that quotes ``total += loss`` is no update)."""
+    key = (filename, len(lines))
+    hit = _CODE_TEXT.get(key)
+    if hit is None:
+        out = [list(line) for line in lines]
+        try:
+            prev = None
+            for tok in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+                if tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+                    continue
+                quoted = tok.type == tokenize.COMMENT or (
+                    tok.type == tokenize.STRING and (prev is None or prev.string != "["))
+                prev = tok
+                if quoted:  # a string other than a subscript key (`stats["loss"] += loss` is the update)
+                    (r0, c0), (r1, c1) = tok.start, tok.end
+                    for r in range(r0, r1 + 1):
+                        row = out[r - 1]
+                        for c in range(c0 if r == r0 else 0, c1 if r == r1 else len(row)):
+                            if row[c] != "\n":
+                                row[c] = " "
+        except (tokenize.TokenError, SyntaxError, IndentationError, IndexError):
+            pass
+        hit = _CODE_TEXT[key] = ["".join(row) for row in out]
+        if len(_CODE_TEXT) > 64:
+            _CODE_TEXT.clear()
+    return hit
+
+
 def _search(filename: str, lo: int, hi: int, target: str) -> Optional[int]:
     lines = linecache.getlines(filename)
     if not lines:
         return None
+    code = _code_lines(filename, lines)
     upd = re.compile(target + _UPDATE)
     selfref = re.compile(r"^\s*" + target + r"\s*=(?!=)(.*)$")
     best: Optional[int] = None
     for no in range(max(lo, 1), min(hi, len(lines)) + 1):
-        text = lines[no - 1].split("#", 1)[0]
+        text = code[no - 1]
         if _HARMLESS.search(text):
             continue  # `total += loss.item()` is the fix, not the holder's update
         if upd.search(text):
