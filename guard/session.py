@@ -109,6 +109,8 @@ class Guard(Wiring):
         self.grad_hook, self.graph_prehook, self.replace_attr = inst.grad_hook, inst.graph_prehook, inst.attr
         self._mod_handles: Dict[int, Tuple[Any, Any]] = {}  # id(module) -> (pre, post) hook handles (model mode)
         self._root_seen = False  # a watched model was called (model mode)
+        self._fresh_step = False  # a step just ended: no model call or backward() since (Wiring._hook_step_pre)
+        self._lagging: Optional[Any] = None  # an optimizer stepping after the step it belongs to ended
         self._standins: Set[int] = set()  # ids of layers whose calls stand in for a model never called (Wiring._standin)
         self.compile = CompileBoundary(self, {"pre": self._hook_pre, "post": self._hook_post,
                                               "pre_global": self._hook_pre_global, "post_global": self._hook_post_global},

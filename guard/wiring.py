@@ -127,6 +127,7 @@ class Wiring:
         tls = self._tls
         tls.root_source = user_source(3)
         tls.forwards = getattr(tls, "forwards", 0) + 1
+        self._fresh_step = False
         if self._backward_pending and self._active:
             self._advance_backward_step()
 
@@ -224,6 +225,12 @@ class Wiring:
     def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         if not self._active or not self._watches_optimizer(opt):
             return None
+        if self._lagging is not None:  # the step of a trailing optimizer raised: its post hook never came
+            self._lagging, self.step = None, self.step + 1
+        if self._fresh_step and self.step and not self.is_primary(opt):
+            # `opt_a.step(); opt_b.step()`: an optimizer stepping right after the one steps are counted by, with
+            # no forward or backward between, updates from that same step's gradients: it belongs to that step.
+            self._lagging, self.step = opt, self.step - 1
         # torch passes the bound call's args: (optimizer, closure?) — the optimizer first.
         closure = args[1] if len(args) > 1 and args[0] is opt else (args[0] if args and args[0] is not opt else kwargs.get("closure"))
         if callable(closure) and not getattr(closure, "_guard_closure", False):
@@ -281,6 +288,8 @@ class Wiring:
         t0 = _clock()
         try:
             self.dispatch("step_post", opt)
+            if self._lagging is not None:
+                self._lagging, self.step = None, self.step + 1
             if self.is_primary(opt):
                 self.watched.idle = 0
                 self._end_step(t0)
@@ -327,6 +336,7 @@ class Wiring:
             meter.own += _clock() - t0
         meter.end_step(self.step)
         self.step += 1
+        self._fresh_step = True
         self.sampling = self.step % self.config.every == 0
         self.costly_step = meter.costly_step(self.step)
         self.router.wake(self.costly_step)
@@ -343,6 +353,7 @@ class Wiring:
             return call(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
         tls.in_backward = True
+        self._fresh_step = False
         t0 = _clock()
         try:
             try:

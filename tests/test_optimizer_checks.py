@@ -642,8 +642,27 @@ def test_one_backward_two_optimizers_both_checked():
             opt_a.step()
             opt_b.step()  # steps after the main optimizer ended the step
     f = only(g, "weight-decay-without-grad")
-    # (a second optimizer steps after the main one advanced the step counter: iteration 1 is step 2)
-    assert f.where == "layer4" and f.details["optimizer"] == "SGD" and f.step == 2
+    # a second optimizer stepping right after the main one updates from that step's gradients: its step
+    # is the loop's iteration (1), not the next one the main optimizer's step already counted
+    assert f.where == "layer4" and f.details["optimizer"] == "SGD" and f.step == 1
+
+
+def test_a_trailing_optimizer_without_zero_grad_is_told_at_the_loops_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 16))
+    enc = torch.optim.Adam(model[0].parameters(), 1e-3)
+    dec = torch.optim.Adam(model[2].parameters(), 1e-3)
+    with guard(model, [enc, dec], live=False) as g:
+        for step in range(6):
+            x = torch.randn(16, 16)
+            enc.zero_grad()  # dec is never zeroed
+            nn.functional.mse_loss(model(x), x).backward()
+            enc.step()
+            dec.step()
+    f = only(g, "missing-zero-grad")
+    assert (f.where, f.step, f.last_step, f.count) == ("Adam[1]", 1, 5, 5)
+    assert "no zero_grad() after step 0" in f.message
+    assert g.report()["steps"] == 6
 
 
 def test_grad_explosion_is_reported_once_per_burst_and_follows_the_runs_spread():
