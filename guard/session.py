@@ -45,15 +45,20 @@ def _delegate(part: str, name: str, doc: str) -> property:
     return property(lambda self: getattr(getattr(self, part), name), doc=doc)
 
 
-def _unwrapped(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def _unwrapped(opt: torch.optim.Optimizer) -> Optional[torch.optim.Optimizer]:
     """The real optimizer inside a wrapper that subclasses Optimizer without its machinery (accelerate's
-    ``AcceleratedOptimizer``: no step hooks of its own; its ``step()`` calls the wrapped one's)."""
+    ``AcceleratedOptimizer`` in ``.optimizer``, timm's ``Lookahead`` in ``._base_optimizer``: no step hooks
+    of their own; their ``step()`` calls the wrapped one's). None when there is no such optimizer inside."""
     for _ in range(4):
+        if hasattr(opt, "_optimizer_step_pre_hooks"):
+            return opt
         inner = getattr(opt, "optimizer", None)
-        if hasattr(opt, "_optimizer_step_pre_hooks") or not isinstance(inner, torch.optim.Optimizer):
-            break
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = next((v for v in vars(opt).values() if isinstance(v, torch.optim.Optimizer) and v is not opt), None)
+        if inner is None:
+            return None
         opt = inner
-    return opt
+    return opt if hasattr(opt, "_optimizer_step_pre_hooks") else None
 
 
 class Guard(Wiring):
@@ -63,7 +68,10 @@ class Guard(Wiring):
                  report: Any = None, live: Any = None, every: Any = 1, snoop: Any = False, budget: Any = None,
                  origin: Optional[Dict[str, str]] = None, **extras: Any):
         models = as_list(model, "model", nn.Module, "an nn.Module")
-        opts = [_unwrapped(o) for o in as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")]
+        given = as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
+        opts = [u for u in map(_unwrapped, given) if u is not None]
+        # an Optimizer subclass that skipped Optimizer.__init__ and holds no optimizer inside cannot be hooked
+        self._unhooked = [type(o).__name__ for o in given if _unwrapped(o) is None]
         self._registry = registry()
         self.config: Config = make_config(self._registry, checks=checks, mode=mode, report=report, live=live,
                                           every=every, snoop=snoop, budget=budget, origin=origin,
@@ -194,6 +202,10 @@ class Guard(Wiring):
 
             _procs.after_start(self)
             self.dispatch("start")
+            for name in self._unhooked:
+                self.notice(f"guard: the optimizer {name} has none of Optimizer's step hooks (its __init__ did not "
+                            f"call Optimizer.__init__) and wraps no optimizer that has: its steps are seen only "
+                            f"through the optimizers it calls, if any is a torch.optim.Optimizer.")
         return self
 
     def close(self, *, write_report: bool = True) -> None:

@@ -683,3 +683,46 @@ def test_grad_explosion_is_reported_once_per_burst_and_follows_the_runs_spread()
     assert f.step == 20 and f.count == 2 and f.last_step == 50  # two bursts, not six steps
     assert f.details["threshold_ratio"] >= 10 and f.details["ratio"] > f.details["threshold_ratio"]
     assert "vary up to about" in f.message
+
+
+class Lookahead(torch.optim.Optimizer):
+    """Like timm's Lookahead: Optimizer.__init__ is never called, the real optimizer is `_base_optimizer`."""
+
+    def __init__(self, base):
+        self._base_optimizer = base
+        self.param_groups, self.defaults, self.state = base.param_groups, base.defaults, base.state
+
+    def zero_grad(self, set_to_none=True):
+        self._base_optimizer.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        return self._base_optimizer.step(closure)
+
+
+class Handmade(torch.optim.Optimizer):
+    """An optimizer of its own that skips Optimizer.__init__ and wraps none: it cannot be hooked."""
+
+    def __init__(self, params, lr):
+        self.param_groups = [{"params": list(params), "lr": lr}]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.param_groups[0]["params"]:
+            p -= self.param_groups[0]["lr"] * p.grad
+
+
+@pytest.mark.parametrize("wrap", ["lookahead", "handmade"])
+def test_optimizers_without_the_step_hook_machinery_do_not_break_guard(wrap):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = Lookahead(torch.optim.SGD(model.parameters(), lr=0.1)) if wrap == "lookahead" else Handmade(model.parameters(), 0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(4):  # zero_grad() missing: found through the optimizer inside the wrapper
+            nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1)).backward()
+            opt.step()
+    assert g.internal_errors == []
+    if wrap == "lookahead":
+        assert [(f.kind, f.where, f.step) for f in g.findings] == [("missing-zero-grad", "SGD", 1)]
+        assert g.notices == []
+    else:
+        assert any("Handmade has none of Optimizer's step hooks" in n for n in g.notices)
