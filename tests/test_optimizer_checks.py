@@ -726,3 +726,24 @@ def test_optimizers_without_the_step_hook_machinery_do_not_break_guard(wrap):
         assert g.notices == []
     else:
         assert any("Handmade has none of Optimizer's step hooks" in n for n in g.notices)
+
+
+def test_a_learned_learning_rate_tensor_makes_no_warning_of_guards():
+    """Hypergradient code: SGD(lr=log_lr.exp(), differentiable=True) under a global guard, warnings as errors."""
+    import warnings
+
+    torch.manual_seed(0)
+    log_lr = torch.tensor(-3.0, requires_grad=True)
+    w0 = torch.randn(4, requires_grad=True)
+    outer = torch.optim.Adam([w0, log_lr], lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with guard(live=False, checks="all") as g:
+            for _ in range(3):
+                w = w0.clone()
+                w.grad = 2 * w.detach()
+                torch.optim.SGD([w], lr=log_lr.exp(), differentiable=True).step()
+                outer.zero_grad()
+                (w ** 2).sum().backward()
+                outer.step()
+    assert g.internal_errors == [] and [f for f in g.findings if f.severity != "info"] == []

@@ -39,7 +39,7 @@ class _Run:
 def _lr(group) -> float:
     lr = group.get("lr")
     if isinstance(lr, torch.Tensor):
-        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else -1.0  # no device read per step
+        return float(lr.detach()) if lr.device.type == "cpu" and lr.numel() == 1 else -1.0  # no device read per step
     return float(lr) if isinstance(lr, (int, float)) else -1.0
 
 
