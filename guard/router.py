@@ -274,5 +274,8 @@ class Router:
         errors.append(entry)
         msg = (f"guard: internal error in check {name!r} ({entry['error']} at {at}); "
                f"the check is switched off, training continues")
-        warnings.warn(msg, GuardInternalWarning, stacklevel=2)
+        try:
+            warnings.warn(msg, GuardInternalWarning, stacklevel=2)
+        except Exception:
+            pass  # warnings turned into errors (-W error, pytest's filterwarnings): the console line says it
         self.g.console().internal(msg)

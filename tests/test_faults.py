@@ -162,3 +162,29 @@ def test_bad_environment_stops_the_process_with_one_line(env, needle):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0] and "allowed" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_crashing_check_under_warnings_as_errors_leaves_training_alone():
+    """pytest's `filterwarnings = error` or `python -W error`: guard's internal-error warning must not become
+    the user's exception; the console line and the report still say it."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with guard(model, opt, checks="all", live=False) as g:
+            check = next(c for c in g.checks if c.name == "missing-zero-grad")
+
+            def boom(*a, **k):
+                raise RuntimeError("check bug")
+            check.on_backward = boom
+            g.router.rebuild()
+            for _ in range(3):
+                loss = model(torch.randn(2, 4)).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert g.step == 3
+    assert [(e["check"], e["error"]) for e in g.internal_errors] == [("missing-zero-grad", "RuntimeError: check bug")]
