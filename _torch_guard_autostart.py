@@ -4,6 +4,10 @@ It does nothing unless ``TORCH_GUARD`` is on. Then it finds guard's installed pa
 ``sys.path`` holds only the interpreter's and the environment's folders (a ``guard.py`` in the
 script's folder or the working directory is not on it yet) and replaces itself by that package's
 ``_autostart.py``, which waits for ``import torch``.
+
+PYTEST_DONT_REWRITE: pytest marks this distribution's modules for assertion rewriting (guard's pytest
+plugin), and this one is imported at interpreter start, before pytest: without the marker pytest
+warns that it cannot rewrite it, an error under ``-W error`` or ``filterwarnings = error``.
 """
 import os
 import sys

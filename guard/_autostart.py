@@ -6,6 +6,10 @@ holds only the interpreter's and the environment's folders (not yet the script's
 working directory, so a user's own ``guard.py`` is never taken for guard) and loads this file.
 This module imports only the standard library until torch is imported.
 
+PYTEST_DONT_REWRITE: pytest marks this distribution's modules for assertion rewriting (guard's pytest
+plugin), and this one is imported at interpreter start, before pytest: without the marker pytest
+warns that it cannot rewrite it, an error under ``-W error`` or ``filterwarnings = error``.
+
 `install` validates the environment (a bad value: one line on stderr, exit status 2; an unknown
 ``TORCH_GUARD_*`` variable: a one-line warning), then puts a `sys.meta_path` finder in place that
 waits for ``import torch``; once torch has finished importing, a global guard starts through the

@@ -145,3 +145,19 @@ def test_fixture_clean(torch_guard):
     # With --torch-guard too: a test using the fixture asserts on its own guard and is not failed for it.
     r = pytester.runpytest(*_args("--torch-guard", "-k", "fixture"))
     r.assert_outcomes(passed=3)
+
+
+def test_torch_guard_env_under_pytest_with_warnings_as_errors(tmp_path):
+    """`TORCH_GUARD=1 pytest -W error`: the autostart hook, imported before pytest, must not make pytest warn
+    that it cannot rewrite it (an error under `filterwarnings = error`)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_one.py").write_text("import torch\n\ndef test_one():\n    assert torch.ones(1).item() == 1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_GUARD")}
+    env.update(TORCH_GUARD="1", TORCH_GUARD_REPORT=str(tmp_path / "r.json"))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-W", "error", "-p", "no:cacheprovider", "test_one.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PytestAssertRewriteWarning" not in r.stdout + r.stderr
