@@ -200,3 +200,43 @@ def test_graph_batches_whose_batchnorm_sees_nodes_are_not_warned():
                 model(nodes).pow(2).mean().backward()
                 opt.step()
     assert g.findings == [] and g.internal_errors == []
+
+
+def _skip_small(model, loader, opt):
+    for xb, yb in loader:
+        if xb.size(0) < 2:  # the loop drops the batch of one itself
+            continue
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _stop_before_last(model, loader, opt):
+    import itertools
+
+    for xb, yb in itertools.islice(loader, len(loader) - 1):
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _counted(model, loader, opt):
+    for _, (xb, yb) in zip(range(len(loader) - 1), loader):
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("loop", [_skip_small, _stop_before_last, _counted])
+def test_a_loop_that_handles_the_last_batch_of_one_itself_is_not_warned(loop):
+    torch.manual_seed(0)
+    model = mlp_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(data(49), batch_size=16, shuffle=True)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            loop(model, loader, opt)
+    assert g.findings == [] and g.step == 6

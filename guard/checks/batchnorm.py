@@ -19,7 +19,9 @@ Cost: host-only; one dict lookup per module call, shape arithmetic for BatchNorm
 """
 from __future__ import annotations
 
+import linecache
 import math
+import re
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -27,8 +29,16 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import BatchSampler
 
-from .base import Check
+from .._frames import user_frame
 from ._notes import NOTE_PREFIX, add_guard_note
+from .base import Check
+
+_SIZE = r"(?:\.size\(\s*0?\s*\)(?:\[\s*0\s*\])?|\.shape\[\s*0\s*\]|\blen\(\s*(?!sys\.argv)[\w.\[\]'\"]+\s*\))"
+#: a loop that handles a short last batch itself: skips batches of one, or stops before the loader's last batch
+_SKIPS_SMALL = re.compile(
+    _SIZE + r"\s*(?:<=?|==|!=)\s*[12]\b"
+    + r"|\b[12]\s*(?:>=?|==|!=)\s*" + _SIZE
+    + r"|\bislice\(|\bzip\(\s*range\(")
 
 SMALL_BATCH = 4
 FIX = ("drop the incomplete last batch with `DataLoader(..., drop_last=True)`, use a batch size that does not leave "
@@ -58,6 +68,7 @@ class BatchNormBatch(Check):
         self._pending: List[Dict[str, Any]] = []  # loader predictions waiting for the next forward pass
         self._crashy: Dict[str, Tuple[int, ...]] = {}  # BatchNorms that trained on one value/sample/channel, this pass
         self._has_bn: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self._handled: Dict[int, Tuple[Any, bool]] = {}  # id(code) -> (code, whether it handles a short last batch)
         self._note: Optional[Tuple[str, int]] = None  # the last single-sample error, for the exception's note
 
     # ------------------------------------------------------------------ per module call
@@ -138,6 +149,8 @@ class BatchNormBatch(Check):
         models = self.g.models
         if models and not any(self._model_has_bn(m) for m in models):
             return
+        if self._handles_small_batches(user_frame(2)):
+            return
         try:
             size: Optional[int] = len(loader.dataset)
         except Exception:
@@ -146,6 +159,26 @@ class BatchNormBatch(Check):
             self._pending.append({"samples": n, "dataset_size": size, "batch_size": bs, "batches": n // bs + 1,
                                   "sampler": type(bs_sampler.sampler).__name__, "step": self.g.step,
                                   "source": self.g.source()})
+
+    def _handles_small_batches(self, frame: Any) -> bool:
+        """Whether the code iterating the loader deals with a short last batch itself: it skips small batches
+        (``if x.size(0) < 2: continue``) or stops before the last one (``islice(loader, len(loader) - 1)``,
+        ``zip(range(n), loader)``). Read once per function from its source."""
+        if frame is None:
+            return False
+        code = frame.f_code
+        hit = self._handled.get(id(code))
+        if hit is not None and hit[0] is code:
+            return hit[1]
+        lines = linecache.getlines(code.co_filename)
+        numbers = [ln for _, _, ln in code.co_lines() if ln is not None]
+        text = "".join(lines[code.co_firstlineno - 1:max(numbers, default=code.co_firstlineno)])
+        text = re.sub(r"#[^\n]*", "", text)
+        found = bool(_SKIPS_SMALL.search(text))
+        if len(self._handled) > 256:
+            self._handled.clear()
+        self._handled[id(code)] = (code, found)
+        return found
 
     def _model_has_bn(self, model) -> bool:
         hit = self._has_bn.get(model)
