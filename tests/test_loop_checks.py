@@ -710,3 +710,26 @@ def test_eval_without_no_grad_at_exit_after_the_optimizer_is_gone():
     kept = [model(torch.randn(2, 4)) for _ in range(3)]  # noqa: F841
     g.close()
     assert [(f.kind, f.where) for f in g.findings] == [("eval-without-no-grad", "Sequential")]
+
+
+def test_a_forward_with_many_outputs_whose_last_one_is_trained_is_no_evaluation():
+    """Ten auxiliary values before the output the loss uses: the backward runs through the forward."""
+    class ManyOutputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return [h.sum() for _ in range(10)], h
+
+    torch.manual_seed(0)
+    model = ManyOutputs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(4):
+            _, h = model(torch.randn(3, 4))
+            opt.zero_grad()
+            h.pow(2).mean().backward()
+            opt.step()
+    assert g.findings == []

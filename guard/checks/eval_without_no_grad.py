@@ -32,7 +32,9 @@ KEY = "guard.eval_no_grad"
 WALK_BUDGET = 50_000  # graph nodes visited when looking for the variable that holds unused graphs
 MAX_PENDING = 4096
 GRACE = 2  # steps a still-alive, unclaimed graph may wait for its backward
-MAX_OUTPUTS = 8
+#: outputs of one forward tagged; a forward with more graph outputs is not judged (the one back-propagated
+#: may be any of them)
+MAX_OUTPUTS = 64
 MIN_DROPPED = 3  # training-mode forwards whose graphs were dropped at once, before they are worth a word
 
 
@@ -96,8 +98,8 @@ class EvalWithoutNoGrad(Check):
             return
         if self._backwards != self._backwards_at_call:
             return  # back-propagated inside the call itself (Lightning manual optimization in training_step)
-        outs = graph_outputs(output, MAX_OUTPUTS)
-        if not outs or len(self._pending) >= MAX_PENDING:
+        outs = graph_outputs(output, MAX_OUTPUTS + 1)
+        if not outs or len(outs) > MAX_OUTPUTS or len(self._pending) >= MAX_PENDING:
             return
         rec = _Fwd(self.g.step, self.g.root_source, path, module)
         for t in outs:
