@@ -119,6 +119,10 @@ class Guard(Wiring):
         self._root_seen = False  # a watched model was called (model mode)
         self._fresh_step = False  # a step just ended: no model call or backward() since (Wiring._hook_step_pre)
         self._lagging: Optional[Any] = None  # an optimizer stepping after the step it belongs to ended
+        # the thread followed: (ident, thread, whether it stepped yet) (Wiring._foreign)
+        self._owner: Optional[Tuple[int, threading.Thread, bool]] = None
+        self._told_threads = False  # another thread's events were seen while one is followed
+        self._noticed_threads = False
         self._standins: Set[int] = set()  # ids of layers whose calls stand in for a model never called (Wiring._standin)
         self.compile = CompileBoundary(self, {"pre": self._hook_pre, "post": self._hook_post,
                                               "pre_global": self._hook_pre_global, "post_global": self._hook_post_global},

@@ -80,10 +80,31 @@ class Watched:
         self.module_ids: set = set()  # ids; only gates the one-time module table entry
         self.module_paths: set = set()
         self._param_names: Dict[int, str] = {}
+        self.stepped_in: Dict[int, int] = {}  # id(optimizer) -> ident of the thread it last stepped in
+        #: while threads train at once: (optimizers, roots) of the thread guard follows (`narrow`)
+        self._narrow: Optional[Tuple[List[weakref.ref], List[weakref.ref]]] = None
+
+    def narrow(self, thread: Optional[int]) -> None:
+        """Watch only the optimizers that step in `thread` and the models they train (None: all again).
+
+        Checks read the gradients of every watched model; another thread's backward writes them without
+        Python's lock, and reading them then can crash the process."""
+        if thread is None:
+            self._narrow = None
+            return
+        self._narrow = None
+        opts = [o for o in self.optimizers if self.stepped_in.get(id(o)) == thread]
+        ids = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
+        roots = [m for m in self.roots if any(id(p) in ids for p in m.parameters())]
+        self._narrow = ([weakref.ref(o) for o in opts], [weakref.ref(m) for m in roots])
+        if opts and all(o is not (self.primary() if self.primary is not None else None) for o in opts):
+            self.primary = weakref.ref(opts[0])  # steps are counted by the followed thread's optimizer
 
     @property
     def models(self) -> List[nn.Module]:
         """The watched models (unwrapped from DataParallel/DDP), alive ones only."""
+        if self._narrow is not None and self.refs:
+            return [m for m in (r() for r in self._narrow[1]) if m is not None]
         out = []
         for r in self.refs:
             m = r()
@@ -95,7 +116,8 @@ class Watched:
     @property
     def optimizers(self) -> List[torch.optim.Optimizer]:
         """Optimizers given to the guard or seen stepping while it was active."""
-        return [o for o in (r() for r in self.seen_optimizers) if o is not None]
+        refs = self.seen_optimizers if self._narrow is None else self._narrow[0]
+        return [o for o in (r() for r in refs) if o is not None]
 
     def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
         return self.primary is not None and self.primary() is optimizer
@@ -134,6 +156,8 @@ class Watched:
     @property
     def roots(self) -> List[nn.Module]:
         """The watched models, or under a global guard the outermost modules seen called."""
+        if self._narrow is not None:
+            return [m for m in (r() for r in self._narrow[1]) if m is not None]
         return self.models or list(self.roots_seen)
 
     def path_of(self, module: nn.Module) -> str:

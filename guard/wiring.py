@@ -6,7 +6,10 @@ step hooks (closures included), the backward patch; each adds its own time to th
 """
 from __future__ import annotations
 
+import os
 import sys
+import threading
+from threading import get_ident as _thread_id
 from time import perf_counter as _clock
 from typing import Any, Callable, Dict, List, Optional
 
@@ -23,6 +26,21 @@ from .findings import GuardError
 _task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 _NO_OUTPUT = object()
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_GUARD_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _in_torch(thread: int) -> bool:
+    """Whether that thread is running torch or guard code now (a forward, backward or step under way)."""
+    f = sys._current_frames().get(thread)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(_TORCH_DIR) or name.startswith(_GUARD_DIR):
+            return True
+        f = f.f_back
+    return False
 
 
 class Wiring:
@@ -94,13 +112,84 @@ class Wiring:
             by_target.setdefault(target, []).append(ev)
         for target, evs in by_target.items():
             try:
-                inst.patch(target, router.patch_middleware(tuple(evs), lambda: self._active, self._tls, self.meter))
+                inst.patch(target, router.patch_middleware(tuple(evs), self._accepts, self._tls, self.meter))
             except (AttributeError, ImportError, ValueError):
                 pass  # a target this torch version lacks (private hooks points): the check does without
         inst.process_exit(self)
 
+    # ------------------------------------------------------------------ threads
+    def _accepts(self) -> bool:
+        """Active, and this thread is the one training (patched functions ask at every call)."""
+        return self._active and not (self._owner is not None and self._owner[0] != _thread_id() and self._foreign())
+
+    def _foreign(self, stepping: bool = False) -> bool:
+        """An event from another thread than the one training (whose optimizer steps guard counts; until it
+        steps, the first to call a model): ignored while that thread lives. Two threads training at once under
+        one guard would mix their steps, and a check of one would read the other's gradients while its
+        backward writes them. A thread that steps first takes over from one that only called a model."""
+        owner = self._owner
+        if owner is None or owner[0] == _thread_id():
+            return False
+        if stepping and not owner[2] and not _in_torch(owner[0]):
+            # the followed thread only called a model and is not in torch now (it waits: a shape check before
+            # starting the training thread): the thread that steps takes over, with nothing of the other's
+            # under way
+            self._owner = (_thread_id(), threading.current_thread(), False)
+            return False
+        if owner[1].is_alive():
+            if not self._told_threads:
+                self._told_threads = True
+                self.watched.narrow(owner[0])
+            if owner[2] and not self._noticed_threads:
+                self._noticed_threads = True
+                self.notice(f"guard: {threading.current_thread().name} runs the model or an optimizer while "
+                            f"{owner[1].name} trains: this guard follows {owner[1].name} until it ends and leaves "
+                            f"the other threads alone. To watch each, start a guard inside each thread's function.")
+            return True
+        self._owner = None  # the training thread ended: the next one to step is followed
+        if self._told_threads:
+            self._told_threads = False
+            self.watched.narrow(None)
+        return False
+
+    def _skip_pre(self) -> bool:
+        """Whether this module call is left alone (another thread is followed); its post hook agrees, even
+        when the followed thread changes meanwhile (calls skipped are counted per thread)."""
+        tls = self._tls
+        n = getattr(tls, "skipping", 0)
+        owner = self._owner
+        if n or (owner is not None and owner[0] != _thread_id() and self._foreign()):
+            tls.skipping = n + 1
+            return True
+        return False
+
+    def _skip_post(self) -> bool:
+        tls = self._tls
+        n = getattr(tls, "skipping", 0)
+        if n:
+            tls.skipping = n - 1
+            return True
+        return False
+
+    def _own_step(self) -> None:
+        owner = self._owner
+        if owner is None or not owner[2] or owner[0] != _thread_id():
+            self._owner = (_thread_id(), threading.current_thread(), True)
+
+    def _counts_steps(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether `opt`'s steps are (or may become) the ones guard counts."""
+        primary = self.watched.primary
+        return primary is None or primary() is None or primary() is opt
+
+    def _own_call(self) -> None:
+        """A model call starts while no thread trains yet: its thread is followed until another steps first."""
+        if self._owner is None:
+            self._owner = (_thread_id(), threading.current_thread(), False)
+
     # ------------------------------------------------------------------ hooks (hot paths)
     def _hook_pre_global(self, module: nn.Module, args: tuple) -> None:
+        if self._skip_pre():
+            return
         t0 = _clock()
         depth = push_call(self._tls, _hooks.caller_frame())
         # A call that starts inside backward() is a recomputation (torch.utils.checkpoint), never a model
@@ -123,6 +212,8 @@ class Wiring:
 
     def _enter_root(self) -> None:
         """An outermost model call starts: remember where it came from."""
+        if self._owner is None and torch.is_grad_enabled():  # a shape check or evaluation trains nothing
+            self._own_call()
         self.room.make()
         tls = self._tls
         tls.root_source = user_source(3)
@@ -132,6 +223,8 @@ class Wiring:
             self._advance_backward_step()
 
     def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict]) -> None:
+        if self._skip_pre():
+            return
         t0 = _clock()
         if id(module) in self._root_ids:
             is_root = _task_id() == -1  # (see _hook_pre_global)
@@ -169,11 +262,15 @@ class Wiring:
         return push_call(self._tls, frame) == 0 and _task_id() == -1
 
     def _hook_post_global(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = _NO_OUTPUT) -> None:
+        if self._skip_post():
+            return
         if output is _NO_OUTPUT:  # forward raised: torch calls always_call global hooks as (module, args, result)
             kwargs, output = {}, kwargs
         self._after_forward(module, args, kwargs, output, pop_call(self._tls) and _task_id() == -1)
 
     def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._skip_post():
+            return
         mid = id(module)
         if mid in self._root_ids:
             if self._standins:
@@ -223,7 +320,10 @@ class Wiring:
         self.record.restart_at_step_zero()
 
     def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-        if not self._active or not self._watches_optimizer(opt):
+        if not self._active:
+            return None
+        self._tls.step_skip = skip = self._owner is not None and self._foreign(stepping=self._counts_steps(opt))
+        if skip or not self._watches_optimizer(opt):
             return None
         if self._lagging is not None:  # the step of a trailing optimizer raised: its post hook never came
             self._lagging, self.step = None, self.step + 1
@@ -283,15 +383,21 @@ class Wiring:
             self.meter.own += _clock() - t0
 
     def _hook_step_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self._active or not self._watches_optimizer(opt):
+        if not self._active or getattr(self._tls, "step_skip", False) or not self._watches_optimizer(opt):
             return
         t0 = _clock()
         try:
+            w = self.watched
+            if w.stepped_in.get(id(opt)) != _thread_id():
+                w.stepped_in[id(opt)] = _thread_id()
+                if self._told_threads:
+                    w.narrow(_thread_id())  # threads train at once: this optimizer joins the followed thread's
             self.dispatch("step_post", opt)
             if self._lagging is not None:
                 self._lagging, self.step = None, self.step + 1
             if self.is_primary(opt):
                 self.watched.idle = 0
+                self._own_step()
                 self._end_step(t0)
             elif self.watched.takes_over(opt):
                 n = _watched.REPLACED
@@ -349,7 +455,7 @@ class Wiring:
 
     def _mw_backward(self, call: Callable, args: tuple, kwargs: dict) -> Any:
         tls = self._tls
-        if not self._active or getattr(tls, "in_backward", False) or (self._models and not self.watched.scripted and not getattr(tls, "forwards", 0)):
+        if not self._accepts() or getattr(tls, "in_backward", False) or (self._models and not self.watched.scripted and not getattr(tls, "forwards", 0)):
             return call(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
         tls.in_backward = True

@@ -403,6 +403,62 @@ def test_guards_in_two_threads_keep_their_findings_apart():
     assert guard_hooks.active_patches() == []
 
 
+
+def _thread_loop(model, opt, seed, steps, barrier=None, poison_at=None):
+    gen = torch.Generator().manual_seed(seed)
+    if barrier is not None:
+        barrier.wait()
+    for s in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        if s == poison_at:
+            x[0, 0] = float("nan")
+        loss = nn.functional.cross_entropy(model(x), torch.randint(0, 3, (16,), generator=gen))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("scope", ["models", "global"])
+def test_one_guard_over_two_threads_training_at_once_follows_one(scope):
+    """A threaded hyper-parameter search under TORCH_GUARD=1 (or one guard given both models): the guard
+    follows the first thread that trains and leaves the other alone (a notice says so) instead of mixing their
+    steps and reading one thread's gradients while the other's backward writes them (a crash, before)."""
+    for attempt in range(3):  # the interleaving differs from run to run
+        torch.manual_seed(attempt)
+        models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)) for _ in range(2)]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+        barrier = threading.Barrier(2)
+        g = guard(models if scope == "models" else None, opts if scope == "models" else None, live=False)
+        with g:
+            threads = [threading.Thread(target=_thread_loop, args=(m, o, i, 60, barrier)) for i, (m, o) in
+                       enumerate(zip(models, opts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        assert g.findings == [] and g.internal_errors == []
+        assert any("this guard follows" in n for n in g.notices)
+        assert g.step == 60
+
+
+def test_training_in_a_thread_started_by_the_guarding_thread_is_watched():
+    """The guard in the main thread, the loop in a worker (the main thread only waits, then evaluates)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(model, opt, live=False) as g:
+        with torch.no_grad():
+            model(torch.zeros(2, 8))  # a shape check in the main thread first
+        t = threading.Thread(target=_thread_loop, args=(model, opt, 0, 8, None, 4))
+        t.start()
+        t.join(60)
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 4)]
+    assert g.step == 8 and g.notices == []
+
+
 # ---------------------------------------------------------------- odd models
 
 def _train(model, params_of=None, steps=3, x_shape=(4, 4), nan_at=None):
