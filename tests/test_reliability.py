@@ -438,7 +438,9 @@ def test_one_guard_over_two_threads_training_at_once_follows_one(scope):
                 t.join(60)
         assert g.findings == [] and g.internal_errors == []
         assert any("this guard follows" in n for n in g.notices)
-        assert g.step == 60
+        # one thread's 60 steps (mixed threads would count up to 120); which thread is followed is decided
+        # as both start, and a step of that moment may go to the other one
+        assert g.step in (59, 60)
 
 
 def test_training_in_a_thread_started_by_the_guarding_thread_is_watched():
