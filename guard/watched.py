@@ -14,6 +14,9 @@ from ._weak import WeakIdMap
 
 MAX_MODULES = 5000
 REPLACED = 16  # steps of other optimizers without one of the primary: the primary was replaced
+#: ... or this many in a row, each without a call of a model the primary trains: its model is done (models
+#: trained one after another under a global guard), where a GAN's critic steps still call the generator
+FINISHED = 8  # above the 5 critic steps per generator step of WGAN (which need not call the generator)
 
 DP_TYPES: Tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 
@@ -81,6 +84,9 @@ class Watched:
         self.module_paths: set = set()
         self._param_names: Dict[int, str] = {}
         self.stepped_in: Dict[int, int] = {}  # id(optimizer) -> ident of the thread it last stepped in
+        self.primary_called = True  # a model the primary optimizer trains was called since the last step
+        self.quiet = 0  # steps of other optimizers in a row with no call of the primary's models
+        self._primary_ids: Dict[int, set] = {}  # id(primary) -> ids of its parameters
         #: while threads train at once: (optimizers, roots) of the thread guard follows (`narrow`)
         self._narrow: Optional[Tuple[List[weakref.ref], List[weakref.ref]]] = None
 
@@ -122,15 +128,40 @@ class Watched:
     def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
         return self.primary is not None and self.primary() is optimizer
 
-    def takes_over(self, optimizer: torch.optim.Optimizer) -> bool:
-        """A watched optimizer other than the primary stepped: True when it becomes the primary, because
-        the primary has not stepped during `REPLACED` steps of others (it was replaced, as Adam by SGD
-        mid-run, but is still referenced). A GAN's optimizers alternate and never get there."""
+    def takes_over(self, optimizer: torch.optim.Optimizer) -> Tuple[int, bool]:
+        """A watched optimizer other than the primary stepped. It becomes the primary when the primary has not
+        stepped during `REPLACED` steps of others (it was replaced, as Adam by SGD mid-run, but is still
+        referenced), or during `FINISHED` steps of others in a row that called none of its models (its
+        model's training is over: the next model trains). A GAN's optimizers alternate and never get there.
+
+        Returns (the steps made without the primary, counting this one; whether its model is done), (0, _)
+        when `optimizer` does not take over."""
         self.idle += 1
-        if self.idle < REPLACED:
-            return False
-        self.primary, self.idle = weakref.ref(optimizer), 0
-        return True
+        self.quiet = 0 if self.primary_called else self.quiet + 1
+        self.primary_called = False
+        done = self.quiet >= FINISHED
+        if self.idle < REPLACED and not done:
+            return 0, done
+        n, self.idle = self.idle, 0
+        self.primary = weakref.ref(optimizer)
+        self.primary_stepped()
+        return n, done
+
+    def primary_stepped(self) -> None:
+        """The primary optimizer stepped (or changed): watch again whether its models are called."""
+        self.idle, self.quiet, self.primary_called = 0, 0, False
+
+    def note_call(self, module: nn.Module) -> None:
+        """A model call starts (while none of the primary's models was called since its last step)."""
+        primary = self.primary() if self.primary is not None else None
+        if primary is None:
+            self.primary_called = True
+            return
+        ids = self._primary_ids.get(id(primary))
+        if ids is None:
+            ids = {id(p) for g in primary.param_groups for p in g["params"]}
+            self._primary_ids = {id(primary): ids}  # one primary at a time
+        self.primary_called = any(id(p) in ids for p in module.parameters())
 
     def watch_optimizer(self, opt: torch.optim.Optimizer) -> Tuple[bool, Optional[bool]]:
         """Whether `opt` steps parameters of the watched models (decided once per optimizer), and

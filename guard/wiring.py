@@ -201,7 +201,7 @@ class Wiring:
                 if module not in self._paths_weak:
                     self.watched.adopt_root(module)
                     self.room.note(module)
-                self._enter_root()
+                self._enter_root(module)
             except GuardError:
                 raise
             except Exception as exc:  # guard's own bookkeeping must never fail the user's forward
@@ -210,10 +210,12 @@ class Wiring:
             self.router.dispatch_forward_pre(module, args, {}, root)
         self.meter.own += _clock() - t0
 
-    def _enter_root(self) -> None:
+    def _enter_root(self, module: nn.Module) -> None:
         """An outermost model call starts: remember where it came from."""
         if self._owner is None and torch.is_grad_enabled():  # a shape check or evaluation trains nothing
             self._own_call()
+        if not self.watched.primary_called:
+            self.watched.note_call(module)
         self.room.make()
         tls = self._tls
         tls.root_source = user_source(3)
@@ -236,7 +238,7 @@ class Wiring:
         else:
             is_root = False
         if is_root:
-            self._enter_root()
+            self._enter_root(module)
         if self.router.forward_pre and self._active:
             self.router.dispatch_forward_pre(module, args, kwargs or {}, is_root)
         self.meter.own += _clock() - t0
@@ -396,17 +398,21 @@ class Wiring:
             if self._lagging is not None:
                 self._lagging, self.step = None, self.step + 1
             if self.is_primary(opt):
-                self.watched.idle = 0
+                self.watched.primary_stepped()
                 self._own_step()
                 self._end_step(t0)
-            elif self.watched.takes_over(opt):
-                n = _watched.REPLACED
-                self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the optimizer "
-                            f"guard counted steps by, which was replaced: its steps count from now on (findings "
-                            f"of steps {self.step}-{self.step + n - 1} carry step {self.step}).")
-                self._resolve()
-                self.step += n - 1  # the steps it made meanwhile count too: numbers follow the loop again
-                self._end_step(t0)
+            else:
+                n, done = self.watched.takes_over(opt)
+                if n:
+                    why = ("whose models are no longer called (the next model trains)" if done else
+                           "which was replaced")
+                    self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the "
+                                f"optimizer guard counted steps by, {why}: its steps count from now on"
+                                + (f" (findings of steps {self.step}-{self.step + n - 1} carry step {self.step})"
+                                   if n > 1 else "") + ".")
+                    self._resolve()
+                    self.step += n - 1  # the steps it made meanwhile count too: numbers follow the loop again
+                    self._end_step(t0)
         except GuardError:
             raise
         except Exception as exc:

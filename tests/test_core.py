@@ -221,6 +221,25 @@ def test_a_critic_stepping_five_times_per_generator_step_does_not_take_over():
     assert g.step == 6 and g.notices == []
 
 
+
+def test_models_trained_one_after_another_under_a_global_guard_count_every_step():
+    """k-fold style: each model is kept (a list of the fold's models), evaluated once, then the next trains."""
+    torch.manual_seed(0)
+    kept = []
+    with guard(live=False) as g:
+        for fold in range(3):
+            model = mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            kept.append((model, opt))
+            for step in range(12):
+                nan_step(model, opt, step, bad_step=11 if fold == 2 else -1)
+            with torch.no_grad():
+                model(torch.randn(8, 4))
+    assert g.step == 36
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 35)]
+    assert len(g.notices) == 2 and all("no longer called (the next model trains)" in n for n in g.notices)
+
+
 class _Net(nn.Module):
     """A GAN's networks often share their inner names (DCGAN: both have `main`)."""
 
