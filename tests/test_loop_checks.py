@@ -733,3 +733,21 @@ def test_a_forward_with_many_outputs_whose_last_one_is_trained_is_no_evaluation(
             h.pow(2).mean().backward()
             opt.step()
     assert g.findings == []
+
+
+def test_a_train_mode_forward_thrown_away_once_per_epoch_is_told_when_it_recurs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    X, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    with guard(model, opt, live=False) as g:
+        for epoch in range(6):
+            for i in range(0, 64, 16):
+                loss = F.cross_entropy(model(X[i:i + 16]), y[i:i + 16])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            model(X)  # the epoch-end look at the outputs, outside no_grad, its result thrown away
+    [f] = g.findings
+    assert f.kind == "eval-without-no-grad" and f.details["dropped_at_once"] is True
+    assert f.details["forwards"] == 3 and "dropped at once" in f.message and "torch.no_grad()" in f.hint

@@ -85,6 +85,7 @@ class EvalWithoutNoGrad(Check):
         self._any_backward = False
         self._done = False
         self._backwards = self._backwards_at_call = 0  # backward() calls seen, and at the last root call's start
+        self._drops: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> training-mode graphs dropped at once
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if is_root:
@@ -212,12 +213,14 @@ class EvalWithoutNoGrad(Check):
         for r in unused:
             if not r.eval_mode and not r.short and not r.alive():
                 r.short = True  # gone by now, with no model call after it to tell when: counted as dropped
-        drops: Dict[Tuple[str, Optional[str]], int] = {}
+        drops = self._drops  # counted over the run: once per epoch recurs as surely as thrice in a step
         for r in unused:
             if r.short and not r.eval_mode:
                 drops[(r.path, r.source)] = drops.get((r.path, r.source), 0) + 1
+        if len(drops) > 256:
+            drops.clear()
         unused = self._trained([r for r in unused if r.eval_mode or not r.short
-                                or drops[(r.path, r.source)] >= MIN_DROPPED])
+                                or drops.get((r.path, r.source), 0) >= MIN_DROPPED])
         if not unused:
             return
         self._done = True
@@ -247,6 +250,8 @@ class EvalWithoutNoGrad(Check):
         n = len(same)
         dropped = all(r.short and not r.eval_mode for r in same)
         details["dropped_at_once"] = dropped
+        if dropped:
+            n = details["forwards"] = max(n, drops.get((first.path, first.source), 0))
         if dropped:
             message = (f"{n} forward pass{'es' if n != 1 else ''} of {first.path} at {first.source} built autograd "
                        f"graphs (outputs require grad) that were dropped at once, never back-propagated (a "
