@@ -478,3 +478,32 @@ def test_an_overflow_inside_standard_layers_names_the_huge_weights(blown):
     assert f.step == 0 and "are huge" in f.message and "overflowed float32" in f.message and "learning rate" in f.hint
     assert sorted(f.details["huge_weights"]) == sorted(f"{n}.weight" for n in blown)
     assert f.where == (blown[0] if len(blown) == 1 else "M")
+
+
+class MaskedMSE(nn.Module):
+    """Targets marked NaN are missing: left out of the mean (a batch with none left divides 0 by 0)."""
+
+    def forward(self, pred, target):
+        keep = ~torch.isnan(target)
+        return ((pred - torch.nan_to_num(target)) ** 2 * keep).sum() / keep.sum()
+
+
+def test_nan_a_loss_module_takes_on_purpose_is_not_blamed_when_its_batch_is_masked_whole():
+    torch.manual_seed(0)
+    model, crit = nn.Linear(4, 1), MaskedMSE()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(live=False) as g:  # the global guard: the loss module is a model call of its own
+        for step in range(5):
+            y = torch.randn(8, 1)
+            y[:2] = float("nan")  # some targets missing at every step
+            if step == 3:
+                y[:] = float("nan")  # ... and all of them once
+            loss = crit(model(torch.randn(8, 4)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 3:
+                break
+    [f] = [f for f in g.findings if f.kind.startswith("nonfinite")]
+    assert (f.kind, f.where, f.step) == ("nonfinite-output", "MaskedMSE", 3)
+    assert "takes on purpose (args[1]" in f.message

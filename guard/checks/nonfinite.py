@@ -108,6 +108,7 @@ class NonFinite(Check):
         self._bad_param_names: set = set()
         self._screened: Deque[int] = deque(maxlen=8)  # the last steps whose gradients were staged
         self._maskers: set = set()  # (module path, argument): where -inf masks were seen on healthy steps
+        self._takers: set = set()  # (root path, argument): NaN/Inf inputs a model took and handled on healthy steps
         self._bad_grad_steps: set = set()
         self._passthrough: Dict[type, bool] = {}
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
@@ -441,7 +442,12 @@ class NonFinite(Check):
             # NaN/Inf only in what the model was given, with every output, the loss and the gradients finite:
             # the model handles it on purpose (imputes missing features, masks targets marked NaN as missing).
             # Dirty data that matters makes an output or the loss NaN, and is then the origin reported.
+            self._takers.update((c.path, name) for c in calls if c.is_root for name, i in c.inputs if i in bad)
             return
+        # ... and on a bad step such an input (where NaN was taken on healthy steps) is not the dirty data: the
+        # module taking it made the NaN (a masked loss whose batch was masked whole divides 0 by 0)
+        taken = {i for c in calls if c.is_root for name, i in c.inputs
+                 if i in bad and i not in produced and (c.path, name) in self._takers} if self._takers else set()
         self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
         if self._check_params():
             return
@@ -456,14 +462,14 @@ class NonFinite(Check):
         for k, call in enumerate(calls):
             if not call.is_root:
                 continue
-            if not upstream and any(i in bad and i not in produced for _, i in call.inputs):
+            if not upstream and any(i in bad and i not in produced and i not in taken for _, i in call.inputs):
                 self._report_input(call, bad, refs)
                 return
             upstream = upstream or any(i in bad for c in calls[done:k + 1] for _, i in c.outputs)
             done = k + 1
         for call in calls:
-            if any(i in bad for _, i in call.outputs) and not any(i in bad for _, i in call.inputs):
-                if self._report_output(call, bad, refs):
+            if any(i in bad for _, i in call.outputs) and not any(i in bad and i not in taken for _, i in call.inputs):
+                if self._report_output(call, bad, refs, [name for name, i in call.inputs if i in taken]):
                     return
         for flag, source, step in losses:
             if flag in bad:
@@ -503,7 +509,7 @@ class NonFinite(Check):
                   step=call.step, source=call.source,
                   details={"module": call.type, "arguments": args, "counts": counts})
 
-    def _report_output(self, call: _Call, bad: set, refs: Dict[int, weakref.ref]) -> bool:
+    def _report_output(self, call: _Call, bad: set, refs: Dict[int, weakref.ref], taken: List[str] = ()) -> bool:
         if self._bad_param_names:
             # Weights are already NaN/Inf (found after an optimizer step): every later NaN output is
             # their consequence, and standard layers with such weights passed their input's flag on.
@@ -529,7 +535,8 @@ class NonFinite(Check):
         if not out_counts and module is not None:
             self._armed[id(module)] = call.path
         why = (f"its parameters {', '.join(bad_params[:5])} are non-finite" if bad_params
-               else "its inputs were finite")
+               else f"its inputs held only the NaN/Inf it takes on purpose ({', '.join(taken)}: it handled them on "
+                    f"the healthy steps before)" if taken else "its inputs were finite")
         hint = _output_hint(call.type, bool(bad_params))
         where, what = call.path, f"{call.path} ({call.type})"
         huge = self._huge_weights(module) if module is not None and not bad_params else []
