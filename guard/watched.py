@@ -269,8 +269,12 @@ class Watched:
                          f"so guard checks its losses, gradients and optimizer steps, not its layers.")
         return inner
 
-    def adopt_root(self, module: nn.Module) -> None:
-        """An outermost module call under a global guard: name its modules (paths as in the user's model)."""
+    def adopt_root(self, module: nn.Module, frame: Any = None) -> None:
+        """An outermost module call under a global guard: name its modules (paths as in the user's model).
+
+        Called from a method of a module that holds it (a LightningModule's ``training_step`` calling
+        ``self.net(x)``), its paths start with its attribute path there (``net.0``), as a guard given that
+        module would name them."""
         if isinstance(module, DP_TYPES):  # without DDP's "module."
             self.paths_weak[module] = type(module).__name__
             module = module.module
@@ -288,8 +292,10 @@ class Watched:
             # carry a label, its class name (numbered when taken), so that findings tell them apart.
             own = {id(mod) for _, mod in mods}
             taken = {p for m, p in known.items() if id(m) not in own} if known else set()
-            label = None
-            if taken and any((path or type(mod).__name__) in taken for path, mod in mods if mod not in known):
+            label = _owner_path(module, frame) if frame is not None else None
+            if label is not None:
+                self._prefix[id(module)] = label
+            elif taken and any((path or type(mod).__name__) in taken for path, mod in mods if mod not in known):
                 label = base = type(module).__name__
                 n = 1
                 while label in taken or any(p.startswith(label + ".") for p in taken):
@@ -325,3 +331,22 @@ class Watched:
             })
         except Exception as exc:
             self._contain(None, exc)
+
+
+def _owner_path(module: nn.Module, frame: Any) -> Optional[str]:
+    """`module`'s attribute path in the module whose method calls it (the first frame of the user's code,
+    its ``self``), or None."""
+    from ._frames import is_skipped
+
+    f, hops = frame, 0
+    while f is not None and hops < 12 and is_skipped(f.f_code.co_filename):
+        f, hops = f.f_back, hops + 1
+    if f is None or "self" not in f.f_code.co_varnames[:max(f.f_code.co_argcount, 1)]:
+        return None
+    owner = f.f_locals.get("self")
+    if not isinstance(owner, nn.Module) or owner is module:
+        return None
+    for path, m in owner.named_modules():
+        if m is module:
+            return path or None
+    return None

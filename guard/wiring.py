@@ -191,7 +191,8 @@ class Wiring:
         if self._skip_pre():
             return
         t0 = _clock()
-        depth = push_call(self._tls, _hooks.caller_frame())
+        frame = _hooks.caller_frame()
+        depth = push_call(self._tls, frame)
         # A call that starts inside backward() is a recomputation (torch.utils.checkpoint), never a model
         # call of the user's: its layers are checked, but it is no outermost call (no saved-tensor hooks of
         # guard above checkpoint's own, no forward counted against the next backward).
@@ -199,7 +200,7 @@ class Wiring:
         if root:
             try:
                 if module not in self._paths_weak:
-                    self.watched.adopt_root(module)
+                    self.watched.adopt_root(module, frame)
                     self.room.note(module)
                 self._enter_root(module)
             except GuardError:

@@ -428,3 +428,32 @@ def test_a_kind_can_be_turned_off_on_its_own():
     assert "nonfinite" in [c.name for c in g.checks] and "nonfinite-grad" not in g.config.kinds
     assert [f.kind for f in g.findings] == []
     assert "nonfinite-input" in g.config.kinds  # the check's other kinds stay on
+
+
+class _LitLike(nn.Module):
+    """A LightningModule's shape: training_step calls its submodule; the module itself is never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, x):
+        return self.net(x).pow(2).mean()
+
+
+def test_a_global_guard_names_a_submodule_called_from_its_owners_method_by_its_attribute_path():
+    torch.manual_seed(0)
+    lit = _LitLike()
+    opt = torch.optim.SGD(lit.parameters(), lr=0.1)
+    with guard(live=False) as g:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            if step == 2:
+                x[0, 0] = float("inf")  # overflows nothing: Linear passes it on; the input is named
+            loss = lit.training_step(x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "nonfinite-input"][0]
+    assert f.step == 2 and "the input to net contains" in f.message
+    assert g.param_name(lit.net[0].weight) == "net.0.weight"
