@@ -240,3 +240,21 @@ def test_a_loop_that_handles_the_last_batch_of_one_itself_is_not_warned(loop):
         for _ in range(2):
             loop(model, loader, opt)
     assert g.findings == [] and g.step == 6
+
+
+def test_a_batch_pooled_away_inside_the_model_gets_the_pooling_hint_not_drop_last():
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(6, 16), nn.BatchNorm1d(16)
+
+        def forward(self, x):
+            return self.bn(self.lin(x).mean(0, keepdim=True))  # meant mean(1)? it pools over the samples
+
+    model = Pooled()
+    with guard(model, live=False) as g:
+        with pytest.raises(ValueError):
+            model(torch.randn(16, 6))
+    [f] = by_kind(g, "batchnorm-single-sample")
+    assert f.where == "bn" and f.details["model_batch"] == 16
+    assert "batch of 16 samples" in f.hint and "mean(0, keepdim=True)" in f.hint and "drop_last" not in f.hint

@@ -70,9 +70,13 @@ class BatchNormBatch(Check):
         self._has_bn: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
         self._handled: Dict[int, Tuple[Any, bool]] = {}  # id(code) -> (code, whether it handles a short last batch)
         self._note: Optional[Tuple[str, int]] = None  # the last single-sample error, for the exception's note
+        self._root_batch: Optional[int] = None  # the batch size of the model call under way
 
     # ------------------------------------------------------------------ per module call
     def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if is_root:
+            x = args[0] if args else None
+            self._root_batch = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
         is_bn = self._bn.get(type(module))  # by type: one dict lookup per module call
         if is_bn is None:
             is_bn = self._bn[type(module)] = issubclass(type(module), _BatchNorm)
@@ -85,13 +89,21 @@ class BatchNormBatch(Check):
         n, spatial = shape[0], math.prod(shape[2:])
         if n * spatial == 1:
             self._note = (path, self.g.step)
+            rb = self._root_batch
+            if n == 1 and rb is not None and rb > 1:
+                hint = (f"The model got a batch of {rb} samples but this BatchNorm gets 1: its forward reduces the "
+                        f"batch dimension before it (x.mean(0, keepdim=True) or x.sum(0) pools over the samples; a "
+                        f"view/reshape can move them into other dimensions). Reduce over the dimension you mean "
+                        f"(x.mean(1) for features), or normalise with LayerNorm/GroupNorm after pooling over samples.")
+            else:
+                hint = (f"A batch of one sample reached BatchNorm during training: {FIX}; for single-sample "
+                        f"inference call `model.eval()` first.")
             self.emit("batchnorm-single-sample", path,
                       f"{path} ({type(module).__name__}) is in training mode and gets an input of shape {shape}: "
                       f"one value per channel, so no batch statistics exist; PyTorch would fail with "
                       f"'Expected more than 1 value per channel when training'",
-                      f"A batch of one sample reached BatchNorm during training: {FIX}; for single-sample "
-                      f"inference call `model.eval()` first.",
-                      source=self.g.root_source, details={"module": type(module).__name__, "input_shape": list(shape)})
+                      hint, source=self.g.root_source,
+                      details={"module": type(module).__name__, "input_shape": list(shape), "model_batch": rb})
             return
         if spatial == 1:
             self._crashy[path] = shape
