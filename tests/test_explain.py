@@ -421,3 +421,26 @@ def test_torch_func_inside_the_models_forward_runs_under_the_default_guard():
             opt.step()
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # nothing left pushed
     assert g.findings == [] and g.internal_errors == [] and g.step == 3
+
+
+def test_a_plain_tensor_attribute_left_behind_by_a_move_is_named_with_register_buffer():
+    class PosEncoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.pos = torch.linspace(0, 1, 8)  # a plain attribute: module moves leave it behind
+
+        def forward(self, x):
+            return self.proj(x + self.pos)
+
+    with torch.device("meta"):
+        model = nn.Sequential(PosEncoder(), nn.ReLU())
+    model.to_empty(device="cpu")  # parameters to the CPU; `pos` stays on meta
+    with pytest.raises(RuntimeError) as info:
+        with guard(model, live=False) as g:
+            model(torch.randn(2, 8))
+    [f] = [f for f in g.findings if f.kind == "explained-error"]
+    assert f.where == "0" and "`0.pos` (meta) is a plain tensor attribute" in f.message
+    assert "self.register_buffer('pos', tensor, persistent=False)" in f.hint
+    assert f.details["plain_attributes"] == ["0.pos"]
+    assert any("register_buffer" in n for n in info.value.__notes__)

@@ -221,6 +221,20 @@ class ExplainErrors(Check):
         """Path of the innermost watched module whose call the exception came through."""
         return self._innermost(exc)[0]
 
+    def _stray_attributes(self, exc: BaseException) -> List[Tuple[str, str]]:
+        """Plain tensor attributes (not parameters or buffers) of the failing module on another device than its
+        parameters: (path.name, device)."""
+        path, module, _ = self._innermost(exc)
+        if module is None:
+            return []
+        own = {t.device for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))}
+        own = own or {p.device for p in module.parameters()}
+        out = []
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and own and value.device not in own:
+                out.append((f"{path}.{name}" if path else name, str(value.device)))
+        return out
+
     def _innermost(self, exc: BaseException) -> Tuple[Optional[str], Any, tuple]:
         """(path, module, positional inputs) of the innermost watched module whose call the exception came through."""
         path, module, args = None, None, ()
@@ -299,7 +313,15 @@ class ExplainErrors(Check):
             fix = ("Move the model and every input to one device: model = model.to(device); x = x.to(device). "
                    "Tensor.cuda()/.to() return a copy - reassign it (x = x.cuda()); nn.Module.to() moves in place. "
                    "Create new tensors with device=x.device.")
-            return where, cause, fix, {"devices": devs}
+            stray = self._stray_attributes(exc)
+            if stray:
+                names = ", ".join(f"`{n}` ({d})" for n, d in stray[:3])
+                cause += f"; {names} is a plain tensor attribute, which module.to()/.to_empty()/.cuda() do not move"
+                fix = (f"Register it as a buffer so that the module's moves take it along: "
+                       f"self.register_buffer('{stray[0][0].rsplit('.', 1)[-1]}', tensor, persistent=False) "
+                       f"instead of self.{stray[0][0].rsplit('.', 1)[-1]} = tensor (persistent=True keeps it in "
+                       f"state_dict).")
+            return where, cause, fix, {"devices": devs, **({"plain_attributes": [n for n, _ in stray]} if stray else {})}
         if isinstance(exc, ValueError) and "Expected more than 1 value per channel when training" in text:
             m = _SIZE_RE.search(text)
             where = module or "batchnorm"
