@@ -359,8 +359,11 @@ class Guard(Wiring):
     # ------------------------------------------------------------------ findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Optional[Check] = None,
              step: Optional[int] = None, source: Optional[str] = None, details: Optional[Dict[str, Any]] = None,
-             severity: Optional[str] = None) -> Optional[Finding]:
-        """Record a finding; the first of each (kind, where) is reported, later ones are counted."""
+             severity: Optional[str] = None, seen: Optional[int] = None) -> Optional[Finding]:
+        """Record a finding; the first of each (kind, where) is reported, later ones are counted.
+
+        `step` is where the condition began; `seen` (default `step`) the step it is seen at now, the finding's
+        `last_step` (a run of zero gradients since step 0, seen again at step 12)."""
         if not is_kind(kind):
             raise ValueError(f"unknown finding kind {kind!r}")
         if kind not in self.config.kinds:
@@ -368,14 +371,15 @@ class Guard(Wiring):
         step = self.step if step is None else step
         rec = self.record
         with self._lock:
-            if rec.repeat(kind, where, step) or len(rec.findings) >= MAX_FINDINGS:
+            seen = step if seen is None else max(seen, step)
+            if rec.repeat(kind, where, seen) or len(rec.findings) >= MAX_FINDINGS:
                 return None
             details = dict(details or {})
             if _dist_rank() is not None:
                 details.setdefault("rank", _dist_rank()[0])
             finding = Finding(kind=kind, severity=severity or severity_of(kind), message=message, hint=hint,
                               where=where, step=step, count=1, source=source, details=details,
-                              last_step=step)
+                              last_step=seen)
             rec.put(finding)
         self.console().finding(finding)
         if self.config.mode == "raise" and finding.severity == ERROR:

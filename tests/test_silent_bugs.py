@@ -502,6 +502,7 @@ def test_grads_all_zero_demo_and_twin():
     g = grads_all_zero.train(live=False)
     f = only(g, "grads-all-zero")
     assert f.severity == "warning" and f.where == "loss" and f.step == 0 and f.details["steps"] == 5
+    assert f.last_step == g.step - 1 and f.count == g.step - 4  # since step 0, seen again at every later step
     assert f.source == line_of(grads_all_zero, "optimizer.step()") and "round" in f.hint
     assert kinds(g) == ["grads-all-zero"]
     assert grads_all_zero.train(fixed=True, checks="all", live=False).findings == []

@@ -60,8 +60,9 @@ class CheckContext(Protocol):
     # -- findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Any = None, step: Optional[int] = None,
              source: Optional[str] = None, details: Optional[Dict[str, Any]] = None,
-             severity: Optional[str] = None) -> Optional[Finding]:
-        """Report a finding (the first of each (kind, where); repeats are counted)."""
+             severity: Optional[str] = None, seen: Optional[int] = None) -> Optional[Finding]:
+        """Report a finding (the first of each (kind, where); repeats are counted). `step` is where the condition
+        began, `seen` (default `step`) the step it is seen at, the finding's `last_step`."""
 
     def update_details(self, kind: str, where: str, **details: Any) -> Optional[Finding]:
         """Add details to a recorded finding."""

@@ -115,7 +115,7 @@ class GradsAllZero(Check):
                    "The loss no longer depends on the parameters: look for detach()/.item()/argmax/round in the "
                    "loss path, a loss multiplied by 0 or a constant, cross_entropy over a single class, dead ReLUs "
                    "or saturated outputs."),
-                  step=run.since, source=run.source,
+                  step=run.since, seen=self.g.step, source=run.source,
                   details={"optimizer": type(opt).__name__, "steps": run.count, "parameters": n,
                            "cause": cause.kind if cause is not None else None,
                            "cause_source": cause.source if cause is not None else None})

@@ -114,7 +114,7 @@ class ParamsNotUpdating(Check):
                   "scheduler (a LambdaLR/LinearLR that reaches 0 before training ends, or training past its last "
                   "step). To freeze parameters on purpose, set requires_grad=False instead: it also saves their "
                   "gradients.",
-                  step=run.since, source=run.source,
+                  step=run.since, seen=self.g.step, source=run.source,
                   details={"optimizer": type(opt).__name__, "group": i, "lr": 0.0, "steps": run.count,
                            "initial_lr": group.get("initial_lr"), "modules": prefixes[:5],
                            "parameters": len(params)})

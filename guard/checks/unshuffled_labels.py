@@ -195,7 +195,7 @@ class UnshuffledLabels(Check):
                   f"trains on one class and the model follows the last class it saw",
                   "Shuffle the training data: DataLoader(dataset, batch_size=..., shuffle=True) (or a RandomSampler; "
                   "DistributedSampler(shuffle=True) under DDP). Keep shuffle=False for validation only.",
-                  step=st.since, source=st.source,
+                  step=st.since, seen=self.g.step, source=st.source,
                   details={"loader": st.name, "single_class_batches": st.single, "batches": st.counted,
                            "classes_filling_batches": st.classes[:20], "label_range": [st.lo, st.hi],
                            "sampler": "SequentialSampler"})

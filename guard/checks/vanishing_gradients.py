@@ -117,6 +117,6 @@ class VanishingGradients(Check):
                       "Gradients shrink through each saturating layer: use ReLU/GELU instead of sigmoid/tanh in deep "
                       "stacks, add normalization (nn.LayerNorm/nn.BatchNorm1d) or residual connections "
                       "(x = x + f(x)), and a suitable init (nn.init.kaiming_normal_ / xavier_uniform_).",
-                      step=self._since, source=self._source,
+                      step=self._since, seen=self.g.step, source=self._source,
                       details={"first": fp, "last": lp, "ratio": worst, "ratios": self._ratios,
                                "layers": n, "sampled_every": EVERY, "threshold": RATIO})

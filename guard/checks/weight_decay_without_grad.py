@@ -327,7 +327,7 @@ class WeightDecayWithoutGrad(Check):
             hint = (f"Momentum/Adam state from earlier steps keeps updating {where} although it gets no gradient. "
                     f"Remove these parameters from the optimizer for this phase, or let their grads be None "
                     f"(zero_grad(set_to_none=True), which optimizers skip).")
-        self.emit("weight-decay-without-grad", where, what, hint, step=since, source=source,
+        self.emit("weight-decay-without-grad", where, what, hint, step=since, seen=self.g.step, source=source,
                   details={"optimizer": opt_name, "group": gi, "weight_decay": wd,
                            "cause": "weight_decay" if decay else "momentum", "momentum": momentum, "lr": lr, "parameters": len(ts),
                            "zero_grad_steps": count, "norm_first": first, "norm_now": now,
