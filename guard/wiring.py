@@ -442,7 +442,8 @@ class Wiring:
         if self.step == 0 and self._models and not self.watched.module_ids and not self.watched.scripted and "torch._dynamo" in sys.modules:
             self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs through "
                         "a torch.compile'd wrapper (compiled code skips module hooks), guard that compiled module "
-                        "instead; until then only gradients and parameters are checked.")
+                        "instead; if another module computes the loss (a half-precision copy of fp32 master "
+                        "weights), guard that one; until then only gradients and parameters are checked.")
         self.dispatch("step_end", self.step)
         meter = self.meter
         if t0 is not None:
