@@ -331,3 +331,15 @@ def test_accelerate_prepared_optimizer_is_guarded_through_its_wrapper():
             opt.step()
     assert g.step == 4 and g.internal_errors == []
     assert [(f.kind, f.step) for f in g.findings][:1] == [("nonfinite-input", 2)]
+
+
+def test_a_graph_held_on_a_lightning_module_built_inline_is_named():
+    """`trainer.fit(Lit(...), ...)`: no variable of the user's names the module; its attribute holds the graphs."""
+    L.seed_everything(0, verbose=False)
+    cbk = LightningGuard(live=False)
+    trainer([cbk]).fit(Lit("retained", False), loader("retained"))
+    f = cbk.guard.findings[0]
+    assert f.kind == "loss-graph-retained" and f.where == "Lit.total", f
+    with open(__file__) as fh:
+        line = next(i for i, text in enumerate(fh, 1) if "self.total = self.total + loss" in text)
+    assert f"{HERE}:{line}" in f.message

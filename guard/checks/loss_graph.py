@@ -139,7 +139,7 @@ def _search(filename: str, lo: int, hi: int, target: str) -> Optional[int]:
         return None
     code = _code_lines(filename, lines)
     upd = re.compile(target + _UPDATE)
-    selfref = re.compile(r"^\s*" + target + r"\s*=(?!=)(.*)$")
+    selfref = re.compile(r"^\s*[\w.]*" + target + r"\s*=(?!=)(.*)$")  # `self.total = self.total + loss`
     best: Optional[int] = None
     for no in range(max(lo, 1), min(hi, len(lines)) + 1):
         text = code[no - 1]
@@ -321,6 +321,10 @@ class LossGraph(Check):
             if id(fr.f_globals) not in seen_scopes:
                 seen_scopes.add(id(fr.f_globals))
                 scopes.append((fr, fr.f_globals))
+        if frames:
+            # the watched models' own attributes, when no variable of the user's names them (a LightningModule
+            # built inside `trainer.fit(Classifier(), ...)` keeps `self.running_loss`)
+            scopes.append((frames[-1], {self.g.path_of(m): m for m in self.g.roots}))
         seen_objs: Set[int] = set()
         for fr, scope in scopes:
             for name, value in list(scope.items()):
@@ -350,7 +354,9 @@ class LossGraph(Check):
                                    "scan_ms": round(scan_ms, 2)}
         if holders:
             name, frame, steps, ts = holders[0]
-            src = _update_source(name, frame, _parent_of(name, frame))
+            roots = {self.g.path_of(m): m for m in self.g.roots}
+            parent = roots.get(name.split(".", 1)[0]) if "." in name else None
+            src = _update_source(name, frame, parent if parent is not None else _parent_of(name, frame))
             n = len(steps)
             nodes, saved = graph_size(ts)
             details.update(holder=name, holder_source=src, steps=n, graph_nodes=nodes,
