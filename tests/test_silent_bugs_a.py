@@ -428,6 +428,7 @@ def test_loss_disconnected_demo():
     g = loss_disconnected.train(live=False)
     f = only(g, "loss-disconnected")[0]
     assert f.severity == "error" and f.where == "loss" and f.step == 0
+    assert kinds(g) == ["loss-disconnected"]  # the graphs it cut off are its consequence, not an evaluation
     assert f.source == line_of(loss_disconnected, "loss.backward()")
     assert "reaches no parameter of SGD" in f.message and "only itself" in f.message
     assert "torch.tensor(loss.item(), requires_grad=True)" in f.message and ".item()" in f.hint

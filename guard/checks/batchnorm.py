@@ -76,7 +76,7 @@ class BatchNormBatch(Check):
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if is_root:
             x = args[0] if args else None
-            self._root_batch = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+            self._root_batch = x.shape[0] if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() >= 1 else None
         is_bn = self._bn.get(type(module))  # by type: one dict lookup per module call
         if is_bn is None:
             is_bn = self._bn[type(module)] = issubclass(type(module), _BatchNorm)
