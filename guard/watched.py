@@ -86,7 +86,8 @@ class Watched:
         self.stepped_in: Dict[int, int] = {}  # id(optimizer) -> ident of the thread it last stepped in
         self.primary_called = True  # a model the primary optimizer trains was called since the last step
         self.quiet = 0  # steps of other optimizers in a row with no call of the primary's models
-        self._primary_ids: Dict[int, set] = {}  # id(primary) -> ids of its parameters
+        self._primary_ids: set = set()  # ids of the primary optimizer's parameters (note_call)
+        self._primary_holds: Dict[int, Dict[int, Any]] = {}  # id(primary) -> {id(model): (ref, holds any of them)}
         #: while threads train at once: (optimizers, roots) of the thread guard follows (`narrow`)
         self._narrow: Optional[Tuple[List[weakref.ref], List[weakref.ref]]] = None
 
@@ -157,11 +158,16 @@ class Watched:
         if primary is None:
             self.primary_called = True
             return
-        ids = self._primary_ids.get(id(primary))
-        if ids is None:
+        held = self._primary_holds.get(id(primary))
+        if held is None:
             ids = {id(p) for g in primary.param_groups for p in g["params"]}
-            self._primary_ids = {id(primary): ids}  # one primary at a time
-        self.primary_called = any(id(p) in ids for p in module.parameters())
+            held = {}
+            self._primary_holds = {id(primary): held}  # one primary at a time
+            self._primary_ids = ids
+        hit = held.get(id(module))  # decided once per model (a model's parameters are read once, not per step)
+        if hit is None or hit[0]() is not module:
+            hit = held[id(module)] = (weakref.ref(module), any(id(p) in self._primary_ids for p in module.parameters()))
+        self.primary_called = hit[1]
 
     def watch_optimizer(self, opt: torch.optim.Optimizer) -> Tuple[bool, Optional[bool]]:
         """Whether `opt` steps parameters of the watched models (decided once per optimizer), and

@@ -325,7 +325,9 @@ class Wiring:
     def _hook_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         if not self._active:
             return None
-        self._tls.step_skip = skip = self._owner is not None and self._foreign(stepping=self._counts_steps(opt))
+        owner = self._owner
+        self._tls.step_skip = skip = (owner is not None and owner[0] != _thread_id()
+                                      and self._foreign(stepping=self._counts_steps(opt)))
         if skip or not self._watches_optimizer(opt):
             return None
         if self._lagging is not None:  # the step of a trailing optimizer raised: its post hook never came
