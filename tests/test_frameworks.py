@@ -342,4 +342,4 @@ def test_a_graph_held_on_a_lightning_module_built_inline_is_named():
     assert f.kind == "loss-graph-retained" and f.where == "Lit.total", f
     with open(__file__) as fh:
         line = next(i for i, text in enumerate(fh, 1) if "self.total = self.total + loss" in text)
-    assert f"{HERE}:{line}" in f.message
+    assert f"{HERE}:{line}" in f.message and "`self.total += loss.item()`" in f.hint

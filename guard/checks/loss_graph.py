@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import linecache
+import os
 import re
 import time
 import tokenize
@@ -176,6 +177,15 @@ def _update_source(name: str, frame: Any, parent: Any) -> Optional[str]:
         if no is not None:
             return f"{short_path(filename)}:{no}"
     return f"{short_path(code.co_filename)}:{frame.f_lineno}"
+
+
+def _line_has(source: str, text: str) -> bool:
+    """Whether the line at `source` (``file:line``, the path as shown) holds `text`."""
+    path, _, no = source.rpartition(":")
+    try:
+        return text in linecache.getline(os.path.abspath(path), int(no))
+    except (ValueError, OSError):
+        return False
 
 
 def _parent_of(name: str, frame: Any) -> Any:
@@ -366,10 +376,13 @@ class LossGraph(Check):
                 details["saved_bytes"] = saved
                 mem = f", {fmt_bytes(saved)} of saved tensors"
             base = name[:-5] if name.endswith("[...]") else name
+            said = base  # in the fix: as the updating line names it (`self.total` in the model's own methods)
+            if parent is not None and "." in base and src and _line_has(src, "self." + base.split(".", 1)[1]):
+                said = "self." + base.split(".", 1)[1]
             if name.endswith("[...]"):
-                fix = f"`{base}.append(loss.item())`"
+                fix = f"`{said}.append(loss.item())`"
             else:
-                fix = f"`{base} += loss.item()`"
+                fix = f"`{said} += loss.item()`"
             message = (f"`{name}` ({src}) holds the autograd graphs of {n} steps (since step {min(steps)}; "
                        f"{nodes} graph nodes{mem}); use `loss.item()`")
             hint = (f"Accumulate Python numbers, e.g. {fix}, or keep `loss.detach()`; every tensor that still "
