@@ -71,8 +71,9 @@ class Wiring:
         inst = self._installer
         router = self.router
         if self._models:
-            # Per-module pre-hooks only when a check needs them; roots always get one (the
-            # model call's source line, step bookkeeping). Post-hooks fill the module table.
+            # Every module's first call is seen from its start (pre-hook) and end (post-hook: the module
+            # table). A layer called outside any call of its model stands in for the model (`_standin`);
+            # the others lose the hooks no check keeps when settled (`_after_forward`).
             for mref in self._models:
                 model = mref()
                 if model is None:
@@ -83,14 +84,11 @@ class Wiring:
                 for mod in dict.fromkeys(m for _, m in inner.named_modules()) if not compiled else (inner,):
                     if isinstance(mod, torch.jit.ScriptModule):
                         continue  # register_forward_*hook raises on ScriptModules
-                    # Every module's first call is seen from its start: one called outside any call of its
-                    # model stands in for the model (`_standin`); the others lose the pre-hook when settled.
-                    wanted = True
                     if compiled and getattr(mod, "_compiled_call_impl", None) is not None:
                         continue  # model.compile(): the boundary around its compiled call does the root's part
-                    handles = inst.module_hooks(mod, self._hook_pre if wanted else None, self._hook_post)
+                    handles = inst.module_hooks(mod, self._hook_pre, self._hook_post)
                     if id(mod) not in self._mod_handles:
-                        self._mod_handles[id(mod)] = (handles[0] if wanted else None, handles[-1])
+                        self._mod_handles[id(mod)] = (handles[0], handles[-1])
         else:
             inst.global_module_hooks(self._hook_pre_global, self._hook_post_global)
         if self._optimizers:
@@ -183,8 +181,7 @@ class Wiring:
 
     def _own_call(self) -> None:
         """A model call starts while no thread trains yet: its thread is followed until another steps first."""
-        if self._owner is None:
-            self._owner = (_thread_id(), threading.current_thread(), False)
+        self._owner = (_thread_id(), threading.current_thread(), False)
 
     # ------------------------------------------------------------------ hooks (hot paths)
     def _hook_pre_global(self, module: nn.Module, args: tuple) -> None:
