@@ -449,6 +449,24 @@ def test_numpy_round_trip_names_the_tensor_it_reaches_in_global_mode():
     assert f.details["reaches"] == ["a tensor [5, 1] (a leaf made with requires_grad=True)"]
 
 
+def test_loss_cut_off_after_healthy_steps_is_found_at_its_step():
+    """Healthy steps teach the check the path from the loss to a parameter; a loss cut off later is still walked."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scale = torch.ones(1, requires_grad=True)  # a plain tensor no optimizer holds
+    with guard(model, opt, checks=["loss-disconnected"], live=False) as g:
+        for step in range(6):
+            opt.zero_grad()
+            out = model(torch.randn(5, 8))
+            if step >= 4:
+                out = out.detach() * scale  # the same loss function, now fed a cut-off graph
+            F.mse_loss(out, torch.randn(5, 1)).backward()
+            opt.step()
+    [f] = g.findings
+    assert f.kind == "loss-disconnected" and f.step == 4
+    assert f.details["reaches"] == ["a tensor [1] (a leaf made with requires_grad=True)"]
+
+
 def test_head_only_loss_gan_style_transfer_and_manual_sgd_are_silent():
     from tests.healthy import gan_detach
 

@@ -20,12 +20,14 @@ parameters the graph does not show (``torch.utils.checkpoint(use_reentrant=True)
 inside its backward).
 
 Cost: a graph walk per ``backward()`` that stops at the first parameter (a handful of
-nodes on a healthy loss); host only, no device values. Nothing per module call.
+nodes on a healthy loss), and on later steps not even that: the path the walk took to the
+parameter is followed again first (a few attribute reads). Host only, no device values.
+Nothing per module call.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,10 +37,31 @@ from .base import Check
 MAX_NODES = 20_000
 _PY_FUNCTION = torch.autograd.function.BackwardCFunction  # the graph node of a Python autograd.Function
 MAX_LEAVES = 16
+MAX_PATHS = 4  # graph shapes remembered (a GAN's two losses, a loop with two models)
 
 
-def _leaves(roots: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-    """Leaf tensors the graph behind `roots` accumulates into; None as soon as one is an nn.Parameter."""
+def _follow(fn: Any, path: Tuple[int, ...]) -> bool:
+    """Whether the `next_functions` indices of `path`, followed from node `fn`, end at an nn.Parameter's leaf."""
+    try:
+        for i in path:
+            fn = fn.next_functions[i][0]
+        return isinstance(fn.variable, nn.Parameter)
+    except Exception:  # another graph shape (index out of range, a node that is no leaf, None)
+        return False
+
+
+def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[int, ...]]] = None) -> Optional[List[torch.Tensor]]:
+    """Leaf tensors the graph behind `roots` accumulates into; None as soon as one is an nn.Parameter.
+
+    `paths` keeps the `next_functions` indices from the first root's node to the parameter found by earlier
+    walks: a training loop builds the same graph every step, so that path, followed in a few attribute reads,
+    usually ends at a parameter again, and the walk is skipped. A walk that finds one adds its path.
+    """
+    first = roots[0].grad_fn if roots else None
+    if paths and first is not None:
+        for path in paths:
+            if _follow(first, path):
+                return None
     found: List[torch.Tensor] = []
     stack: List[Any] = []
     for t in roots:
@@ -51,6 +74,8 @@ def _leaves(roots: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
             stack.append(t.grad_fn)
     seen = set()
     keep = []  # node objects stay alive during the walk, so ids stay unique
+    # id(node) -> (id(parent), index in the parent's next_functions): the path to a parameter, once found
+    parent: Dict[int, Tuple[int, int]] = {}
     opaque = False  # met a Python autograd.Function: it may use parameters the graph does not show
     while stack:
         node = stack.pop()
@@ -66,17 +91,25 @@ def _leaves(roots: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
             nxt = node.next_functions
         except Exception:
             continue
-        for child, _ in nxt:
+        for k, (child, _) in enumerate(nxt):
             if child is None:
                 continue
             var = getattr(child, "variable", None)
             if var is not None:
                 if isinstance(var, nn.Parameter):
+                    if paths is not None and first is not None and len(paths) < MAX_PATHS:
+                        path, at = [k], id(node)
+                        while at in parent:
+                            at, i = parent[at]
+                            path.append(i)
+                        if at == id(first):
+                            paths.append(tuple(reversed(path)))
                     return None
                 if len(found) < MAX_LEAVES and all(v is not var for v in found):
                     found.append(var)
             elif id(child) not in seen:
                 stack.append(child)
+                parent.setdefault(id(child), (id(node), k))
     if opaque:
         # torch.utils.checkpoint(use_reentrant=True) runs the model inside its backward: the parameters
         # get their gradients there, and its node lists only the inputs. Such a graph is not judged.
@@ -98,6 +131,7 @@ class LossDisconnected(Check):
         # backwards of this step that reached no nn.Parameter: (leaf refs, leaf descriptions, source, step, shape)
         self._pending: List[Tuple[List[weakref.ref], List[str], Optional[str], int, List[int]]] = []
         self._done = False
+        self._paths: List[Tuple[int, ...]] = []  # known paths from a loss's node to a parameter (`_leaves`)
 
     def on_backward(self, tensors, kwargs):
         if self._done or not self.g.sampling or len(self._pending) >= 8:
@@ -105,7 +139,7 @@ class LossDisconnected(Check):
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or ()) if isinstance(t, torch.Tensor)]
         if not ts:
             return
-        leaves = _leaves(ts)
+        leaves = _leaves(ts, self._paths)
         if leaves is None:
             return
         descr = [f"{'the loss itself' if any(l is t for t in ts) else 'a tensor'} {list(l.shape)} "
