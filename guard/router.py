@@ -11,7 +11,6 @@ import time
 import traceback
 import warnings
 import weakref
-from threading import get_ident
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -32,6 +31,8 @@ def _transforms_active() -> bool:  # a torch without the C switch (it has been t
 
 #: True while a torch.func transform (vmap, grad, jacrev, ...) runs (the C switch: peek_interpreter_stack
 #: costs about ten times as much inside a training step)
+FRESH = object()  # `Router.memo` in a dispatch whose handlers have not asked for the source line yet
+
 _in_transform = getattr(torch._C, "_are_functorch_transforms_active", None) or _transforms_active
 
 
@@ -58,7 +59,8 @@ class Router:
         # after its first call to those that keep it (Check.steady).
         self.pre_for: Dict[int, Tuple[Any, List[Handler]]] = {}
         self.post_for: Dict[int, Tuple[Any, List[Handler]]] = {}
-        self.memo: Optional[list] = None  # [thread id, source line, computed] of the dispatch running now
+        # The dispatch running now: FRESH until a handler asks for the source line, then (thread id, line).
+        self.memo: Any = None
         # Handler tables with every active check, and without the costly ones (the steps a budget samples
         # them out): switched in O(1) at a step's end (`wake`), so a sleeping check costs nothing per step.
         self._tables: Tuple[Dict[str, List[Handler]], Dict[str, List[Handler]]] = ({}, {})
@@ -120,7 +122,7 @@ class Router:
             return
         # The user's source line is the same for every handler of one dispatch: `Guard.source()`
         # walks the frames once per dispatch (in this thread), not once per check that asks.
-        outer, self.memo = self.memo, [get_ident(), None, False]
+        outer, self.memo = self.memo, FRESH
         try:
             for check, fn in hs:
                 try:

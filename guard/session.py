@@ -28,7 +28,7 @@ from .config import Config, ConfigError, as_list, make_config
 from .findings import ERROR, Finding, GuardError, is_kind, severity_of
 from .meter import Meter
 from .record import Record
-from .router import GuardInternalWarning, Router
+from .router import FRESH, GuardInternalWarning, Router
 from .staging import GradNorms, Staging
 from .watched import Watched, model_labels
 from .wiring import Wiring
@@ -430,10 +430,12 @@ class Guard(Wiring):
 
     def source(self) -> Optional[str]:
         """``file:line`` of the user's code that is running now."""
-        m = self.router.memo
-        if m is not None and m[0] == threading.get_ident():  # within one dispatch: walked once
-            if not m[2]:
-                m[1], m[2] = user_source(2), True
+        m = self.router.memo  # within one dispatch: walked once
+        if m is FRESH:
+            line = user_source(2)
+            self.router.memo = (threading.get_ident(), line)  # tagged: another thread's dispatch walks its own
+            return line
+        if m is not None and m[0] == threading.get_ident():
             return m[1]
         return user_source(2)
 
