@@ -439,8 +439,8 @@ def test_one_guard_over_two_threads_training_at_once_follows_one(scope):
         assert g.findings == [] and g.internal_errors == []
         assert any("this guard follows" in n for n in g.notices)
         # one thread's 60 steps (mixed threads would count up to 120); which thread is followed is decided
-        # as both start, and a step of that moment may go to the other one
-        assert g.step in (59, 60)
+        # as both start, and the steps of that moment may go to the other one (a few, on a loaded machine)
+        assert 50 <= g.step <= 60
 
 
 def test_training_in_a_thread_started_by_the_guarding_thread_is_watched():
