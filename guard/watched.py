@@ -80,9 +80,11 @@ class Watched:
         self.paths_weak: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
         self.roots_seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self.scripted = False  # a TorchScript model runs no Python hooks
-        self.module_ids: set = set()  # ids; only gates the one-time module table entry
+        # modules called so far (only gates the one-time module table entry); an entry dies with its module, so a
+        # module that a global guard meets at a dead one's address gets its own entry
+        self.module_ids = WeakIdMap()
         self.module_paths: set = set()
-        self._param_names: Dict[int, str] = {}
+        self._param_names = WeakIdMap()  # param -> name; an entry dies with its parameter (ids are reused)
         self.stepped_in: Dict[int, int] = {}  # id(optimizer) -> ident of the thread it last stepped in
         self.primary_called = True  # a model the primary optimizer trains was called since the last step
         self.quiet = 0  # steps of other optimizers in a row with no call of the primary's models
@@ -215,13 +217,15 @@ class Watched:
 
     def param_name(self, param: torch.Tensor, optimizers: List[torch.optim.Optimizer]) -> str:
         """A parameter's qualified name in the watched model(s), or a positional fallback."""
-        name = self._param_names.get(id(param))
+        names = self._param_names
+        name = names.data.get(id(param))
         if name is None:
             for m in self.roots:
                 pre = self._prefix.get(id(m))
                 for n, p in m.named_parameters(remove_duplicate=False):
-                    self._param_names.setdefault(id(p), f"{pre}.{n}" if pre else n)
-            name = self._param_names.get(id(param))
+                    if id(p) not in names.data:
+                        names[p] = f"{pre}.{n}" if pre else n
+            name = names.data.get(id(param))
         if name is None:
             for o in optimizers:
                 for gi, group in enumerate(o.param_groups):
@@ -319,7 +323,7 @@ class Watched:
     def record_module(self, module: nn.Module, output: Any, record: Record) -> None:
         """Add a module's first call to the module table of `record` (path, type, output shape, ...)."""
         try:
-            self.module_ids.add(id(module))
+            self.module_ids[module] = True
             if len(self.module_paths) >= MAX_MODULES:
                 return
             path = self.path_of(module)

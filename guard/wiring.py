@@ -252,7 +252,7 @@ class Wiring:
         """
         mid = id(module)
         if mid not in self._standins:
-            if self._root_seen or mid in self.watched.module_ids or _task_id() != -1 or not self._active:
+            if self._root_seen or mid in self.watched.module_ids.data or _task_id() != -1 or not self._active:
                 return False
             if push_call(self._tls, frame):  # nested in another stand-in's call
                 self._tls.calls.pop()
@@ -284,7 +284,7 @@ class Wiring:
         if not self._active:
             return
         t0 = _clock()
-        first = id(module) not in self.watched.module_ids
+        first = id(module) not in self.watched.module_ids.data
         if first:
             self.watched.record_module(module, output, self.record)
         r = self.router

@@ -927,3 +927,73 @@ def test_jit_trace_of_a_guarded_model_records_nothing_of_guard():
     assert g.findings == [] and g.internal_errors == []
     x = torch.randn(3, 6)
     assert torch.equal(traced(x), model(x))
+
+
+def test_a_parameter_at_a_dead_parameters_address_gets_its_own_name():
+    """Under a global guard models come and go: a new parameter that CPython places at a dead one's address
+    is named after its own model, not the dead one (a stale name once made a healthy embedding look like the
+    first Linear layer of a model trained earlier, and vanishing-gradients fired on it)."""
+
+    def train(model, steps=2):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(3, 24)).sum().backward()
+            opt.step()
+
+    with guard(checks="all", live=False) as g:
+        old = nn.Sequential(nn.Linear(24, 4))
+        train(old)
+        assert g.param_name(old[0].weight) == "0.weight"
+        dead = {id(p) for p in old.parameters()}
+        del old
+        gc.collect()
+        keep, reused = [], None
+        for _ in range(100_000):  # allocate until one lands on a dead parameter's address (a few tries)
+            p = nn.Parameter(torch.randn(4, 24))
+            if id(p) in dead:
+                reused = p
+                break
+            keep.append(p)
+        assert reused is not None
+        new = nn.Sequential(nn.Identity(), nn.Linear(24, 4))
+        new[1].weight = reused
+        train(new)
+        assert g.param_name(reused) == "1.weight"
+
+
+def test_global_guard_reads_a_layers_type_from_the_live_model_not_an_earlier_one_at_the_same_path():
+    """A model trained earlier under the same global guard had a Linear at `emb`; the model trained now has its
+    Embedding there (tiny gradients by design): it stays exempt from the vanishing-gradients comparison."""
+    from tests.healthy import deep_residual
+    import torch.nn.functional as F
+
+    class Earlier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Linear(5, 24), nn.Linear(24, 4)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.emb(x)))
+
+    with guard(checks="all", live=False) as g:
+        earlier = Earlier()
+        opt = torch.optim.SGD(earlier.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            earlier(torch.randn(8, 5)).sum().backward()
+            opt.step()
+        del earlier, opt
+        gc.collect()
+        torch.manual_seed(0)
+        model = deep_residual.Net()
+        model.proj.requires_grad_(False)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+        for _ in range(100):  # the check looks for layers again 50 steps after the earlier model's
+            idx, y = torch.randint(0, 50, (16, 5)), torch.randint(0, 4, (16,))
+            loss = F.cross_entropy(model(idx), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(f.kind, f.where) for f in g.findings] == []
+    assert g.internal_errors == []

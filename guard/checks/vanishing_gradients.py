@@ -59,10 +59,14 @@ class VanishingGradients(Check):
                 if p.dim() >= 2 and p.requires_grad and id(p) in held:
                     mod, _, _ = self.g.param_name(p).rpartition(".")
                     by_module.setdefault(mod, p)
+            # Types from this root's own modules: under a global guard the module table also lists models
+            # trained before, whose paths this one may reuse (an Embedding where a Linear was).
+            types = {self.g.path_of(m): type(m).__name__ for m in root.modules()}
             order = []
             for path, info in self.g.modules.items():  # in the order of first calls
-                key = path if path in by_module else "" if path == info.get("type") else None  # the root: its class name
-                if key not in by_module or info.get("type") in ("Embedding", "EmbeddingBag"):
+                kind = types.get(path, info.get("type"))
+                key = path if path in by_module else "" if path == kind else None  # the root: its class name
+                if key not in by_module or kind in ("Embedding", "EmbeddingBag"):
                     continue
                 order.append((path, by_module[key]))
             if len(order) > len(best):
