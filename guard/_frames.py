@@ -76,10 +76,13 @@ def user_source(depth: int = 1) -> Optional[str]:
     fallback = None
     cache = _cache
     while f is not None:
-        name = f.f_code.co_filename
-        level = cache.get(name)  # inlined lookup (a call per frame, several walks a step)
-        if level is None:
-            level = _level(name)
+        try:
+            level = cache[f.f_code.co_filename]  # inlined lookup (a call per frame, several walks a step)
+        except KeyError:
+            level = _level(f.f_code.co_filename)
+        if level == 2:  # torch and guard: most frames of a walk
+            f = f.f_back
+            continue
         if level == 0:
             # The same few lines call the model, backward() and step() at every step: their text is kept
             # by code object and instruction (f_lineno decodes the line table, and the f-string allocates).
@@ -89,6 +92,7 @@ def user_source(depth: int = 1) -> Optional[str]:
             key = (id(code), f.f_lasti)
             hit = _line_cache.get(key)
             if hit is None or hit[0] is not code:
+                name = code.co_filename
                 short = _short_cache.get(name)
                 hit = (code, f"{short if short is not None else short_path(name)}:{f.f_lineno}")
                 if len(_line_cache) >= 4096:
