@@ -588,6 +588,43 @@ def test_eval_in_train_mode_leaves_swa_update_bn_alone():
     assert g.findings == []
 
 
+def test_eval_in_train_mode_leaves_precise_bn_with_momentum_one_alone():
+    """fvcore/detectron2's update_bn_stats: BatchNorm momentum set to 1.0, the model in train mode under no_grad,
+    the batch statistics averaged by hand; a Dropout left in train mode under no_grad is still reported."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+    with guard(model, opt, checks="all", live=False) as g:
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        bn = model[1]
+        mean, var = torch.zeros_like(bn.running_mean), torch.zeros_like(bn.running_var)
+        bn.momentum = 1.0
+        with torch.no_grad():
+            model.train()
+            for x, _ in data:
+                model(x)
+                mean += bn.running_mean / len(data)
+                var += bn.running_var / len(data)
+        bn.running_mean.copy_(mean)
+        bn.running_var.copy_(var)
+        bn.momentum = 0.1
+    assert g.findings == []
+    dropped = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 1))
+    opt = torch.optim.SGD(dropped.parameters(), lr=0.01)
+    with guard(dropped, opt, checks="all", live=False) as g:
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(dropped(x), y).backward()
+            opt.step()
+        dropped[1].momentum = 1.0
+        with torch.no_grad():
+            dropped(data[0][0])
+    assert [(f.kind, f.details.get("modules")) for f in g.findings] == [("eval-in-train-mode", ["2"])]
+
+
 def test_loss_graph_raise_mode_stops_at_backward_and_bounded_window_is_reported():
     from collections import deque
 

@@ -47,9 +47,10 @@ _CONTEXTLIB = os.path.abspath(contextlib.__file__)
 
 
 def _recalibrating(m: nn.Module) -> bool:
-    """A BatchNorm with ``momentum=None`` keeps a cumulative average: its statistics are being recomputed on
-    purpose (precise BN, what ``swa_utils.update_bn`` does by hand)."""
-    return isinstance(m, _BatchNorm) and m.momentum is None
+    """A BatchNorm with ``momentum=None`` keeps a cumulative average, one with ``momentum=1.0`` keeps only this
+    batch's statistics for the caller to average: its statistics are being recomputed on purpose (precise BN:
+    ``swa_utils.update_bn``, fvcore/detectron2's ``update_bn_stats``)."""
+    return isinstance(m, _BatchNorm) and (m.momentum is None or m.momentum == 1.0)
 
 
 def _called_by_torch() -> bool:
