@@ -378,6 +378,22 @@ def test_optimizer_over_another_copy_of_the_model():
     assert "param-not-in-optimizer" in kinds(g)  # that check names the parameters
 
 
+def test_per_epoch_scheduler_stepped_every_batch_drives_lr_below_float_resolution():
+    """StepLR(step_size=10, gamma=0.1) meant per epoch, stepped per batch: after 120 batches lr is 1e-13, the
+    gradients are non-zero and nothing moves; the finding says so from the first step below TINY_LR on."""
+    from guard.checks.params_not_updating import TINY_LR
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10, 0.1)
+    g = _steps(model, opt, 160, sched=sched)
+    f = only(g, "params-not-updating")
+    first_tiny = next(s for s in range(160) if 0.01 * 0.1 ** (s // 10) <= TINY_LR)
+    assert f.where == "Sequential" and f.step == first_tiny and f.details["steps"] >= 20
+    assert 0 < f.details["lr"] <= TINY_LR and "down from 1.0e-02" in f.message
+    assert "below float32's resolution" in f.message and "once per batch" in f.hint
+
+
 @pytest.mark.parametrize("case", ["warmup-from-0", "cosine-end", "frozen", "scaler-skipped"])
 def test_params_not_updating_healthy_patterns_are_silent(case):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -1,9 +1,11 @@
 """Parameters that get non-zero gradients yet do not change: ``lr=0`` (a config typo, a scheduler that
 drove it to 0), or an optimizer built over another copy of the model.
 
-* A param group whose learning rate is exactly 0 for `STEPS` sampled optimizer
-  steps in a row while its gradients are non-zero: no torch optimizer moves a
-  parameter with ``lr=0``. The learning rate is a host value; the group's
+* A param group whose learning rate is 0 (or below `TINY_LR`, far under float32's
+  resolution for any weight: a per-epoch scheduler such as ``StepLR`` stepped
+  every batch) for `STEPS` sampled optimizer steps in a row while its gradients
+  are non-zero: no torch optimizer moves a parameter with ``lr=0``, and one of
+  ``1e-20`` changes none by a representable amount. The learning rate is a host value; the group's
   gradient norm is reduced (one ``_foreach_norm``) and staged only while its
   ``lr`` is 0, so a healthy run pays one float comparison per group and step.
   Warm-up from ``lr=0`` (one step at 0), the last step of a cosine schedule,
@@ -27,13 +29,17 @@ from .base import Check
 from .._weak import WeakIdMap
 
 STEPS = 20  # sampled optimizer steps with lr = 0 and non-zero gradients before reporting
+#: a learning rate this small moves no float32 weight (its resolution is ~1e-7 of the weight's size); no schedule
+#: in use spends many steps below it, except by mistake (a cosine to 0 over 100k steps spends its last 2 there)
+TINY_LR = 1e-12
 
 
 class _Run:
-    __slots__ = ("count", "since", "source", "reported")
+    __slots__ = ("count", "since", "source", "reported", "lr")
 
     def __init__(self) -> None:
         self.count, self.since, self.source, self.reported = 0, 0, None, False
+        self.lr = 0.0  # the learning rate when the run was reported (0, or a tiny one)
 
 
 def _lr(group) -> float:
@@ -61,7 +67,7 @@ class ParamsNotUpdating(Check):
         if runs is None:
             runs = self._runs[optimizer] = {}
         for i, group in enumerate(optimizer.param_groups):
-            if _lr(group) != 0.0:
+            if not 0.0 <= _lr(group) <= TINY_LR:
                 run = runs.get(i)
                 if run is not None:
                     run.count = 0
@@ -96,6 +102,7 @@ class ParamsNotUpdating(Check):
 
     def _report_lr(self, opt, i: int, run: _Run) -> None:
         group = opt.param_groups[i]
+        run.lr = lr = max(_lr(group), 0.0)
         params = [p for p in group["params"] if p.grad is not None]
         names = [self.g.param_name(p) for p in params]
         every = [n for n, _ in self.g.named_parameters()]
@@ -107,15 +114,28 @@ class ParamsNotUpdating(Check):
         groups = len(opt.param_groups)
         which = f"param group {i} of {type(opt).__name__}" if groups > 1 else type(opt).__name__
         sched = " (a learning-rate scheduler may have driven it there)" if "initial_lr" in group else ""
+        if lr == 0.0:
+            has = f"has lr=0{sched}"
+            effect = "optimizer.step() does not change them"
+            hint = ("Check the learning rate in the config (a typo such as lr=0 or an int division) and the "
+                    "scheduler (a LambdaLR/LinearLR that reaches 0 before training ends, or training past its last "
+                    "step). To freeze parameters on purpose, set requires_grad=False instead: it also saves their "
+                    "gradients.")
+        else:
+            start = group.get("initial_lr")
+            has = (f"has lr={lr:.1e}" + (f", down from {start:.1e}," if isinstance(start, (int, float)) else "")
+                   + sched)
+            effect = "updates that small are below float32's resolution, so optimizer.step() changes nothing"
+            hint = ("A scheduler meant to step once per epoch (StepLR, MultiStepLR, ExponentialLR: step_size and "
+                    "milestones count scheduler.step() calls) is probably stepped once per batch: call "
+                    "scheduler.step() after the epoch's loop, or give step_size in batches. Otherwise check the "
+                    "learning rate in the config.")
         self.emit("params-not-updating", prefixes[0] if prefixes else f"param_groups[{i}]",
-                  f"{which} has lr=0{sched} for {run.count} steps since step {run.since} while its {len(params)} "
-                  f"parameter(s) get non-zero gradients ({shown}): optimizer.step() does not change them",
-                  "Check the learning rate in the config (a typo such as lr=0 or an int division) and the "
-                  "scheduler (a LambdaLR/LinearLR that reaches 0 before training ends, or training past its last "
-                  "step). To freeze parameters on purpose, set requires_grad=False instead: it also saves their "
-                  "gradients.",
+                  f"{which} {has} for {run.count} steps since step {run.since} while its {len(params)} "
+                  f"parameter(s) get non-zero gradients ({shown}): {effect}",
+                  hint,
                   step=run.since, seen=self.g.step, source=run.source,
-                  details={"optimizer": type(opt).__name__, "group": i, "lr": 0.0, "steps": run.count,
+                  details={"optimizer": type(opt).__name__, "group": i, "lr": lr, "steps": run.count,
                            "initial_lr": group.get("initial_lr"), "modules": prefixes[:5],
                            "parameters": len(params)})
 
