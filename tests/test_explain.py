@@ -47,6 +47,8 @@ def test_inplace_on_saved_tensor_names_the_module():
                 opt.step()
     exc = ei.value
     assert type(exc) is RuntimeError and "modified by an inplace operation" in str(exc)
+    # PyTorch's own words kept (the op that made the tensor), the module that saved it added
+    assert "which is output 0 of SigmoidBackward0, saved by module `act`" in str(exc)
     note = _notes(exc)
     assert "`act` (Sigmoid)" in note and "step 0" in note and ".clone()" in note
     (f,) = _explained(g)
@@ -55,6 +57,42 @@ def test_inplace_on_saved_tensor_names_the_module():
     # without a guard PyTorch raises the same kind of error (the hooks kept its check)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         InplaceNet()(torch.randn(3, 4)).sum().backward()
+
+
+def test_in_place_change_of_a_parameter_outside_no_grad_is_explained():
+    """A max-norm helper that rescales weights with p.div_() while autograd records."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def max_norm(m, limit=1.0):
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.div_(p.norm(dim=1, keepdim=True).clamp(min=limit))
+
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad") as ei:
+        with guard(model, opt, live=False) as g:
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.randn(5, 4)).pow(2).mean().backward()
+                opt.step()
+                if step == 1:
+                    max_norm(model)
+    assert "with torch.no_grad()" in _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "parameter" and f.step == 2 and "test_explain.py" in f.source  # after step 1's update
+
+
+def test_backward_on_an_unreduced_loss_is_explained():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="only for scalar outputs") as ei:
+        with guard(model, opt, live=False) as g:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(torch.randn(5, 4)), torch.randn(5, 1), reduction="none")
+            loss.backward()
+    assert "loss.mean()" in _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "loss" and f.step == 0 and "reduction='none'" in f.message
 
 
 def test_inplace_clean_twin_same_grads_double_backward_and_no_leak():
@@ -251,13 +289,35 @@ class _BusErrorData(torch.utils.data.Dataset):
 @pytest.mark.skipif(not hasattr(signal, "SIGBUS"), reason="POSIX only")
 def test_dataloader_worker_bus_error_shm():
     loader = torch.utils.data.DataLoader(_BusErrorData(), batch_size=2, num_workers=1, timeout=20)
-    with pytest.raises(RuntimeError) as ei:
+    # PyTorch's own error, or (on a loaded machine) the closed connection the dead worker sent through
+    with pytest.raises((RuntimeError, ConnectionError, EOFError)) as ei:
         with guard(checks=["explain"], live=False) as g:
             for _ in loader:
                 pass
     note = _notes(ei.value)
     assert "/dev/shm" in note and "num_workers" in note, str(ei.value)
     assert _explained(g)[0].where == "DataLoader"
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGBUS"), reason="POSIX only")
+@pytest.mark.parametrize("error", [ConnectionResetError(104, "Connection reset by peer"), EOFError()])
+def test_dataloader_worker_death_seen_as_a_closed_connection(monkeypatch, error):
+    """The worker's death reaches the main process as the connection closing, before its exit code is read:
+    still explained, with the signal read once the worker is reaped."""
+    from torch.utils.data import dataloader
+
+    def closed(self, timeout=None):
+        raise error  # what receiving a batch from the dead worker raises when the pipe race goes this way
+
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_try_get_data", closed)
+    loader = torch.utils.data.DataLoader(_BusErrorData(), batch_size=2, num_workers=1, timeout=20)
+    with pytest.raises(type(error)) as ei:
+        with guard(checks=["explain"], live=False) as g:
+            for _ in loader:
+                pass
+    assert "bus error" in _notes(ei.value) and "/dev/shm" in _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "DataLoader" and f.details["worker_signals"] == [signal.SIGBUS]
 
 
 def test_dataparallel_attribute_error_hints_module():

@@ -27,6 +27,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -76,16 +77,35 @@ def _user_line(exc: BaseException) -> Optional[str]:
     return None
 
 
-def _worker_signals(exc: BaseException) -> List[int]:
-    """Signals that killed the DataLoader's workers, read from the iterator in the traceback's frames."""
+def _loader_iter(exc: BaseException) -> Any:
+    """The multi-process DataLoader iterator whose frame the exception passed through, if any."""
     tb = exc.__traceback__
     while tb is not None:
         it = tb.tb_frame.f_locals.get("self")
         if type(it).__name__ == "_MultiProcessingDataLoaderIter":
-            codes = [getattr(w, "exitcode", None) for w in getattr(it, "_workers", ())]
-            return sorted({-c for c in codes if isinstance(c, int) and c < 0})
+            return it
         tb = tb.tb_next
-    return []
+    return None
+
+
+def _worker_signals(exc: BaseException, wait: float = 0.0) -> List[int]:
+    """Signals that killed the DataLoader's workers, read from the iterator in the traceback's frames.
+
+    With `wait`, a worker not reaped yet is given up to that many seconds in all to be (its death may
+    reach the main process as a closed connection before its exit code does)."""
+    it = _loader_iter(exc)
+    workers = list(getattr(it, "_workers", ())) if it is not None else []
+    if wait:
+        deadline = time.monotonic() + wait
+        for w in workers:
+            left = deadline - time.monotonic()
+            if left > 0 and getattr(w, "exitcode", 0) is None:
+                try:
+                    w.join(left)
+                except Exception:
+                    pass
+    codes = [getattr(w, "exitcode", None) for w in workers]
+    return sorted({-c for c in codes if isinstance(c, int) and c < 0})
 
 
 def _mib(n: int) -> str:
@@ -129,7 +149,9 @@ class ExplainErrors(Check):
     @eager
     def _pack(self, t: torch.Tensor) -> Any:
         try:
-            return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)))
+            fn = t.grad_fn  # PyTorch's message names the op that made the tensor: kept for ours
+            made = f"output {t.output_nr} of {type(fn).__name__}" if fn is not None else None
+            return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)), made)
         except Exception:  # e.g. no version counter: keep PyTorch's own handling for this tensor
             return t.detach()
 
@@ -137,15 +159,16 @@ class ExplainErrors(Check):
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is not tuple:
             return packed
-        t, version, path = packed
+        t, version, path, made = packed
         now = t._version
         if now != version:
             self._inplace = {"module": path, "shape": list(t.shape), "dtype": str(t.dtype),
                              "saved_version": version, "version": now, "step": self.g.step}
             by = f"saved by module `{path}`" if path else "saved outside any module call"
+            which = f", which is {made}" if made else ""
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{t.type()} {list(t.shape)}], {by}, is at version {now}; expected version {version} instead. "
+                f"[{t.type()} {list(t.shape)}]{which}, {by}, is at version {now}; expected version {version} instead. "
                 "Hint: enable anomaly detection to find the operation that failed to compute its gradient, with "
                 "torch.autograd.set_detect_anomaly(True).")
         return t
@@ -290,6 +313,21 @@ class ExplainErrors(Check):
             fix = ("Make the later in-place op out-of-place (x = x + y instead of x += y, x.add_() -> x.add(), "
                    "nn.ReLU(inplace=False), no x[idx] = ... on it), or .clone() the tensor before changing it.")
             return path or "backward", cause, fix, details
+        if isinstance(exc, RuntimeError) and "a leaf Variable that requires grad is being used in an in-place" in text:
+            cause = ("an in-place operation on a leaf tensor that requires grad (a parameter: p.div_(...), "
+                     "p.clamp_(...), p.copy_(...), p[idx] = ...) ran while autograd was recording: autograd cannot "
+                     "record a change made to a leaf")
+            fix = ("Change parameters by hand under `with torch.no_grad():` (or in a function decorated with "
+                   "@torch.no_grad()), as optimizers do: with torch.no_grad(): p.div_(norms). Do it after "
+                   "optimizer.step(), not between the forward and backward() that need the old values.")
+            return "parameter", cause, fix, {}
+        if isinstance(exc, RuntimeError) and "grad can be implicitly created only for scalar outputs" in text:
+            cause = ("backward() was called on a tensor with more than one element: a loss left unreduced "
+                     "(reduction='none', a per-sample or per-element loss) has no implicit gradient")
+            fix = ("Reduce the loss to a scalar before backward(): loss.mean() (or loss.sum(), which scales the "
+                   "gradients with the batch size; for per-sample weights (loss * w).sum() / w.sum()). To "
+                   "back-propagate a non-scalar on purpose, pass its gradient: out.backward(torch.ones_like(out)).")
+            return "loss", cause, fix, {}
         if isinstance(exc, RuntimeError) and "backward through the graph a second time" in text:
             cause = ("backward() ran through a graph whose saved tensors were freed by an earlier backward(): "
                      "something from an earlier step is still attached to this step's graph (a hidden state or "
@@ -335,9 +373,12 @@ class ExplainErrors(Check):
             isinstance(exc, RuntimeError) and ("out of memory" in low or "can't allocate memory" in low))
         if oom:
             return self._oom(exc, module)
-        if isinstance(exc, RuntimeError) and "dataloader worker" in low and (
-                "shared memory" in low or "exited unexpectedly" in low or "killed by signal" in low):
-            sigs = _worker_signals(exc)
+        # A worker's death can also reach the main process as the connection it sent a batch through closing
+        # (ConnectionResetError, EOFError), before PyTorch's own "DataLoader worker ... exited" error.
+        closed = isinstance(exc, (ConnectionError, EOFError)) and _loader_iter(exc) is not None
+        if closed or (isinstance(exc, RuntimeError) and "dataloader worker" in low and (
+                "shared memory" in low or "exited unexpectedly" in low or "killed by signal" in low)):
+            sigs = _worker_signals(exc, wait=1.0 if closed else 0.0)
             bus = "shared memory" in low or "bus error" in low or getattr(signal, "SIGBUS", -1) in sigs
             if bus:
                 cause = ("a DataLoader worker died with a bus error: the workers ran out of shared memory "
@@ -349,6 +390,13 @@ class ExplainErrors(Check):
                 cause = "a DataLoader worker was killed (SIGKILL): usually the kernel's OOM killer, out of host RAM"
                 fix = ("Use fewer workers or smaller batches, avoid copying large Python lists/arrays into each "
                        "worker, or add host memory; num_workers=0 shows the underlying error if there is one.")
+            elif closed:
+                cause = (f"a DataLoader worker died while passing a batch to the main process (the connection it "
+                         f"sends tensors through closed: {type(exc).__name__}); the usual cause is a bus error from "
+                         f"a full /dev/shm (shared memory, 64 MB by default in Docker)")
+                fix = ("Run with num_workers=0 to see the worker's own error; for shared memory use fewer workers or "
+                       "smaller batches, or give the container a larger /dev/shm (docker run --shm-size=8g or "
+                       "--ipc=host).")
             else:
                 return None
             return "DataLoader", cause, fix, {"worker_signals": sigs}
