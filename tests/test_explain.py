@@ -261,6 +261,9 @@ def test_cpu_out_of_memory_names_batch_and_largest_tensors():
     assert "`1` (Tile)" in note and "batch size 32" in note and "0.weight" in note and "torch.autocast" in note
     (f,) = _explained(g)
     assert f.where == "1" and "0.weight" in [t["name"] for t in f.details["largest_tensors"]]
+    # the failed allocation's size, read from PyTorch's message, next to what is alive: one op asked for it all
+    assert f.details["requested_bytes"] == 2 ** 36 * 32 * 4096 * 4 and f.details["live_bytes"] < 2 ** 30
+    assert "asked for 32768.00 TiB" in note and f.hint.startswith("One operation asked for more than everything")
 
 
 def test_cuda_oom_error_type_simulated():
@@ -274,7 +277,7 @@ def test_cuda_oom_error_type_simulated():
         with guard(model, checks=["explain"], live=False) as g:
             model(torch.randn(16, 4))
     assert "batch size 16" in _notes(ei.value)
-    assert _explained(g)[0].where == "1"
+    assert _explained(g)[0].where == "1" and _explained(g)[0].details["requested_bytes"] == 20 * 2 ** 30
 
 
 class _BusErrorData(torch.utils.data.Dataset):

@@ -109,7 +109,24 @@ def _worker_signals(exc: BaseException, wait: float = 0.0) -> List[int]:
 
 
 def _mib(n: int) -> str:
+    if n >= 2 ** 40:
+        return f"{n / 2 ** 40:.2f} TiB"
     return f"{n / 2 ** 20:.1f} MiB" if n < 2 ** 30 else f"{n / 2 ** 30:.2f} GiB"
+
+
+_ASKED_RE = re.compile(r"(?:tried to allocate|Tried to allocate)\s+([\d.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)?")
+_UNITS = {None: 1, "bytes": 1, "B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
+
+
+def _requested_bytes(text: str) -> Optional[int]:
+    """The size of the allocation that failed, as PyTorch's allocators report it (CPU: bytes, CUDA: MiB/GiB)."""
+    m = _ASKED_RE.search(text)
+    if not m:
+        return None
+    try:
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    except (ValueError, KeyError):
+        return None
 
 
 class ExplainErrors(Check):
@@ -546,12 +563,25 @@ class ExplainErrors(Check):
         top = [{"name": n, "shape": s, "dtype": d, "device": dev, "bytes": b} for b, n, s, d, dev in big[:_TOP_TENSORS]]
         bs = self._batch[0] if self._batch else None
         listed = ", ".join(f"{t['name']} {t['shape']} {_mib(t['bytes'])}" for t in top[:3])
+        asked = _requested_bytes(str(exc))
+        live = sum(b[0] for b in big)
         where = module or "memory"
-        cause = ("out of memory" + (f" in `{module}`{self._mtype(module)}" if module else "")
-                 + (f" with batch size {bs} (input {self._batch})" if bs is not None else "")
-                 + (f"; largest live tensors: {listed}" if listed else ""))
         fix = ("Lower the batch size (accumulate gradients over several smaller batches to keep the effective "
                "size), use mixed precision (torch.autocast with bfloat16/float16), gradient checkpointing "
                "(torch.utils.checkpoint), run evaluation under torch.no_grad(), and do not keep graphs alive "
                "across steps (total_loss += loss.item()).")
-        return where, cause, fix, {"batch_shape": self._batch, "largest_tensors": top}
+        cause = ("out of memory" + (f" in `{module}`{self._mtype(module)}" if module else "")
+                 + (f" with batch size {bs} (input {self._batch})" if bs is not None else "")
+                 + (f"; the allocation that failed asked for {_mib(asked)}, all live tensors together hold "
+                    f"{_mib(live)}" if asked is not None else "")
+                 + (f"; largest live tensors: {listed}" if listed else ""))
+        if asked is not None and asked > 4 * max(live, 1):
+            # One operation asking for far more than everything alive: its shapes are the first suspect (an
+            # attention matrix over H*W positions, a broadcast that multiplies two large dimensions).
+            fix = ("One operation asked for more than everything alive: look at the shapes inside "
+                   + (f"`{module}`" if module else "the failing operation")
+                   + " first - a matrix over all pairs of positions (attention over H*W pixels or a long sequence: "
+                     "downsample first, or attend in windows/chunks), or a broadcast between [N, 1] and [1, N] "
+                     "tensors. " + fix)
+        return where, cause, fix, {"batch_shape": self._batch, "largest_tensors": top, "requested_bytes": asked,
+                                   "live_bytes": live}
