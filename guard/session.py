@@ -82,6 +82,7 @@ class Guard(Wiring):
         self._active = False
         self._paused = False  # a background guard stepping aside for a guard from the code
         self._closed_once = False
+        self._entered = 0  # `with` blocks of this guard open now (re-entered: closed by the outermost only)
         self._pid = os.getpid()  # a forked copy (another pid) never writes this guard's report
         self._lock = threading.RLock()
         self._reset()
@@ -271,9 +272,21 @@ class Guard(Wiring):
         multiprocessing.util.Finalize(None, self.on_process_exit, args=("exit",), exitpriority=100)
 
     def __enter__(self) -> "Guard":
+        # Re-entered while its own `with` block runs (`with g:` inside `with g:`, a decorated function calling
+        # itself): the inner block's end must not close the guard the outer block still runs under.
+        if self._entered and self._active:
+            self._entered += 1
+            return self
+        self._entered = 1
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if self._entered > 1:
+            self._entered -= 1
+            if exc is not None:
+                self.exception(exc)  # explained where it leaves the inner block (it may be caught there)
+            return False
+        self._entered = 0
         if exc is not None:
             self.exception(exc)
             try:

@@ -223,3 +223,35 @@ def test_html_suffix_writes_html(tmp_path):
         model(x).sum().backward()
     text = path.read_text()
     assert text.startswith("<!doctype html>") and "nonfinite-input" in text
+
+
+def test_a_guard_entered_again_inside_its_own_with_block_keeps_watching_until_the_outer_block_ends():
+    """`with g:` inside `with g:` (or a decorated function that calls itself): the inner end does not close it."""
+    import torch.nn.functional as F
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = guard(model, opt, live=False)
+
+    def nan_step():
+        opt.zero_grad()
+        F.mse_loss(model(torch.full((2, 4), float("nan"))), torch.zeros(2, 1)).backward()
+        opt.step()
+
+    with g:
+        with g:
+            nan_step()
+        assert g.active
+        nan_step()  # still seen: the same finding, counted again
+    assert not g.active
+    (f,) = [f for f in g.findings if f.kind == "nonfinite-input"]
+    assert f.count == 2 and f.last_step == 1
+
+    @guard(model, opt, live=False)
+    def fit(n):
+        if n:
+            fit(n - 1)
+        nan_step()
+
+    fit(2)
+    assert not fit.guard.active and [f.count for f in fit.guard.findings if f.kind == "nonfinite-input"] == [3]
