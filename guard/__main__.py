@@ -157,6 +157,26 @@ def _guard_children(g: Any, opts: Dict[str, Any]) -> Dict[str, Optional[str]]:
     return saved  # put back when the run ends
 
 
+def _child_findings(g: Any) -> List[Any]:
+    """Findings in the reports the run's other processes wrote next to this one (``report.pid123.json``)."""
+    from .record import Record
+
+    report = g.config.report
+    out: List[Any] = []
+    if not report:
+        return out
+    from ._procs import other_reports
+
+    folder = os.path.dirname(report)
+    # listed in this process's report when it wrote one; a main process that saw nothing writes none
+    for entry in g.processes or other_reports(report, getattr(g, "started_at", 0.0)):
+        try:
+            out.extend(Record.load(os.path.join(folder, entry["file"])).findings)
+        except Exception:
+            continue  # unreadable: its process said so when it wrote it, if it did
+    return out
+
+
 def cmd_run(argv: Sequence[str]) -> int:
     opts = _parse_run(argv)
     import runpy
@@ -173,9 +193,11 @@ def cmd_run(argv: Sequence[str]) -> int:
     if live is None and str(opts["mode"] or "").strip().lower() != "record":
         live = True  # like the environment's guard, `guard run` prints its findings off a terminal too (a log, CI)
     try:
+        # The environment's kind of guard, as under TORCH_GUARD=1: it steps aside while a guard from the script's
+        # own code runs (each finding printed once), and each process of the run writes its own report.
         g = guard(checks=opts["checks"], mode=opts["mode"], report=opts["report"], live=live,
-                  every=opts["every"], origin={"checks": "--checks", "mode": "--mode", "report": "--report",
-                                               "every": "--every"})
+                  every=opts["every"], background=True,
+                  origin={"checks": "--checks", "mode": "--mode", "report": "--report", "every": "--every"})
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     saved_env = _guard_children(g, opts)
@@ -226,7 +248,9 @@ def cmd_run(argv: Sequence[str]) -> int:
         pass
     if opts["fail_on"] is not None:
         limit = SEVERITY_RANK[opts["fail_on"]]
-        bad = [f for f in g.findings if SEVERITY_RANK[f.severity] <= limit]
+        # this process's findings, those of the script's own guards, and those its child processes reported
+        everything = list(g.findings) + list(g.aside_findings) + _child_findings(g)
+        bad = [f for f in everything if SEVERITY_RANK.get(f.severity, 99) <= limit]
         if bad:
             sys.stderr.write(f"guard: {len(bad)} finding(s) of severity {opts['fail_on']} or worse "
                              f"({', '.join(sorted({f.kind for f in bad}))})\n")
@@ -264,6 +288,16 @@ def cmd_report(argv: Sequence[str]) -> int:
         raise UsageError("guard report: no dump given; usage: python -m guard report FILE.json [...] [--html OUT.html]")
     if ns.html is not None and not ns.html.strip():
         raise UsageError("guard report: --html needs an output path")
+    if ns.html and any(os.path.abspath(ns.html) == os.path.abspath(f) for f in ns.files):
+        raise UsageError(f"guard report: --html {ns.html!r} is one of the dumps read; allowed: another path "
+                         f"(the dump would be replaced by the page)")
+    if ns.html:
+        from .config import ConfigError, parse_report
+
+        try:
+            parse_report(ns.html, "--html")
+        except ConfigError as exc:
+            raise UsageError(f"guard report: {str(exc)[len('guard: '):]}") from None
     from .record import Record
 
     record = Record.merge(_load_all(ns.files), ns.files)

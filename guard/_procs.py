@@ -135,6 +135,8 @@ def after_close(g: Any) -> None:
         _background.discard(g)
         return
     _explicit.discard(g)
+    for bg in list(_background):
+        bg.aside_findings.extend(g.findings)
     if not any(e.active for e in _explicit):
         for bg in list(_background):
             bg.resume()

@@ -119,6 +119,21 @@ def _stderr_is_tty() -> bool:
         return False
 
 
+def _ours(path: str) -> bool:
+    """Whether `path` may be replaced by a report: absent, empty, or a report guard wrote (JSON or HTML).
+
+    A typo or ``report=__file__`` must not replace a script, a config or a system file with a report."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            return not os.path.lexists(path) or os.path.isfile(path)
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return True  # unreadable: the write itself will say what is wrong
+    return b'"schema": "guard-report/' in head or (
+        head.lstrip().lower().startswith(b"<!doctype html>") and b"<title>guard report</title>" in head)
+
+
 def parse_report(value: Any, origin: str = "report") -> Optional[str]:
     """The report path made absolute now (a later ``os.chdir`` does not move it), in a folder that exists and
     can be written; else one `ConfigError` line naming `origin`, the path and why."""
@@ -131,8 +146,14 @@ def parse_report(value: Any, origin: str = "report") -> Optional[str]:
     path = os.path.abspath(os.path.expanduser(value))
     folder = os.path.dirname(path)
     why = None
+    allowed = "a file path in an existing, writable directory"
     if os.path.isdir(path):
         why = "it is a directory"
+    elif value.endswith(("/", os.sep)):
+        why = "it ends with a separator, as a directory does"
+    elif not _ours(path):
+        why = "a file that is not a guard report is there"
+        allowed = "a new file, or a report guard wrote before (guard replaces only its own reports)"
     elif not os.path.exists(folder):
         why = f"the directory {folder} does not exist"
     elif not os.path.isdir(folder):
@@ -140,8 +161,7 @@ def parse_report(value: Any, origin: str = "report") -> Optional[str]:
     elif not os.access(folder, os.W_OK | os.X_OK):
         why = f"the directory {folder} is not writable"
     if why is not None:
-        raise ConfigError(f"guard: {origin}={value!r} cannot be written: {why}; allowed: a file path in an existing, "
-                          f"writable directory")
+        raise ConfigError(f"guard: {origin}={value!r} cannot be written: {why}; allowed: {allowed}")
     return path
 
 

@@ -97,6 +97,9 @@ class Guard(Wiring):
         self.costly_step = True
         self.meter = Meter(self.config.budget)
         self.record = Record()
+        #: findings of the guards from the code this (background) guard stepped aside for: theirs to report,
+        #: counted by `guard run --fail-on`
+        self.aside_findings: List[Any] = []
         self.router = Router(self)
         self.staging = Staging(self.router.contain, self.flush)
         self.watched = w = Watched(self._models, self._optimizers, self.notice, self.router.contain, self._labels)

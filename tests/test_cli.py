@@ -209,6 +209,47 @@ def test_run_guards_the_processes_the_script_spawns(tmp_path):
     assert len(children) == 1, sorted(p.name for p in tmp_path.iterdir())
     dump = json.loads(children[0].read_text())
     assert [(f["kind"], f["step"]) for f in dump["findings"]] == [("nonfinite-input", 1)]
+    # --fail-on counts the findings the child processes reported: the training all ran there
+    r = _run(["run", "--no-live", "--report", "r2.json", "--fail-on", "error", "spawning.py"], tmp_path)
+    assert r.returncode == 1 and "main done" in r.stdout, r.stderr
+    assert "finding(s) of severity error or worse (nonfinite-input)" in r.stderr
+
+
+OWN_GUARD = """import torch
+from torch import nn
+from guard import guard
+
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with guard(model, opt, live=True):
+    for step in range(3):
+        x = torch.randn(8, 4)
+        x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+"""
+
+
+def test_run_steps_aside_for_the_scripts_own_guard_and_counts_its_findings(tmp_path):
+    """As under TORCH_GUARD=1: one line per finding (the script's guard prints it), and --fail-on still sees it."""
+    (tmp_path / "own.py").write_text(OWN_GUARD)
+    r = _run(["run", "--report", "r.json", "--fail-on", "error", "own.py"], tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("guard ERROR nonfinite-input") == 1, r.stderr
+    assert "finding(s) of severity error or worse" in r.stderr
+
+
+def test_report_html_refuses_to_replace_a_dump_it_reads_or_a_file_of_the_user(tmp_path, capsys):
+    dump = tmp_path / "r.json"
+    dump.write_text(json.dumps(_dump(0, [])))
+    script = tmp_path / "train.py"
+    script.write_text("print('mine')\n")
+    for target in (dump, script):
+        assert main(["report", str(dump), "--html", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "is one of the dumps read" in err and "a file that is not a guard report is there" in err
+    assert script.read_text() == "print('mine')\n" and json.loads(dump.read_text())["schema"] == "guard-report/1"
 
 
 def test_run_in_process_leaves_the_environment_as_it_was(proj, monkeypatch):

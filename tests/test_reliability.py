@@ -997,3 +997,21 @@ def test_global_guard_reads_a_layers_type_from_the_live_model_not_an_earlier_one
             opt.step()
     assert [(f.kind, f.where) for f in g.findings] == []
     assert g.internal_errors == []
+
+
+def test_a_report_path_never_replaces_a_file_guard_did_not_write(tmp_path):
+    """A typo or report=__file__ must not turn a script or a config into a report; guard's own reports are replaced."""
+    script = tmp_path / "train.py"
+    script.write_text("print('mine')\n")
+    with pytest.raises(ConfigError) as info:
+        guard(nn.Linear(2, 2), report=str(script))
+    one_line(info, "report=", "a file that is not a guard report is there", "a new file, or a report guard wrote")
+    assert script.read_text() == "print('mine')\n"
+    with pytest.raises(ConfigError) as info:
+        guard(nn.Linear(2, 2), report=str(tmp_path / "missing") + os.sep)
+    one_line(info, "ends with a separator")
+    for name in ("r.json", "r.html"):
+        for _ in range(2):  # written, then replaced by the next run's report
+            with guard(nn.Linear(2, 2), report=str(tmp_path / name), live=False):
+                pass
+        assert (tmp_path / name).stat().st_size > 0
