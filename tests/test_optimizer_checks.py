@@ -513,14 +513,20 @@ def test_scaler_step_really_does_not_call_optimizer_step_when_it_skips():
 
 
 
-def test_collapsing_scale_is_a_warning_not_an_error():
-    g = amp_skipped.train(live=False, mode="raise")  # raise mode: nothing of severity error
+def test_collapsing_scale_is_an_error_the_model_is_not_training():
+    """The vocabulary's severity (error): `--fail-on error` and raise mode stop a run that trains nothing."""
+    g = amp_skipped.train(live=False)
     assert kinds(g) == ["nonfinite-grad"]
     f = g.findings[0]
-    assert f.severity == "warning" and f.where == "emb.weight" and f.step == 0
-    assert f.details["amp_skipped"] == 17 and f.details["scale"] < 1
+    assert f.severity == "error" and f.where == "emb.weight" and f.step == 0
+    assert f.details["amp_skipped"] == 17 and f.details["scale"] < 1 and f.last_step >= 16
     assert "not training" in f.message and "detect_anomaly" in f.hint
     assert all(e["skipped"] for e in g.timeline)
+    from guard import GuardError
+
+    with pytest.raises(GuardError) as info:
+        amp_skipped.train(live=False, mode="raise")
+    assert info.value.finding.kind == "nonfinite-grad" and info.value.finding.details["amp_skipped"] >= 16
 
 
 def test_amp_twin_is_clean():

@@ -10,9 +10,9 @@ timeline; unskipped scaler steps get ``skipped: False``).
 Skipping every step is not AMP at work but NaN/Inf gradients that no scale
 fixes (a sqrt/log at 0 in the backward, say): the scale halves each time and
 the model silently stops training. When the scale falls below 1, or after
-`RUN` skips in a row, this is reported as ``nonfinite-grad`` with
-``severity="warning"`` and ``details["amp_skipped"]`` (the vocabulary has no
-kind of its own; the cause is non-finite gradients, hidden by the scaler).
+`RUN` skips in a row, this is reported as ``nonfinite-grad`` (an error, as the
+vocabulary has it: the model is not training) with ``details["amp_skipped"]``
+(the cause is non-finite gradients, hidden by the scaler).
 
 The timeline's ``loss`` is divided by the scale of ``scaler.scale(loss)`` (staged with the step's
 other values) and the scale is kept as ``loss_scale``.
@@ -207,7 +207,7 @@ class AmpScaler(Check):
                   "at 0, division by zero, a NaN in the data or the loss). Run a step without the scaler (or under "
                   "torch.autograd.detect_anomaly) to find the op; bf16-pretrained models may also need bf16 "
                   "instead of fp16.",
-                  step=run.since, source=self.g.source(), severity="warning",
+                  step=run.since, seen=self.g.step, source=self.g.source(),
                   details={"amp_skipped": run.count, "scale": scale, "parameters": names[:20]})
 
     def _nonfinite_names(self, opts) -> List[str]:
