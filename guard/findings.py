@@ -102,7 +102,8 @@ class Finding:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Finding":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        # a dump read back (`guard report`) is text from a file: printed as text, never as terminal controls
+        return cls(**{k: (printable(v) if k in _TEXT else v) for k, v in d.items() if k in names})
 
     def __str__(self) -> str:
         src = f" ({self.source})" if self.source else ""
@@ -115,6 +116,30 @@ class GuardError(RuntimeError):
     def __init__(self, finding: Finding):
         super().__init__(f"{finding}\n  fix: {finding.hint}")
         self.finding = finding
+
+
+# C0 and C1 control characters (and DEL): escaped, never printed. Names come from user objects (a ModuleDict key,
+# a checkpoint's key) and an ESC there would drive the terminal (clear it, set its title) or, with a CR/LF,
+# forge guard's own lines in a CI log.
+_CONTROL = {c: f"\\x{c:02x}" for c in list(range(0x20)) + list(range(0x7f, 0xa0))}
+
+
+_TEXT = ("kind", "severity", "where", "message", "hint", "source")
+
+
+def printable(text: Any) -> Any:
+    """`text` with control characters written as ``\\xNN`` and lone surrogates (a non-UTF-8 path or argument
+    decoded by Python) as ``\\udcff``: safe for a terminal, an HTML page and strict JSON parsers."""
+    if not isinstance(text, str):
+        return text
+    if text.isprintable():
+        return text  # the usual case: one C-level scan
+    out = text.translate(_CONTROL)
+    try:
+        out.encode("utf-8")
+    except UnicodeEncodeError:
+        out = out.encode("utf-8", "backslashreplace").decode("utf-8")
+    return out
 
 
 def json_safe(value: Any, _depth: int = 0) -> Any:

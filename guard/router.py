@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .checks.base import Check
-from .findings import GuardError
+from .findings import GuardError, printable
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import Guard
@@ -272,7 +272,8 @@ class Router:
         tb = traceback.extract_tb(exc.__traceback__)
         at = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "?"
         first = (str(exc).strip().splitlines() or [""])[0][:300]  # torch errors can run to 100 lines
-        entry = {"check": name, "error": f"{type(exc).__name__}: {first}", "at": at, "step": self.g.step}
+        entry = {"check": name, "error": printable(f"{type(exc).__name__}: {first}"), "at": printable(at),
+                 "step": self.g.step}
         errors.append(entry)
         msg = (f"guard: internal error in check {name!r} ({entry['error']} at {at}); "
                f"the check is switched off, training continues")

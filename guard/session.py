@@ -25,7 +25,7 @@ from ._dist import rank_info as _dist_rank
 from .checks import registry
 from .checks.base import Check
 from .config import Config, ConfigError, as_list, make_config
-from .findings import ERROR, Finding, GuardError, is_kind, severity_of
+from .findings import ERROR, Finding, GuardError, is_kind, printable, severity_of
 from .meter import Meter
 from .record import Record
 from .router import FRESH, GuardInternalWarning, Router
@@ -368,6 +368,7 @@ class Guard(Wiring):
 
     def notice(self, message: str) -> None:
         """Say once (stderr and the dump's ``notices``) what guard cannot check; not a finding."""
+        message = printable(message)
         if message not in self.record.notices:
             self.record.notices.append(message)
             self.console().internal(message)
@@ -385,6 +386,7 @@ class Guard(Wiring):
         if kind not in self.config.kinds:
             return None
         step = self.step if step is None else step
+        where = printable(where)  # the key findings are counted by, as it is recorded
         rec = self.record
         with self._lock:
             seen = step if seen is None else max(seen, step)
@@ -393,9 +395,9 @@ class Guard(Wiring):
             details = dict(details or {})
             if _dist_rank() is not None:
                 details.setdefault("rank", _dist_rank()[0])
-            finding = Finding(kind=kind, severity=severity or severity_of(kind), message=message, hint=hint,
-                              where=where, step=step, count=1, source=source, details=details,
-                              last_step=seen)
+            finding = Finding(kind=kind, severity=severity or severity_of(kind), message=printable(message),
+                              hint=printable(hint), where=where, step=step, count=1,
+                              source=printable(source), details=details, last_step=seen)
             rec.put(finding)
         self.console().finding(finding)
         if self.config.mode == "raise" and finding.severity == ERROR:
@@ -405,7 +407,7 @@ class Guard(Wiring):
     def update_details(self, kind: str, where: str, **details: Any) -> Optional[Finding]:
         """Merge `details` into the recorded (kind, where) finding (e.g. a trace captured later)."""
         with self._lock:
-            return self.record.update_details(kind, where, details)
+            return self.record.update_details(kind, printable(where), details)
 
     # ------------------------------------------------------------------ staging (one sync per step)
     def flush(self) -> None:

@@ -59,3 +59,53 @@ def test_two_guards_in_two_threads_with_one_report_path(tmp_path):
         dump = json.loads(path.read_text())
         assert [f["kind"] for f in dump["findings"]] == ["nonfinite-input"]
     assert [p.name for p in tmp_path.iterdir()] == ["guard-report.json"]
+
+
+def test_control_characters_and_lone_surrogates_from_user_names_are_written_as_text(tmp_path, capsys, monkeypatch):
+    """A ModuleDict key (or a checkpoint key) with ESC/CR/LF must not drive the terminal or forge guard's lines;
+    a non-UTF-8 argument must not cost the HTML report nor make the JSON invalid for strict parsers."""
+    import json
+    import sys
+
+    import torch
+    from torch import nn
+
+    from guard import guard
+
+    class Bad(nn.Module):
+        def forward(self, x):
+            return x * float("inf")
+
+    evil = "d\x1b[31mRED\x1b]0;pwned\x07\r\nguard: 0 finding(s)"
+    model = nn.ModuleDict({evil: Bad()})
+    monkeypatch.setattr(sys, "argv", sys.argv + ["data\udcfe.txt"])
+    for name in ("r.json", "r.html"):
+        with guard(model, live=True, report=str(tmp_path / name)) as g:
+            model[evil](torch.ones(2))
+        (f,) = g.findings
+        assert "\x1b" not in f.where and "\r" not in f.where and "\n" not in f.where
+        assert f.where == "d\\x1b[31mRED\\x1b]0;pwned\\x07\\x0d\\x0aguard: 0 finding(s)"
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err and not any(ln.startswith("guard: 0 finding") for ln in err.splitlines())
+
+    def strict(text):
+        data = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+        def strings(v):
+            if isinstance(v, str):
+                yield v
+            elif isinstance(v, dict):
+                for k, x in v.items():
+                    yield k
+                    yield from strings(x)
+            elif isinstance(v, list):
+                for x in v:
+                    yield from strings(x)
+        # a lone surrogate (written as a \udcfe escape) is rejected by strict JSON parsers
+        assert not any(0xD800 <= ord(c) <= 0xDFFF for t in strings(data) for c in t)
+        return data
+
+    dump = strict((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert any("data\\udcfe.txt" in a for a in dump["environment"]["argv"])
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert not any(ord(c) < 0x20 and c not in "\n\t\r" for c in page) and "\x1b" not in page

@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..findings import SEVERITIES, SEVERITY_RANK, Finding
+from ..findings import SEVERITIES, SEVERITY_RANK, Finding, printable
 from ..record import Record
 
 _CSS = """
@@ -33,7 +33,7 @@ _SEV_COLOUR = {"error": "#c62828", "warning": "#d98200", "info": "#1565c0"}
 
 
 def _e(v: Any) -> str:
-    return html.escape("" if v is None else str(v))
+    return html.escape(printable("" if v is None else str(v)))  # no control characters or lone surrogates
 
 
 def _num(v: Any) -> Optional[float]:
