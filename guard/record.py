@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .findings import SEVERITIES, Finding, json_safe
+from .findings import SEVERITIES, Finding, is_kind, json_safe
 
 SCHEMA = "guard-report/1"
 MAX_DEPTH = 64  # a guard dump nests a few levels (details are cut at 8); deeper is not ours
@@ -282,25 +282,49 @@ _VALUE = ("a number, a string or null", lambda v: v is None or _is_num(v) or isi
 
 Spec = Dict[str, Tuple[Tuple[str, Callable[[Any], bool]], bool]]  # field -> ((what, test), required)
 
+def _iso(v: Any) -> bool:
+    if v is None:
+        return True
+    if not isinstance(v, str):
+        return False
+    try:
+        _dt.datetime.fromisoformat(v)
+    except ValueError:
+        return False
+    return True
+
+
+_NAT = ("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+_OPT_NAT = ("an integer >= 0 or null", lambda v: v is None or (_is_int(v) and v >= 0))
 _FINDING: Spec = {
-    "kind": (_STR, True), "severity": (("one of " + ", ".join(SEVERITIES), lambda v: v in SEVERITIES), True),
-    "message": (_STR, True), "hint": (_STR, True), "where": (_STR, True), "step": (_INT, True),
+    "kind": (("a finding kind of the vocabulary (python -m guard checks)", lambda v: isinstance(v, str) and is_kind(v)),
+             True),
+    "severity": (("one of " + ", ".join(SEVERITIES), lambda v: v in SEVERITIES), True),
+    "message": (_STR, True), "hint": (_STR, True), "where": (_STR, True), "step": (_NAT, True),
     "count": (("an integer >= 1", lambda v: _is_int(v) and v >= 1), False), "source": (_OPT_STR, False),
-    "details": (_OBJ, False), "last_step": (_OPT_INT, False),
+    "details": (_OBJ, False), "last_step": (_OPT_NAT, False),
 }
 _TIMELINE: Spec = {"step": (_INT, True), "loss": (_VALUE, False), "grad_norm": (_VALUE, False),
                    "skipped": (("true, false or null", lambda v: v is None or isinstance(v, (bool, int))), False)}
 _MODULE: Spec = {"path": (_STR, True), "type": (_OPT_STR, False),
                  "output_shape": (("a list, a string or null", lambda v: v is None or isinstance(v, (list, str))), False),
-                 "dtype": (_OPT_STR, False), "device": (_OPT_STR, False), "params": (_OPT_INT, False)}
+                 "dtype": (_OPT_STR, False), "device": (_OPT_STR, False), "params": (_OPT_NAT, False)}
 _INTERNAL: Spec = {"check": (_OPT_STR, False), "error": (_OPT_STR, False), "at": (_OPT_STR, False),
                    "step": (_OPT_INT, False)}
 _ENVIRONMENT: Spec = {"python": (_OPT_STR, False), "torch": (_OPT_STR, False), "platform": (_OPT_STR, False),
                       "argv": (_LIST, False), "devices": (_LIST, False), "rank": (_INT, False),
                       "world_size": (_INT, False), "pid": (_INT, False),
                       "ranks": (("a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v))), False)}
+_COST: Spec = {"overhead": (_VALUE, False), "budget": (("a number or null", lambda v: v is None or _is_num(v)), False),
+               "period": (_OPT_NAT, False), "max_period": (_OPT_NAT, False), "steps_measured": (_OPT_NAT, False),
+               "sampled_checks": (("a list of strings", lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v)),
+                                  False),
+               "guard_seconds": (_VALUE, False), "step_seconds": (_VALUE, False)}
 _CONFIG: Spec = {"checks": (_LIST, False), "mode": (_OPT_STR, False), "every": (_INT, False)}
-_TOP: Spec = {"created": (_OPT_STR, False), "environment": (_OBJ, False), "config": (_OBJ, False),
+_TOP: Spec = {"created": (("an ISO 8601 time or null", _iso), False), "environment": (_OBJ, False),
+              "config": (_OBJ, False), "cost": (_OBJ, False),
+              "processes": (("a list of objects", lambda v: isinstance(v, list) and all(isinstance(p, dict) for p in v)),
+                            False),
               "steps": (("an integer >= 0", lambda v: _is_int(v) and v >= 0), False),
               "findings": (_LIST, False), "timeline": (_LIST, False), "modules": (_LIST, False),
               "internal_errors": (_LIST, False),
@@ -360,9 +384,15 @@ def validate(data: Any) -> None:
         _check(data["environment"], _ENVIRONMENT, "environment")
     if "config" in data:
         _check(data["config"], _CONFIG, "config")
+    if "cost" in data:
+        _check(data["cost"], _COST, "cost")
     for name, spec in (("findings", _FINDING), ("timeline", _TIMELINE), ("modules", _MODULE),
                        ("internal_errors", _INTERNAL)):
         _check_list(data.get(name, []), spec, name)
+    for i, f in enumerate(data.get("findings", [])):
+        if f.get("last_step") is not None and f["last_step"] < f["step"]:
+            raise SchemaError(f"findings[{i}].last_step: expected an integer >= step ({f['step']}), "
+                              f"got {_shown(f['last_step'])}")
 
 
 def _replace(f: Finding, **changes: Any) -> Finding:

@@ -89,11 +89,11 @@ def test_merge_tags_findings_with_their_rank():
 BAD_DUMPS = {
     "findings-int": ('{"schema": "guard-report/1", "findings": [1]}', "findings[0]: expected an object"),
     "timeline-ints": ('{"schema": "guard-report/1", "timeline": [1, 2, 3]}', "timeline[0]: expected an object"),
-    "step-string": ('{"schema": "guard-report/1", "findings": [{"kind": "k", "severity": "error", "message": "m",'
+    "step-string": ('{"schema": "guard-report/1", "findings": [{"kind": "nonfinite-loss", "severity": "error", "message": "m",'
                     ' "hint": "h", "where": "w", "step": "3"}]}', "findings[0].step: expected an integer"),
-    "no-hint": ('{"schema": "guard-report/1", "findings": [{"kind": "k", "severity": "error", "message": "m",'
+    "no-hint": ('{"schema": "guard-report/1", "findings": [{"kind": "nonfinite-loss", "severity": "error", "message": "m",'
                 ' "where": "w", "step": 3}]}', "findings[0].hint: missing"),
-    "bad-severity": ('{"schema": "guard-report/1", "findings": [{"kind": "k", "severity": "fatal", "message": "m",'
+    "bad-severity": ('{"schema": "guard-report/1", "findings": [{"kind": "nonfinite-loss", "severity": "fatal", "message": "m",'
                      ' "hint": "h", "where": "w", "step": 3}]}', "findings[0].severity: expected one of error"),
     "timeline-step": ('{"schema": "guard-report/1", "timeline": [{"step": 0}, {"loss": 1.0}]}',
                       "timeline[1].step: missing"),
@@ -103,6 +103,19 @@ BAD_DUMPS = {
     "deep-details": ('{"schema": "guard-report/1", "config": {"x": ' + "[" * 500 + "]" * 500 + "}}",
                      "is not a guard report (nested deeper"),
     "list": ("[]", "is not a guard report"),
+    "kind-unknown": ('{"schema": "guard-report/1", "findings": [{"kind": "not-a-kind", "severity": "error", '
+                     '"message": "m", "hint": "h", "where": "w", "step": 3}]}',
+                     "findings[0].kind: expected a finding kind of the vocabulary"),
+    "step-negative": ('{"schema": "guard-report/1", "findings": [{"kind": "nonfinite-loss", "severity": "error", '
+                      '"message": "m", "hint": "h", "where": "w", "step": -5}]}', "findings[0].step: expected an integer >= 0"),
+    "last-step-first": ('{"schema": "guard-report/1", "findings": [{"kind": "nonfinite-loss", "severity": "error", '
+                        '"message": "m", "hint": "h", "where": "w", "step": 7, "last_step": 2}]}',
+                        "findings[0].last_step: expected an integer >= step (7)"),
+    "cost-list": ('{"schema": "guard-report/1", "cost": [1, 2]}', "cost: expected an object"),
+    "cost-budget": ('{"schema": "guard-report/1", "cost": {"budget": "x"}}', "cost.budget: expected a number or null"),
+    "created-word": ('{"schema": "guard-report/1", "created": "yesterday"}', "created: expected an ISO 8601 time"),
+    "params-negative": ('{"schema": "guard-report/1", "modules": [{"path": "fc", "params": -3}]}',
+                        "modules[0].params: expected an integer >= 0"),
 }
 
 
