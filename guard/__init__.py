@@ -64,6 +64,12 @@ class _GuardFunction:
         import inspect
 
         Guard = __getattr__("Guard")
+        owner = getattr(model, "__self__", None)
+        if inspect.ismethod(model) and _is_module(owner):
+            from .config import ConfigError
+
+            raise ConfigError(f"guard: model={type(owner).__name__}.{model.__name__} is a method of a module; "
+                              f"allowed: the module itself (guard(model), not guard(model.{model.__name__}))")
         if callable(model) and (inspect.isfunction(model) or inspect.ismethod(model)) and optimizer is None:
             return Guard(None, None, checks=checks, mode=mode, report=report, live=live, every=every, **options)(model)
         return Guard(model, optimizer, checks=checks, mode=mode, report=report, live=live, every=every, **options)
@@ -75,6 +81,13 @@ class _GuardFunction:
 
     def __repr__(self) -> str:
         return "<function guard>"
+
+
+def _is_module(obj: Any) -> bool:
+    import sys
+
+    nn = sys.modules.get("torch.nn")
+    return nn is not None and isinstance(obj, nn.Module)
 
 
 guard = _GuardFunction()

@@ -73,7 +73,7 @@ def parse_every(value: Any, origin: str = "every") -> int:
     try:
         n = int(value)
         ok = str(value).strip() == str(n) if isinstance(value, str) else n == value
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: float("inf")
         ok = False
     if not ok or n < 1:
         raise ConfigError(f"guard: {origin}={value!r} is not a step interval; allowed: an integer >= 1")
@@ -204,6 +204,8 @@ def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks"
             raise ConfigError(f"guard: {origin} entry {tok!r} is not a check name; allowed: {allowed}")
         neg = tok.startswith("-")
         name = tok[1:] if neg else tok
+        if name.lower() in ("default", "all"):
+            name = name.lower()  # as mode='Raise' is taken: 'DEFAULT', 'All'
         if name in ("default", "all") or name in registry:
             names = ([n for n, c in registry.items() if c.default] if name == "default"
                      else list(registry) if name == "all" else [name])
@@ -232,6 +234,9 @@ def select_checks(spec: Any, registry: Mapping[str, Any], origin: str = "checks"
     checks.update(n for n, c in registry.items() if getattr(c, "always", False) and n not in removed
                   and kinds & set(c.kinds))
     checks = {n for n in checks if kinds & set(registry[n].kinds)}
+    if not checks:  # '-all', 'all,-all', '-default': a run that would print "0 finding(s)" having checked nothing
+        raise ConfigError(f"guard: {origin}={spec!r} leaves no check on; allowed: {allowed_shape}, minus some "
+                          f"(e.g. 'default,-input-stats')")
     return frozenset(checks), frozenset(kinds)
 
 
@@ -248,6 +253,8 @@ def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: A
         near = difflib.get_close_matches(name, known, n=1)
         raise ConfigError(f"guard: unknown option {name}={extras[name]!r}" + (f" (did you mean {near[0]}?)" if near else "")
                           + f"; allowed: model, optimizer, {', '.join(known)}")
+    if isinstance(checks, Iterable) and not isinstance(checks, (str, bytes, Mapping)):
+        checks = list(checks)  # a generator is read once (for the selection and for the spec kept)
     spec = tuple(checks.split(",")) if isinstance(checks, str) else tuple(checks) if isinstance(checks, Iterable) else checks
     names, kinds = select_checks(checks, registry, o.get("checks", "checks"))
     if not isinstance(snoop, bool):
@@ -281,7 +288,7 @@ def parse_bool(value: Any, origin: str) -> bool:
     raise ConfigError(f"guard: {origin}={value!r} is not a switch; allowed: 0, 1")
 
 
-ENV_ON = ("1", "warn", "raise", "record")
+ENV_ON = ("1", "true", "on", "yes", "warn", "raise", "record")
 #: every ``TORCH_GUARD*`` variable guard reads
 ENV_KNOWN = (ENV_PREFIX, f"{ENV_PREFIX}_REPORT", f"{ENV_PREFIX}_CHECKS", f"{ENV_PREFIX}_LIVE", f"{ENV_PREFIX}_EVERY",
              f"{ENV_PREFIX}_SNOOP", f"{ENV_PREFIX}_BUDGET")
@@ -300,7 +307,8 @@ def unknown_env(environ: Optional[Mapping[str, str]] = None) -> list:
     for name in sorted(env):
         if not name.startswith(f"{ENV_PREFIX}_") or name in ENV_KNOWN:
             continue
-        near = _ENV_MEANT.get(name) or next(iter(difflib.get_close_matches(name, ENV_KNOWN, n=1, cutoff=0.6)), None)
+        near = (_ENV_MEANT.get(name) or (name.upper() if name.upper() in ENV_KNOWN else None)
+                or next(iter(difflib.get_close_matches(name, ENV_KNOWN, n=1, cutoff=0.6)), None))
         lines.append(f"guard: warning: {name}={env[name]!r} is not a guard variable and is ignored"
                      + (f" (did you mean {near}?)" if near else "") + f"; known: {', '.join(ENV_KNOWN)}")
     return lines
@@ -317,8 +325,9 @@ def env_options(environ: Optional[Mapping[str, str]] = None) -> Optional[Dict[st
         return None
     value = raw.strip().lower()
     if value not in ENV_ON:
-        raise ConfigError(f"guard: {ENV_PREFIX}={raw!r} is not valid; allowed: 0, 1, warn, raise, record")
-    opts: Dict[str, Any] = {"mode": "warn" if value == "1" else value}
+        raise ConfigError(f"guard: {ENV_PREFIX}={raw!r} is not valid; allowed: 1 (also true, on, yes), warn, raise, "
+                          f"record, or 0 (also false, off, empty) to leave guard off")
+    opts: Dict[str, Any] = {"mode": "warn" if value in ("1", "true", "on", "yes") else value}
     origin = {"mode": ENV_PREFIX}
     if f"{ENV_PREFIX}_REPORT" in env:
         opts["report"] = parse_report(env[f"{ENV_PREFIX}_REPORT"], f"{ENV_PREFIX}_REPORT")

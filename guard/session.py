@@ -336,6 +336,13 @@ class Guard(Wiring):
         """Use the guard as a decorator: the function runs under it, each call anew."""
         if not callable(fn):
             raise ConfigError(f"guard: cannot decorate {type(fn).__name__}; allowed: a function")
+        import inspect
+
+        if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+            # its call only makes the generator or coroutine: the guard would close before any of its code runs
+            what = "a generator function" if inspect.isgeneratorfunction(fn) else "an async function"
+            raise ConfigError(f"guard: cannot decorate {getattr(fn, '__name__', fn)!r}, {what} (it would close "
+                              f"before its body runs); allowed: a plain function, or `with guard(...):` inside it")
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:

@@ -693,7 +693,7 @@ def test_bad_wrap_arguments_give_one_clear_line(args, kwargs, needles):
 
 
 @pytest.mark.parametrize("env, needles", [
-    ({"TORCH_GUARD": "yes"}, ["TORCH_GUARD='yes'", "0, 1, warn, raise, record"]),
+    ({"TORCH_GUARD": "maybe"}, ["TORCH_GUARD='maybe'", "1 (also true, on, yes), warn, raise, record"]),
     ({"TORCH_GUARD": "1", "TORCH_GUARD_CHECKS": "nonfinite,bogus"}, ["TORCH_GUARD_CHECKS", "'bogus'"]),
     ({"TORCH_GUARD": "1", "TORCH_GUARD_CHECKS": "-"}, ["TORCH_GUARD_CHECKS"]),
     ({"TORCH_GUARD": "1", "TORCH_GUARD_LIVE": "sometimes"}, ["TORCH_GUARD_LIVE='sometimes'", "0, 1, all"]),
@@ -1015,3 +1015,35 @@ def test_a_report_path_never_replaces_a_file_guard_did_not_write(tmp_path):
             with guard(nn.Linear(2, 2), report=str(tmp_path / name), live=False):
                 pass
         assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("make, needles", [
+    (lambda: guard(every=float("inf")), ["every=inf", "an integer >= 1"]),
+    (lambda: guard(checks=["-default"]), ["leaves no check on", "'default,-input-stats'"]),
+    (lambda: guard(checks="all,-all"), ["leaves no check on"]),
+    (lambda: guard(nn.Linear(2, 2).forward), ["Linear.forward is a method of a module", "guard(model)"]),
+])
+def test_surface_mistakes_get_one_clear_line(make, needles):
+    with pytest.raises(ConfigError) as info:
+        make()
+    one_line(info, *needles)
+
+
+def test_generator_and_async_functions_are_not_decorated_and_generators_of_names_are_read_once():
+    def gen():
+        yield 1
+
+    async def coro():
+        pass
+
+    for fn in (gen, coro):
+        with pytest.raises(ConfigError) as info:
+            guard(nn.Linear(2, 2))(fn)
+        one_line(info, repr(fn.__name__), "with guard(...):")
+    g = guard(checks=(c for c in ["nonfinite"]))
+    assert "nonfinite" in g.config.checks and g.config.checks_spec == ("nonfinite",)
+    assert len(guard(checks="DEFAULT").config.checks) == len(guard().config.checks)
+    assert env_options({"TORCH_GUARD": "true"})["mode"] == "warn"
+    from guard.config import unknown_env
+
+    assert "did you mean TORCH_GUARD_EVERY?" in unknown_env({"TORCH_GUARD_every": "2"})[0]
