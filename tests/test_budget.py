@@ -396,3 +396,12 @@ def test_costly_check_failing_while_awake_is_switched_off_for_good(monkeypatch):
     assert FailingCostlyCheck.calls == [0, 2]  # ran on steps 0 and 2 (failed there), never again
     assert [e["check"] for e in g.report()["internal_errors"]] == [FailingCostlyCheck.name]
     assert g.step == 12
+
+
+def test_a_short_run_still_says_its_cost_and_over_how_many_steps():
+    m, opt, step = model_and_step(width=32)
+    with guard(m, opt, live=False) as g:
+        for _ in range(6):
+            step()
+    line = _summary_line(g)
+    assert line.startswith("guard cost ") and "% of step time (over " in line and "first steps" in line

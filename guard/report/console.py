@@ -120,9 +120,13 @@ def _cost_line(record: Any) -> str:
     cost = getattr(record, "cost", None)  # a Record's field, or a live guard's method
     cost = (cost() if callable(cost) else cost) or {}
     ov = cost.get("overhead")
-    if ov is None or (cost.get("steps_measured", 0) < MIN_COST_STEPS and cost.get("budget") is None):
-        return ""  # a few steps of a toy model: guard's share says little about a real run
+    if ov is None:
+        return ""
     line = f"guard cost {ov * 100:.1f}% of step time"
+    n = cost.get("steps_measured", 0) or 0
+    if n < MIN_COST_STEPS and cost.get("budget") is None:
+        # a few steps of a toy model: said, with why it says little about a real run
+        line += f" (over {n} step(s); a run's first steps cost guard the most)"
     if cost.get("sampled_checks"):
         line += (f" (budget {cost['budget'] * 100:g}%: {', '.join(cost['sampled_checks'])} sampled, "
                  f"every {cost['max_period']} steps at most)")
