@@ -411,6 +411,11 @@ class Guard(Wiring):
             raise GuardError(finding)
         return finding
 
+    def seen_again(self, kind: str, where: str) -> None:
+        """A reported condition that lasts is seen at this step too: its finding's count and `last_step` follow."""
+        with self._lock:
+            self.record.repeat(kind, printable(where), self.step)
+
     def update_details(self, kind: str, where: str, **details: Any) -> Optional[Finding]:
         """Merge `details` into the recorded (kind, where) finding (e.g. a trace captured later)."""
         with self._lock:

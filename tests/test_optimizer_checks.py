@@ -104,6 +104,8 @@ def test_layer4_with_adamw_names_the_prefix_group_decay_and_step():
     assert kinds(g) == ["weight-decay-without-grad"]
     f = g.findings[0]
     assert f.severity == "warning" and f.where == "layer4" and f.step == 2
+    # a lasting condition: the finding follows it to the last step measured
+    assert f.last_step == f.details["measured_at_step"] > f.step and f.count > 1
     assert f.details["group"] == 0 and f.details["weight_decay"] == 0.05 and f.details["parameters"] == 4
     assert "param_groups[0]" in f.message and "(weight_decay=0.05, plus AdamW" in f.message
     assert "weight_decay=0" in f.hint and "set_to_none=True" in f.hint
@@ -116,7 +118,8 @@ def test_layer4_with_sgd_weight_decay_reports_the_shrink():
     assert f.where == "layer4" and f.details["cause"] == "weight_decay"
     assert f.details["norm_now"] < f.details["norm_first"] and f.details["norm_change_pct"] < 0
     assert "shrank" in f.message and "halves it every ~693 steps" in f.message
-    assert f.count == 1 and len(g.findings) == 1  # one finding for the module, not one per parameter
+    assert len(g.findings) == 1  # one finding for the module, not one per parameter
+    assert f.last_step == f.details["measured_at_step"] == 9  # counted at each step it lasts, not per parameter
 
 
 def test_ddp_style_zero_filled_grads_are_caught():

@@ -171,6 +171,7 @@ def test_train_in_eval_mode_demo_names_step_and_eval_line():
     assert kinds(g) == ["train-in-eval-mode"]
     f = g.findings[0]
     assert f.severity == "warning" and f.where == "Sequential" and f.step == 4  # 4 steps per epoch
+    assert f.last_step == 11 and f.count == 8  # trained in eval mode until the run's last step
     src = line_of(train_in_eval_mode, "model.eval()  # validation")
     assert f.source == src and f.details["eval_source"] == src and f.details["eval_step"] == 4
     assert f"Sequential.eval() was called at {src}" in f.message and "1 (BatchNorm1d), 3 (Dropout)" in f.message

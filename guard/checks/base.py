@@ -64,6 +64,9 @@ class CheckContext(Protocol):
         """Report a finding (the first of each (kind, where); repeats are counted). `step` is where the condition
         began, `seen` (default `step`) the step it is seen at, the finding's `last_step`."""
 
+    def seen_again(self, kind: str, where: str) -> None:
+        """A reported condition that lasts is seen at this step too (the finding's count and last_step)."""
+
     def update_details(self, kind: str, where: str, **details: Any) -> Optional[Finding]:
         """Add details to a recorded finding."""
 

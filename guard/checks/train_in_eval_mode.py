@@ -53,6 +53,7 @@ class TrainInEvalMode(Check):
         # roots whose last grad-enabled call was in eval mode: root -> source of that call
         self._eval_calls = WeakIdMap()  # model -> line of its last grad-enabled call in eval mode
         self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._again = WeakIdMap()  # reported models trained in eval mode again this step -> their path
 
     def on_module_train(self, args, kwargs):
         if not args:
@@ -76,8 +77,15 @@ class TrainInEvalMode(Check):
                 self._eval_calls.pop(module)
         elif module not in self._reported:
             self._eval_calls[module] = self.g.root_source
+        else:
+            self._again[module] = path  # still trained in eval mode: the finding lasts (counted at the step)
 
     def on_step_pre(self, optimizer):
+        if self._again.data:
+            for model, path in list(self._again.items()):
+                del self._again[model]
+                if not model.training:
+                    self.g.seen_again("train-in-eval-mode", path)
         if not self._eval_calls.data:
             return
         for model, call_src in list(self._eval_calls.items()):

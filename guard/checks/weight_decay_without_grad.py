@@ -279,6 +279,7 @@ class WeightDecayWithoutGrad(Check):
                 first, now, change = _norms(ts)
                 self.g.update_details("weight-decay-without-grad", where, norm_now=now, norm_change_pct=change,
                                       zero_grad_steps=max(t.count for t in ts), measured_at_step=step)
+                self.g.seen_again("weight-decay-without-grad", where)
 
     def _report(self, opt, due: List[_Track], source: Optional[str]) -> None:
         names: Dict[int, str] = {}
