@@ -37,6 +37,15 @@ def pytest_configure(config: Any) -> None:
     fail_on = config.getoption("torch_guard_fail_on")
     if fail_on not in FAIL_ON:
         raise pytest.UsageError(f"guard: --torch-guard-fail-on={fail_on!r} is not a severity; allowed: {', '.join(FAIL_ON)}")
+    checks = config.getoption("torch_guard_checks")
+    if checks != "default":  # said once at start, naming the option, not once per guarded test
+        from guard.checks import registry
+        from guard.config import ConfigError, select_checks
+
+        try:
+            select_checks(checks, registry(), "--torch-guard-checks")
+        except ConfigError as exc:
+            raise pytest.UsageError(str(exc)) from None
 
 
 def _settings(item: Any) -> Optional[Tuple[Any, str]]:
@@ -45,6 +54,12 @@ def _settings(item: Any) -> Optional[Tuple[Any, str]]:
     if marker is None and not item.config.getoption("torch_guard"):
         return None
     kw: Dict[str, Any] = dict(marker.kwargs) if marker is not None else {}
+    if marker is not None and marker.args:
+        if len(marker.args) > 1 or "checks" in kw:
+            raise pytest.UsageError(f"guard: @pytest.mark.torch_guard{marker.args!r}: one positional argument at most "
+                                    f"(the checks); allowed: torch_guard('default,-x') or torch_guard(checks=..., "
+                                    f"fail_on=...)")
+        kw["checks"] = marker.args[0]  # torch_guard("default,-nonfinite"): the checks, as the keyword would
     unknown = set(kw) - {"checks", "fail_on"}
     if unknown:
         raise pytest.UsageError(f"guard: @pytest.mark.torch_guard got {sorted(unknown)}; allowed: checks, fail_on")
@@ -76,7 +91,7 @@ def pytest_runtest_call(item: Any):
     from guard.config import ConfigError
 
     try:
-        g = guard(checks=checks, mode="record", live=False, origin={"checks": "torch_guard checks"})
+        g = guard(checks=checks, mode="record", live=False, origin={"checks": "@pytest.mark.torch_guard checks"})
     except ConfigError as exc:
         raise pytest.UsageError(str(exc)) from None
     g.start()
@@ -103,7 +118,8 @@ def torch_guard(request: Any):
     from guard import guard
 
     marker = request.node.get_closest_marker("torch_guard")
-    checks = (marker.kwargs.get("checks") if marker is not None else None) or request.config.getoption("torch_guard_checks")
+    mine = (marker.kwargs.get("checks") or (marker.args[0] if marker.args else None)) if marker is not None else None
+    checks = mine or request.config.getoption("torch_guard_checks")
     g = guard(checks=checks, mode="record", live=False)
     g.start()
     try:

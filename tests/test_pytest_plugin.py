@@ -97,6 +97,32 @@ def test_bad_fail_on_is_a_usage_error(pytester):
     assert "--torch-guard-fail-on='fatal' is not a severity; allowed: error, warning, info" in r.stderr.str()
 
 
+def test_bad_checks_option_is_a_usage_error_at_start_naming_the_option(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    r = pytester.runpytest(*_args("--torch-guard", "--torch-guard-checks=nonfinit"))
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    err = r.stderr.str()
+    assert "--torch-guard-checks has unknown check 'nonfinit'; did you mean 'nonfinite'?" in err
+    assert err.count("unknown check") == 1  # once, not once per test
+
+
+def test_marker_takes_the_checks_as_its_one_positional_argument(pytester):
+    pytester.makepyfile(test_inner=INNER + """
+
+@pytest.mark.torch_guard("default,-nonfinite")
+def test_marked_nan_check_off_positional():
+    train(nan=True)
+
+
+@pytest.mark.torch_guard("default")
+def test_marked_nan_positional():
+    train(nan=True)
+""")
+    r = pytester.runpytest(*_args())
+    r.assert_outcomes(failed=1, passed=4)
+    assert "FAILED test_inner.py::test_marked_nan_positional" in r.stdout.str()
+
+
 def test_marker_turns_it_on_per_test_with_checks_and_fail_on(pytester):
     pytester.makepyfile(test_inner=INNER + """
 
