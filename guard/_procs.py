@@ -162,5 +162,22 @@ def report_path_for(g: Any) -> Optional[str]:
         root, ext = os.path.splitext(path)
         path = f"{root}.env{ext}"
     if process_tag() is None:
+        if _written_by_another_run(path, g.started_at):
+            # two runs started in one folder at once (two TORCH_GUARD=1 jobs): each keeps its own report
+            root, ext = os.path.splitext(path)
+            path = f"{root}.pid{os.getpid()}{ext}"
         g.processes = other_reports(path, g.started_at)
     return path
+
+
+def _written_by_another_run(path: str, since: float) -> bool:
+    """Whether `path` was written, while this run went on, by a process that is neither this one nor its child."""
+    try:
+        if os.path.getmtime(path) < since - 1:
+            return False  # an earlier run's report: replaced, as always
+        with open(path, encoding="utf-8") as fh:
+            env = json.load(fh).get("environment", {})
+    except Exception:
+        return False
+    me = os.getpid()
+    return env.get("pid") not in (None, me) and env.get("main_pid") != me

@@ -349,3 +349,19 @@ def test_guard_arguments_refused_at_start(tmp_path):
     finally:
         os.chdir(old)
     assert (tmp_path / "r.json").exists() and not (tmp_path / "elsewhere" / "r.json").exists()
+
+
+def test_two_runs_started_at_once_in_one_folder_keep_their_own_reports(tmp_path):
+    """Two TORCH_GUARD=1 jobs in one folder: the one that ends second does not replace the other's report."""
+    (tmp_path / "train.py").write_text(TRAIN.replace('print("trained")', 'print("trained", flush=True)')
+                                       + "import sys, time\ntime.sleep(float(sys.argv[1]))\n")
+    slow = subprocess.Popen([sys.executable, "train.py", "12"], cwd=tmp_path, env=_env(TORCH_GUARD="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert slow.stdout.readline().strip() == "trained"  # its guard runs; it now sleeps while the other runs
+    fast = _run(["train.py", "0"], tmp_path, TORCH_GUARD="1")
+    assert fast.returncode == 0 and "guard report: " + str(tmp_path / "guard-report.json") in fast.stderr
+    out, err = slow.communicate(timeout=180)
+    mine = tmp_path / f"guard-report.pid{slow.pid}.json"
+    assert slow.returncode == 0 and f"guard report: {mine}" in err, err
+    assert _load(mine)["environment"]["pid"] == slow.pid
+    assert _load(tmp_path / "guard-report.json")["environment"]["pid"] != slow.pid
