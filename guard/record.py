@@ -133,6 +133,14 @@ class Record:
         r = self.environment.get("ranks")
         return list(r) if isinstance(r, list) else []
 
+    @property
+    def merged_by(self) -> Optional[Tuple[str, List[Any]]]:
+        """``("rank", ranks)`` or ``("process", labels)`` for a merged record; None for one process's."""
+        if self.ranks:
+            return "rank", self.ranks
+        p = self.environment.get("merged_processes")
+        return ("process", list(p)) if isinstance(p, list) else None
+
     def summary_line(self) -> str:
         """One line: findings by severity and steps (for logs)."""
         c = self.counts()
@@ -233,19 +241,32 @@ class Record:
             r = records[i].environment.get("rank")
             return r if isinstance(r, int) else i
 
-        order = sorted(range(len(records)), key=rank_of)
+        # Dumps of one run's processes (TORCH_GUARD's main and children, no torch.distributed): told apart by
+        # process ("main", "pid123"), not by a rank none of them had.
+        distributed = any(isinstance(r.environment.get("rank"), int) for r in records)
+
+        def process_of(i: int) -> str:
+            return str(records[i].environment.get("process") or "main")
+
+        order = sorted(range(len(records)), key=rank_of if distributed else (lambda i: (process_of(i) != "main", i)))
         first = records[order[0]]
         findings: List[Finding] = []
         modules: Dict[Any, Dict[str, Any]] = {}
         for i in order:
             for f in records[i].findings:
                 details = {**f.details}
-                details.setdefault("rank", rank_of(i))
+                if distributed:
+                    details.setdefault("rank", rank_of(i))
+                else:
+                    details.setdefault("process", process_of(i))
                 findings.append(_replace(f, details=details))
             for m in records[i].modules:
                 modules.setdefault(m.get("path"), m)
         env = dict(first.environment)
-        env["ranks"] = [rank_of(i) for i in order]
+        if distributed:
+            env["ranks"] = [rank_of(i) for i in order]
+        else:
+            env["merged_processes"] = [process_of(i) for i in order]
         env.pop("rank", None)
         return cls(
             findings=findings,

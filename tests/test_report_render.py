@@ -86,6 +86,26 @@ def test_merge_tags_findings_with_their_rank():
     assert merged.ranks == [0, 1] and merged.steps == 4 and merged.extra["merged_from"] == ["r1.json", "r0.json"]
 
 
+def test_merge_of_one_runs_processes_tags_findings_with_their_process_not_a_rank(tmp_path, capsys):
+    """TORCH_GUARD's main dump and a child's (no torch.distributed): shown as processes."""
+    from guard.__main__ import main as cli
+    from guard.report import write_report
+
+    main_rec = Record(findings=[Finding("grad-explosion", "warning", "m", "h", "a", 1)], steps=3,
+                      environment={"pid": 10}, modules=[{"path": "a"}])
+    child = Record(findings=[Finding("nonfinite-input", "error", "m", "h", "input", 0)], steps=2,
+                   environment={"pid": 11, "process": "pid11", "main_pid": 10}, modules=[{"path": "a"}])
+    merged = Record.merge([child, main_rec], ["r.pid11.json", "r.json"])
+    assert merged.merged_by == ("process", ["main", "pid11"]) and merged.ranks == []
+    assert [(f.where, f.details["process"]) for f in merged.findings] == [("a", "main"), ("input", "pid11")]
+    assert all("rank" not in f.details for f in merged.findings)
+    write_report(main_rec, str(tmp_path / "r.json"))
+    write_report(child, str(tmp_path / "r.pid11.json"))
+    assert cli(["report", str(tmp_path / "r.json"), str(tmp_path / "r.pid11.json")]) == 0
+    out = capsys.readouterr().out
+    assert "merged processes ['main', 'pid11']" in out and "merged ranks" not in out
+
+
 BAD_DUMPS = {
     "findings-int": ('{"schema": "guard-report/1", "findings": [1]}', "findings[0]: expected an object"),
     "timeline-ints": ('{"schema": "guard-report/1", "timeline": [1, 2, 3]}', "timeline[0]: expected an object"),

@@ -116,13 +116,15 @@ def _plot(report_id: str, title: str, points: Sequence[Tuple[int, Any]], marks: 
 def _finding_html(f: Finding) -> str:
     sev = _e(f.severity)
     rank = f.details.get("rank")
+    process = f.details.get("process")
     steps = f"step {_e(f.step)}"
     if f.last_step not in (None, f.step):
         steps += f"–{_e(f.last_step)}"
     parts = [f"<div class='finding {sev}' data-kind='{_e(f.kind)}'>",
              f"<div class='head'><span class='badge b-{sev}'>{sev}</span> {_e(f.kind)} · "
              f"<span class='where'>{_e(f.where)}</span> · {steps} · seen {_e(f.count)}×"
-             + (f" · rank {_e(rank)}" if rank is not None else "") + "</div>",
+             + (f" · rank {_e(rank)}" if rank is not None else "")
+             + (f" · process {_e(process)}" if process is not None else "") + "</div>",
              f"<div class='message'>{_e(f.message)}</div>",
              f"<div class='hint'><b>fix:</b> {_e(f.hint)}</div>"]
     if f.source:
@@ -145,8 +147,9 @@ def render_html(record: Union[Record, dict]) -> str:
     meta = [("run", f"<code>{_e(run)}</code>"), ("created", _e(rec.created)), ("steps", _e(steps)),
             ("torch / python", f"{_e(env.get('torch'))} / {_e(env.get('python'))}"),
             ("platform", _e(env.get("platform"))), ("devices", _e(", ".join(map(str, env.get("devices") or []))))]
-    if rec.ranks:
-        meta.append(("ranks (merged)", _e(", ".join(map(str, rec.ranks)))))
+    if rec.merged_by is not None:
+        unit, labels = rec.merged_by
+        meta.append((f"{unit}es (merged)" if unit == "process" else f"{unit}s (merged)", _e(", ".join(map(str, labels)))))
     elif "rank" in env:
         meta.append(("rank", f"{_e(env.get('rank'))} of {_e(env.get('world_size'))}"))
     meta.append(("guard config", f"mode {_e(cfg.get('mode'))} · checks {_e(', '.join(map(str, cfg.get('checks') or [])))}"

@@ -49,7 +49,9 @@ def render_terminal(record: Union[Record, dict], console: Any) -> None:
     env = rec.environment
     findings = rec.sorted_findings()
     counts = rec.counts()
-    merged = bool(rec.ranks)
+    by = rec.merged_by
+    merged = by is not None
+    unit = by[0] if by else "rank"
     head = Text()
     head.append(f"{len(findings)} finding(s)", style="bold")
     head.append(f"  ({counts['error']} error, {counts['warning']} warning, {counts['info']} info)")
@@ -57,7 +59,7 @@ def render_terminal(record: Union[Record, dict], console: Any) -> None:
     head.append(f"created {rec.created} · torch {env.get('torch')} · python {env.get('python')}"
                 f" · {env.get('platform')}")
     if merged:
-        head.append(f"\nmerged ranks {rec.ranks}")
+        head.append(f"\nmerged {'processes' if unit == 'process' else 'ranks'} {by[1]}")
     elif "rank" in env:
         head.append(f"\nrank {env.get('rank')} of {env.get('world_size')}")
     if env.get("argv"):
@@ -65,7 +67,7 @@ def render_terminal(record: Union[Record, dict], console: Any) -> None:
     console.print(Panel(head, title="guard report", title_align="left", expand=False))
     if findings:
         table = Table(title="findings", title_justify="left")
-        for col in ("severity", "kind", "where", "steps", "count") + (("rank",) if merged else ()):
+        for col in ("severity", "kind", "where", "steps", "count") + ((unit,) if merged else ()):
             table.add_column(col)
         for f in findings:
             step = str(f.step)
@@ -74,15 +76,15 @@ def render_terminal(record: Union[Record, dict], console: Any) -> None:
             row = [Text(f.severity, style=_COLOURS.get(f.severity, "white")), Text(f.kind), Text(f.where),
                    Text(step), Text(str(f.count))]
             if merged:
-                row.append(Text(str(f.details.get("rank", ""))))
+                row.append(Text(str(f.details.get(unit, ""))))
             table.add_row(*row)
         console.print(table)
         for f in findings:  # the full text, so nothing is cut to fit a column
             body = Text()
             body.append(f"{f.severity.upper()} ", style=f"bold {_COLOURS.get(f.severity, 'white')}")
             body.append(f"{f.kind} · {f.where} · step {f.step}")
-            if merged and "rank" in f.details:
-                body.append(f" · rank {f.details['rank']}")
+            if merged and unit in f.details:
+                body.append(f" · {unit} {f.details[unit]}")
             body.append(f"\n  {f.message}\n")
             body.append("  fix: ", style="bold")
             body.append(f.hint)
