@@ -177,6 +177,75 @@ def _child_findings(g: Any) -> List[Any]:
     return out
 
 
+def _own_guard_module(folder: str) -> bool:
+    """Whether `folder` holds a ``guard`` module of the program's own (a guard.py next to the script)."""
+    ours = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(folder, "guard.py"), os.path.join(folder, "guard", "__init__.py")):
+        if os.path.isfile(path) and os.path.dirname(os.path.abspath(path)) != ours:
+            return True
+    return False
+
+
+def _run_apart(g: Any, opts: Dict[str, Any]) -> int:
+    """The script's folder has a ``guard`` of its own, which its ``import guard`` must get: run it in a new
+    interpreter under the environment's guard (TORCH_GUARD=1 loads this package under a private name there),
+    with the same options; the exit status is the script's, `--fail-on` reads the reports it wrote."""
+    import subprocess
+    import tempfile
+    import time
+
+    from ._procs import MAIN_PID_VAR
+    from .findings import SEVERITY_RANK
+
+    cfg = g.config
+    env = {k: v for k, v in os.environ.items() if k != MAIN_PID_VAR}
+    env["TORCH_GUARD"] = "1" if cfg.mode == "warn" else cfg.mode
+    env["TORCH_GUARD_EVERY"] = str(cfg.every)
+    scratch = None
+    if cfg.report:
+        env["TORCH_GUARD_REPORT"] = cfg.report
+    else:  # --no-report: the environment's guard always writes one; it goes to a folder removed afterwards
+        scratch = tempfile.mkdtemp(prefix="guard-run-")
+        env["TORCH_GUARD_REPORT"] = os.path.join(scratch, "guard-report.json")
+    if opts.get("checks") is not None:
+        checks = opts["checks"]
+        env["TORCH_GUARD_CHECKS"] = checks if isinstance(checks, str) else ",".join(checks)
+    if opts.get("live") is not None:
+        env["TORCH_GUARD_LIVE"] = {True: "1", False: "0"}.get(opts["live"], str(opts["live"]))
+    started = time.time()
+    try:
+        code = subprocess.run([sys.executable, opts["script"], *opts["args"]], env=env).returncode
+    except KeyboardInterrupt:
+        code = 130
+    try:
+        if opts["fail_on"] is not None:
+            from .record import Record
+
+            root, ext = os.path.splitext(env["TORCH_GUARD_REPORT"])
+            import glob
+
+            found = []
+            for name in [root + ext] + glob.glob(glob.escape(root) + ".*" + glob.escape(ext)):
+                try:
+                    if os.path.getmtime(name) >= started - 1:
+                        found.extend(Record.load(name).findings)
+                except Exception:
+                    continue
+            limit = SEVERITY_RANK[opts["fail_on"]]
+            bad = [f for f in found if SEVERITY_RANK.get(f.severity, 99) <= limit]
+            if bad:
+                sys.stderr.write(f"guard: {len(bad)} finding(s) of severity {opts['fail_on']} or worse "
+                                 f"({', '.join(sorted({f.kind for f in bad}))})\n")
+                if code == 0:
+                    code = 1
+    finally:
+        if scratch is not None:
+            import shutil
+
+            shutil.rmtree(scratch, ignore_errors=True)
+    return code if code >= 0 else 128 - code
+
+
 def cmd_run(argv: Sequence[str]) -> int:
     opts = _parse_run(argv)
     import runpy
@@ -200,6 +269,8 @@ def cmd_run(argv: Sequence[str]) -> int:
                   origin={"checks": "--checks", "mode": "--mode", "report": "--report", "every": "--every"})
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+    if opts["module"] is None and _own_guard_module(os.path.dirname(os.path.abspath(opts["script"]))):
+        return _run_apart(g, opts)
     saved_env = _guard_children(g, opts)
     saved_argv, saved_path0 = list(sys.argv), sys.path[0] if sys.path else None
     code = 0

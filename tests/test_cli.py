@@ -260,3 +260,32 @@ def test_run_in_process_leaves_the_environment_as_it_was(proj, monkeypatch):
     monkeypatch.chdir(proj)
     assert main(["run", "--no-live", "--report", "r.json", "train.py"]) == 0
     assert [k for k in os.environ if "TORCH_GUARD" in k] == []
+
+
+def test_run_next_to_a_guard_py_of_the_users_own_keeps_it_theirs(tmp_path, monkeypatch, capfd):
+    """The script's `import guard` gets the user's guard.py (run apart, under the environment's guard)."""
+    (tmp_path / "guard.py").write_text("VALUE = 42\n")
+    (tmp_path / "t.py").write_text(
+        "import guard\nprint('VALUE', guard.VALUE)\n" + TRAIN_NAN + "import sys\nsys.exit(3 if '--three' in sys.argv else 0)\n")
+    monkeypatch.chdir(tmp_path)
+    for key in [k for k in os.environ if k.startswith(("TORCH_GUARD", "_TORCH_GUARD"))]:
+        monkeypatch.delenv(key)
+    assert main(["run", "--no-report", "t.py", "--three"]) == 3  # the script's own status
+    out, err = capfd.readouterr()
+    assert "VALUE 42" in out and "guard ERROR nonfinite-input" in err
+    assert not list(tmp_path.glob("guard-report*.json"))  # --no-report: none left behind
+    assert main(["run", "--report", "r.json", "--fail-on", "error", "t.py"]) == 1
+    out, err = capfd.readouterr()
+    assert "VALUE 42" in out and "finding(s) of severity error or worse (nonfinite-grad, nonfinite-input)" in err
+    assert json.loads((tmp_path / "r.json").read_text())["findings"][0]["kind"] == "nonfinite-input"
+
+
+TRAIN_NAN = """\
+import torch
+from torch import nn
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+opt.zero_grad()
+model(torch.full((2, 4), float("nan"))).sum().backward()
+opt.step()
+"""
