@@ -46,6 +46,12 @@ class GuardInternalWarning(RuntimeWarning):
     """guard's own failure: a check raised and was switched off; training is unaffected."""
 
 
+# Not shown by default: guard prints its own one line for it (shown, the warning would add two more: its text
+# again and a source line). Appended, so any filter of the program's own (-W error, pytest's filterwarnings,
+# simplefilter, catch_warnings) comes first.
+warnings.filterwarnings("ignore", category=GuardInternalWarning, append=True)
+
+
 class Router:
     """Routes events to the active checks of one guard; contains their failures."""
 
@@ -278,7 +284,7 @@ class Router:
         msg = (f"guard: internal error in check {name!r} ({entry['error']} at {at}); "
                f"the check is switched off, training continues")
         try:
-            warnings.warn(msg, GuardInternalWarning, stacklevel=2)
+            warnings.warn(msg, GuardInternalWarning, stacklevel=2)  # for code that catches or filters it
         except Exception:
-            pass  # warnings turned into errors (-W error, pytest's filterwarnings): the console line says it
-        self.g.console().internal(msg)
+            pass  # warnings turned into errors (-W error, pytest's filterwarnings): never raised into training
+        self.g.console().internal(msg)  # the one line on stderr (the warning is not shown by default, below)

@@ -95,7 +95,7 @@ def test_full_disk_or_unwritable_path_is_one_message_and_training_is_unaffected(
         report = folder / "r.json"
     else:
         report = tmp_path / "r.json"
-        report.write_text('{"old": true}')
+        report.write_text('{"schema": "guard-report/1", "old": true}')
     proc = child(tmp_path, how, report)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == reference
@@ -103,7 +103,7 @@ def test_full_disk_or_unwritable_path_is_one_message_and_training_is_unaffected(
     assert len(lines) == 1 and "could not write the report" in lines[0] and str(report.name) in lines[0], proc.stderr
     if how == "full-disk":
         assert "No space left" in lines[0]
-        assert report.read_text() == '{"old": true}'  # the previous dump is intact (atomic)
+        assert report.read_text() == '{"schema": "guard-report/1", "old": true}'  # the previous dump is intact (atomic)
     assert not list(report.parent.glob(".r.json.*.tmp"))
 
 
