@@ -49,7 +49,7 @@ class AmpScaler(Check):
         "nonfinite-grad": ("error", "a parameter's gradient has NaN/Inf"),
     }
     description = ("GradScaler-skipped steps are no error (marked in the timeline); a scale collapsing on NaN/Inf "
-                   "grads is a nonfinite-grad warning")
+                   "grads is a nonfinite-grad error")
     patches = {"scaler_scale": "torch.amp.GradScaler.scale", "scaler_unscale": "torch.amp.GradScaler.unscale_",
                "scaler_step": "torch.amp.GradScaler.step", "scaler_update": "torch.amp.GradScaler.update"}
 
