@@ -53,7 +53,7 @@ class ParamsNotUpdating(Check):
     name = "params-not-updating"
     kinds = {"params-not-updating": ("warning", "parameters with non-zero gradients do not change for many steps "
                                                 "(lr=0, optimizer over another copy of the model)")}
-    description = "parameters with non-zero gradients that do not change: lr=0 for many steps, optimizer over a copy"
+    description = "parameters with non-zero gradients that do not change: lr=0 (or below 1e-12) for many steps, optimizer over a copy"
 
     def __init__(self, guard):
         super().__init__(guard)
