@@ -322,6 +322,42 @@ def test_lbfgs_closure_is_clean():
     assert g.findings == []
 
 
+def test_lbfgs_closure_without_zero_grad_in_one_long_step_is_found():
+    """The usual PINN form: one step(closure) with many iterations; the closure never zeroes the gradients, so
+    each re-evaluation adds onto the last. A closure with two backward() calls after its zero_grad() is fine."""
+    model = mlp()
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=20)
+    x, y = batches(1)[0]
+
+    def closure():
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with guard(model, opt, checks="all", live=False) as g:
+        opt.step(closure)
+    # (the running sums may then blow the weights up: the NaN findings that follow are its effects)
+    (f,) = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    assert f.kind == "missing-zero-grad" and f.where == "LBFGS" and f.step == 0
+    assert f.details["closure_backwards"] >= 2 and "zero_grad() at the start of the closure" in f.hint
+
+    model = mlp()  # a fresh one: the first may be NaN by now
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=20)
+
+    def two_losses():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        penalty = 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+        penalty.backward()  # accumulated onto the loss's gradients on purpose
+        return loss.detach() + penalty.detach()
+
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(2):
+            opt.step(two_losses)
+    assert g.findings == []
+
+
 # --------------------------------------------------------------------------- eval-without-no-grad
 
 def test_eval_without_no_grad_demo_and_twin():

@@ -64,9 +64,15 @@ class MissingZeroGrad(Check):
         super().__init__(guard)
         self._st = WeakIdMap()  # optimizer -> _State
         self._armed = False  # some state may be armed (only a step arms one): backwards skip the scan otherwise
+        # id(optimizer) -> [backward() calls, zero_grad() calls] while its step() runs: an L-BFGS closure
+        # evaluated many times within one step
+        self._during: dict = {}
+        self._closure_done = False
 
     # ------------------------------------------------------------------ zero_grad observed
     def on_opt_zero_grad_done(self, args, kwargs, result):
+        if self._during and args and id(args[0]) in self._during:
+            self._during[id(args[0])][1] += 1
         st = self._st.data.get(id(args[0])) if args else None
         if st is not None:
             st.clear()
@@ -74,6 +80,8 @@ class MissingZeroGrad(Check):
                 self._armed = False  # the only state is disarmed: the next backward has nothing to look at
 
     def on_module_zero_grad_done(self, args, kwargs, result):
+        for counts in self._during.values():
+            counts[1] += 1  # model.zero_grad() inside a closure clears what the optimizer steps, as a rule
         if not args or not self._st:
             return
         ids = {id(p) for p in args[0].parameters()}
@@ -93,6 +101,10 @@ class MissingZeroGrad(Check):
 
     # ------------------------------------------------------------------ steps and backwards
     def on_step_post(self, optimizer):
+        counts = self._during.pop(id(optimizer), None)
+        if counts is not None and counts[0] >= 2 and not counts[1] and not self._closure_done:
+            self._closure_done = True
+            self._emit_closure(optimizer, counts[0])
         st = self._st.data.get(id(optimizer))
         if st is None:
             st = self._st[optimizer] = _State()
@@ -111,6 +123,9 @@ class MissingZeroGrad(Check):
                 self._armed = True
 
     def on_backward(self, tensors, kwargs):
+        if self._during:
+            for counts in self._during.values():
+                counts[0] += 1
         if not self._armed:
             return
         self._armed = False  # every armed state is evaluated (and disarmed) now
@@ -158,6 +173,8 @@ class MissingZeroGrad(Check):
             self._judge(opt, st)
 
     def on_step_pre(self, optimizer):
+        if not self._closure_done:
+            self._during[id(optimizer)] = [0, 0]  # backwards inside this step() come from its closure
         st = self._st.data.get(id(optimizer))
         if st is None or not st.cands:
             return
@@ -197,6 +214,18 @@ class MissingZeroGrad(Check):
         self.emit("missing-zero-grad", where, message, hint, step=step, source=src,
                   details={"optimizer": type(opt).__name__, "parameters": len(stale), "with_grad": total,
                            "names": names, "stale_since_step": since, "backward_source": bsrc})
+
+    def _emit_closure(self, opt, backwards: int) -> None:
+        """One step() ran its closure's backward() several times (L-BFGS re-evaluates it) and nothing zeroed
+        the gradients in between: each evaluation added onto the last, and the first onto what was there."""
+        where = self._label(opt)
+        message = (f"{where}.step(closure) ran backward() {backwards} times (its closure, evaluated again by the "
+                   f"optimizer) with no zero_grad() in between: each evaluation adds its gradients onto the "
+                   f"previous ones, so the line search and the update see running sums, not the gradient")
+        hint = ("Call optimizer.zero_grad() at the start of the closure: def closure(): optimizer.zero_grad(); "
+                "loss = loss_fn(model(x), y); loss.backward(); return loss.")
+        self.emit("missing-zero-grad", where, message, hint, source=self.g.source(),
+                  details={"optimizer": type(opt).__name__, "closure_backwards": backwards})
 
     def _label(self, opt) -> str:
         opts = self.g.optimizers
