@@ -360,6 +360,35 @@ def test_lbfgs_closure_without_zero_grad_in_one_long_step_is_found():
 
 # --------------------------------------------------------------------------- eval-without-no-grad
 
+def test_forward_only_batchnorm_recalibration_is_not_an_evaluation():
+    """Lightning's StochasticWeightAveraging adds an epoch that runs training_step forward only, grad on, with
+    every BatchNorm's momentum set to None, to recompute their statistics: no eval-without-no-grad. The same
+    forwards with the momentum left alone are reported."""
+    def run(recalibrate):
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = batches()
+        with guard(model, opt, checks="all", live=False) as g:
+            for x, y in data:
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            if recalibrate:
+                model[1].reset_running_stats()
+                model[1].momentum = None
+            for x, y in data:  # forward only, grad on (Lightning skips backward in that epoch)
+                F.mse_loss(model(x), y)
+            model[1].momentum = 0.1
+            for x, y in data:
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+        return g
+
+    assert run(recalibrate=True).findings == []
+    assert [f.kind for f in run(recalibrate=False).findings] == ["eval-without-no-grad"]
+
+
 def test_eval_without_no_grad_demo_and_twin():
     g = eval_without_no_grad.train(live=False)
     assert kinds(g) == ["eval-without-no-grad"]

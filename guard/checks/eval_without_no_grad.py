@@ -25,8 +25,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from torch.nn.modules.batchnorm import _BatchNorm
+
 from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, user_frames, walk
 from .base import Check
+from .._weak import WeakIdMap
 
 KEY = "guard.eval_no_grad"
 WALK_BUDGET = 50_000  # graph nodes visited when looking for the variable that holds unused graphs
@@ -36,6 +39,10 @@ GRACE = 2  # steps a still-alive, unclaimed graph may wait for its backward
 #: may be any of them)
 MAX_OUTPUTS = 64
 MIN_DROPPED = 3  # training-mode forwards whose graphs were dropped at once, before they are worth a word
+
+
+def _NONE() -> None:
+    return None  # the weak reference of a model without BatchNorm
 
 
 class _Tag:
@@ -86,6 +93,7 @@ class EvalWithoutNoGrad(Check):
         self._done = False
         self._backwards = self._backwards_at_call = 0  # backward() calls seen, and at the last root call's start
         self._drops: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> training-mode graphs dropped at once
+        self._first_bn = WeakIdMap()  # root model -> weak reference to its first BatchNorm (or to nothing)
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if is_root:
@@ -99,6 +107,8 @@ class EvalWithoutNoGrad(Check):
             return
         if self._backwards != self._backwards_at_call:
             return  # back-propagated inside the call itself (Lightning manual optimization in training_step)
+        if self._recalibrating(module):
+            return  # BatchNorm statistics recomputed on purpose (Lightning's SWA epoch runs forward only)
         outs = graph_outputs(output, MAX_OUTPUTS + 1)
         if not outs or len(outs) > MAX_OUTPUTS or len(self._pending) >= MAX_PENDING:
             return
@@ -114,6 +124,17 @@ class EvalWithoutNoGrad(Check):
             rec.outs.append(weakref.ref(t))
         if rec.tags:
             self._pending.append(rec)
+
+    def _recalibrating(self, module) -> bool:
+        """A BatchNorm of `module` with ``momentum`` None (a cumulative average) or 1.0 in training mode: its
+        running statistics are being recomputed (SWA's update_bn, Lightning's StochasticWeightAveraging, precise
+        BN), which runs forwards whose graphs nobody back-propagates."""
+        ref = self._first_bn.data.get(id(module))
+        if ref is None:
+            bn = next((m for m in module.modules() if isinstance(m, _BatchNorm)), None)
+            ref = self._first_bn[module] = weakref.ref(bn) if bn is not None else _NONE
+        bn = ref()
+        return bn is not None and bn.training and (bn.momentum is None or bn.momentum == 1.0)
 
     def on_backward(self, tensors, kwargs):
         self._backward_in_step = self._any_backward = True
