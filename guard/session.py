@@ -50,7 +50,14 @@ def _unwrapped(opt: torch.optim.Optimizer) -> Optional[torch.optim.Optimizer]:
     ``AcceleratedOptimizer`` in ``.optimizer``, timm's ``Lookahead`` in ``._base_optimizer``: no step hooks
     of their own; their ``step()`` calls the wrapped one's). None when there is no such optimizer inside."""
     for _ in range(4):
-        if hasattr(opt, "_optimizer_step_pre_hooks"):
+        hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
+        if hooks is not None:
+            inner = getattr(opt, "optimizer", None)
+            if (isinstance(inner, torch.optim.Optimizer) and inner is not opt
+                    and getattr(inner, "_optimizer_step_pre_hooks", None) is hooks):
+                # Lightning Fabric's FabricSGD: a subclass of SGD whose __dict__ is a copy of the wrapped one's, hook
+                # tables included; the hooks fire from the wrapped optimizer's step(), with it as the optimizer
+                return inner
             return opt
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):

@@ -343,3 +343,24 @@ def test_a_graph_held_on_a_lightning_module_built_inline_is_named():
     with open(__file__) as fh:
         line = next(i for i, text in enumerate(fh, 1) if "self.total = self.total + loss" in text)
     assert f"{HERE}:{line}" in f.message and "`self.total += loss.item()`" in f.hint
+
+
+def test_fabric_setup_optimizer_given_to_guard_counts_its_steps():
+    """fabric.setup returns FabricSGD, a subclass of SGD sharing the wrapped one's hook tables: guard follows the
+    wrapped optimizer, so steps count from 0 (no 'replaced' notice) and a NaN at step 10 is reported at step 10."""
+    from lightning.fabric import Fabric
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    raw = nn.Linear(4, 2)
+    model, opt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), 0.1))
+    with guard(model, opt, live=False) as g:
+        for i in range(20):
+            x = torch.randn(8, 4)
+            if i == 10:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            fabric.backward(F.cross_entropy(model(x), torch.randint(0, 2, (8,))))
+            opt.step()
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 10)]
+    assert g.notices == [] and g.step == 20
