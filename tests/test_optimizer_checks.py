@@ -756,3 +756,26 @@ def test_a_learned_learning_rate_tensor_makes_no_warning_of_guards():
                 (w ** 2).sum().backward()
                 outer.step()
     assert g.internal_errors == [] and [f for f in g.findings if f.severity != "info"] == []
+
+
+@pytest.mark.parametrize("given", ["none", "head-only"])
+def test_an_optimizer_stepping_every_other_batch_is_seen_before_parameters_are_called_missing(given):
+    """The encoder's own SGD steps every 2nd batch, the head's Adam every batch: every parameter is in an
+    optimizer, though at the first steps only Adam has stepped; a layer truly left out is still reported."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"enc": nn.Linear(10, 16), "head": nn.Linear(16, 3), "extra": nn.Linear(16, 3)})
+    oe = torch.optim.SGD(model["enc"].parameters(), 0.05)
+    oh = torch.optim.Adam(model["head"].parameters(), 1e-2)
+    with guard(model, None if given == "none" else oh, live=False) as g:
+        for i in range(12):
+            h = torch.relu(model["enc"](torch.randn(8, 10)))
+            loss = nn.functional.cross_entropy(model["head"](h) + model["extra"](h), torch.randint(0, 3, (8,)))
+            loss.backward()
+            oh.step()
+            oh.zero_grad()
+            if i % 2 == 1:
+                oe.step()
+                oe.zero_grad()
+            model["extra"].zero_grad()
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f.where == "extra" and f.step == 0 and f.details["names"] == ["extra.weight", "extra.bias"]

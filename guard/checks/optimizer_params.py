@@ -5,9 +5,10 @@
   Checked once per optimizer, at its first ``step()``.
 * ``param-not-in-optimizer`` [warning]: parameters of the watched model that receive
   gradients but are in no watched optimizer (e.g. a layer replaced after the optimizer
-  was built), looked at the first step and reported (with that step) at the second one,
-  if no optimizer that stepped meanwhile holds them: every optimizer stepping the model is
-  watched, and by then each one of the loop has stepped once (a GAN's two). A parameter
+  was built), looked at the first step and reported (with that step) `CONFIRM_STEPS` steps
+  later, if no optimizer that stepped meanwhile holds them: every optimizer stepping the model
+  is watched, and by then each one of the loop has stepped (a GAN's two, an encoder's own
+  optimizer stepping every other batch). A parameter
   that changed in place meanwhile (its version counter) was updated after all: by an
   optimizer not given to guard (a probe's own), or by hand; it is not reported.
 
@@ -22,6 +23,11 @@ import torch
 from ._params import module_prefixes
 from .base import Check
 from .._weak import WeakIdMap
+
+
+#: primary optimizer steps between the look at the missing parameters and the report: optimizers that step less
+#: often than the primary one (every 2nd or 4th batch) have stepped by then
+CONFIRM_STEPS = 8
 
 
 def _listing(prefixes: List[str], more: bool) -> str:
@@ -53,8 +59,15 @@ class OptimizerParams(Check):
                 named = dict(self.g.named_parameters())
                 versions = {n: named[n]._version for n in self._missing_names()}
                 self._cand = (versions, self.g.step, self.g.source())
-            else:
+                if not versions:
+                    self._missing_done = True  # every parameter with a gradient is held: nothing to follow
+            elif self.g.step - self._cand[1] >= CONFIRM_STEPS or not self._still_missing():
                 self._confirm()
+
+    def _still_missing(self) -> bool:
+        """Whether any candidate is still in no optimizer (an optimizer seen since may hold them all)."""
+        still = set(self._missing_names())
+        return any(n in still for n in self._cand[0])
 
     def on_exit(self):
         if not self._missing_done and self._cand is not None:
