@@ -853,3 +853,21 @@ def test_a_train_mode_forward_thrown_away_once_per_epoch_is_told_when_it_recurs(
     [f] = g.findings
     assert f.kind == "eval-without-no-grad" and f.details["dropped_at_once"] is True
     assert f.details["forwards"] == 3 and "dropped at once" in f.message and "torch.no_grad()" in f.hint
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SparseAdam, torch.optim.SGD])
+def test_missing_zero_grad_on_sparse_embedding_gradients(opt_cls):
+    """nn.Embedding(sparse=True): its sparse gradients pile up over steps as dense ones do."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(50, 8, sparse=True), nn.Linear(8, 1)
+    sparse_opt = opt_cls(emb.parameters(), lr=0.01)
+    dense_opt = torch.optim.Adam(head.parameters(), lr=0.01)
+    with guard([emb, head], [dense_opt, sparse_opt], checks="all", live=False) as g:
+        for _ in range(4):
+            idx = torch.randint(0, 50, (16, 3))
+            F.mse_loss(head(emb(idx).mean(1)), torch.randn(16, 1)).backward()
+            dense_opt.step()
+            dense_opt.zero_grad()
+            sparse_opt.step()  # no sparse_opt.zero_grad()
+    (f,) = g.findings
+    assert f.kind == "missing-zero-grad" and f.where == type(sparse_opt).__name__ and f.step == 1

@@ -138,16 +138,22 @@ class MissingZeroGrad(Check):
         st.armed = False
         cands = []
         zeroed, st.zeroed = st.zeroed, set()
+        sparse = torch.sparse_coo
         for group in opt.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is None or id(p) in zeroed or g.layout is not torch.strided or g.is_meta:
+                if g is None or id(p) in zeroed or g.layout not in (torch.strided, sparse) or g.is_meta:
                     continue  # set to None (skipped by every optimizer), or cleared by a Module.zero_grad()
                 cands.append((weakref.ref(p), weakref.ref(g)))
         if not cands:
             return
         with torch.no_grad():
-            norms, _ = fused_norms([gref().detach() for _, gref in cands])
+            grads = [gref().detach() for _, gref in cands]
+            dense = [g for g in grads if g.layout is torch.strided]
+            it = iter(fused_norms(dense)[0] if dense else [])
+            # sparse gradients (nn.Embedding(sparse=True)) accumulate in place too: the norm of their values
+            norms = [next(it) if g.layout is torch.strided else torch.linalg.vector_norm(g._values().float())
+                     for g in grads]
         st.cands, st.norms, st.verdict = cands, norms, None
         st.backward_source = self.g.source()
         gen = st.gen
