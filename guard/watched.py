@@ -1,6 +1,7 @@
 """What a guard watches: the models, their module paths, parameter names and the module table."""
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -19,6 +20,15 @@ REPLACED = 16  # steps of other optimizers without one of the primary: the prima
 FINISHED = 8  # above the 5 critic steps per generator step of WGAN (which need not call the generator)
 
 DP_TYPES: Tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+
+
+def wrapper_types() -> Tuple[type, ...]:
+    """Modules that wrap the user's model and hand it out as ``.module``: DataParallel, DDP, and Lightning
+    Fabric's ``_FabricModule`` once Fabric is imported (paths and names are the model's own, not
+    ``_forward_module.0.weight``)."""
+    fab = sys.modules.get("lightning.fabric.wrappers") or sys.modules.get("lightning_fabric.wrappers")
+    extra = getattr(fab, "_FabricModule", None) if fab is not None else None
+    return DP_TYPES + (extra,) if isinstance(extra, type) else DP_TYPES
 
 
 def is_compiled(module: Any) -> bool:
@@ -49,7 +59,7 @@ def model_labels(models: List[Any], frame: Any) -> List[str]:
             names = [None] * len(models)
     if all(names) and len(set(names)) == len(names):
         return names  # type: ignore[return-value]
-    kinds = [type(getattr(m, "module", m) if isinstance(m, DP_TYPES) else m).__name__ for m in models]
+    kinds = [type(getattr(m, "module", m) if isinstance(m, wrapper_types()) else m).__name__ for m in models]
     return [k if kinds.count(k) == 1 else f"{k}[{i}]" for i, k in enumerate(kinds)]
 
 
@@ -118,7 +128,7 @@ class Watched:
         for r in self.refs:
             m = r()
             if m is not None:
-                m = m.module if isinstance(m, DP_TYPES) else m
+                m = m.module if isinstance(m, wrapper_types()) else m
                 out.append(m._orig_mod if is_compiled(m) else m)  # torch.compile's wrapper: the user's names
         return out
 
@@ -256,7 +266,7 @@ class Watched:
 
     def index(self, model: nn.Module) -> nn.Module:
         """Name the modules of a watched model (model mode); returns the model inside any DP/DDP wrapper."""
-        inner = model.module if isinstance(model, DP_TYPES) else model
+        inner = model.module if isinstance(model, wrapper_types()) else model
         compiled = is_compiled(inner)
         label = None
         if self.labels:
@@ -285,15 +295,19 @@ class Watched:
         Called from a method of a module that holds it (a LightningModule's ``training_step`` calling
         ``self.net(x)``), its paths start with its attribute path there (``net.0``), as a guard given that
         module would name them."""
-        if isinstance(module, DP_TYPES):  # without DDP's "module."
-            self.paths_weak[module] = type(module).__name__
+        wrapper = None
+        if isinstance(module, wrapper_types()):  # without DDP's "module."
+            if isinstance(module, DP_TYPES):
+                self.paths_weak[module] = type(module).__name__  # DataParallel/DDP keep their own name
+            else:
+                wrapper = module  # Fabric's: named as the model it wraps, once that one is named (below)
             module = module.module
         if is_compiled(module):
             # torch.compile's wrapper runs eagerly (hooks fire here); its _orig_mod carries the user's names.
             self.compiled_notice(module)
             self.paths_weak[module] = type(module._orig_mod).__name__
             module = module._orig_mod
-        if isinstance(module, DP_TYPES):
+        if isinstance(module, wrapper_types()):
             return
         try:
             known = self.paths_weak
@@ -316,6 +330,8 @@ class Watched:
                 if path == "" or mod not in known or known[mod] == type(mod).__name__:
                     name = path or type(mod).__name__
                     known[mod] = (f"{label}.{path}" if path else label) if label else name
+            if wrapper is not None:
+                known[wrapper] = known.get(module, type(module).__name__)
             self.roots_seen.add(module)
         except Exception as exc:
             self._contain(None, exc)

@@ -364,3 +364,25 @@ def test_fabric_setup_optimizer_given_to_guard_counts_its_steps():
             opt.step()
     assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 10)]
     assert g.notices == [] and g.step == 20
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_fabric_wrapped_module_is_named_as_the_model_it_wraps(scope):
+    """_FabricModule is unwrapped as DDP is: parameter names have no `_forward_module.` and the model call is
+    the model's (Sequential), not Fabric's wrapper."""
+    from lightning.fabric import Fabric
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    raw = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, opt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), 0.1))
+    with guard(model if scope == "model" else None, live=False) as g:
+        for i in range(4):
+            x = torch.randn(8, 4)
+            if i == 2:
+                x[0, 0] = float("nan")
+            fabric.backward(F.cross_entropy(model(x), torch.randint(0, 2, (8,))))
+            opt.step()  # no zero_grad()
+    by_kind = {f.kind: f for f in g.findings}
+    assert "the input to Sequential" in by_kind["nonfinite-input"].message
+    assert by_kind["missing-zero-grad"].details["names"][:2] == ["0.weight", "0.bias"]
