@@ -30,7 +30,7 @@ from .meter import Meter
 from .record import Record
 from .router import FRESH, GuardInternalWarning, Router
 from .staging import GradNorms, Staging
-from .watched import Watched, model_labels
+from .watched import Watched, model_labels, unwrapped_optimizer
 from .wiring import Wiring
 
 MAX_FINDINGS = 1000
@@ -45,29 +45,6 @@ def _delegate(part: str, name: str, doc: str) -> property:
     return property(lambda self: getattr(getattr(self, part), name), doc=doc)
 
 
-def _unwrapped(opt: torch.optim.Optimizer) -> Optional[torch.optim.Optimizer]:
-    """The real optimizer inside a wrapper that subclasses Optimizer without its machinery (accelerate's
-    ``AcceleratedOptimizer`` in ``.optimizer``, timm's ``Lookahead`` in ``._base_optimizer``: no step hooks
-    of their own; their ``step()`` calls the wrapped one's). None when there is no such optimizer inside."""
-    for _ in range(4):
-        hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
-        if hooks is not None:
-            inner = getattr(opt, "optimizer", None)
-            if (isinstance(inner, torch.optim.Optimizer) and inner is not opt
-                    and getattr(inner, "_optimizer_step_pre_hooks", None) is hooks):
-                # Lightning Fabric's FabricSGD: a subclass of SGD whose __dict__ is a copy of the wrapped one's, hook
-                # tables included; the hooks fire from the wrapped optimizer's step(), with it as the optimizer
-                return inner
-            return opt
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            inner = next((v for v in vars(opt).values() if isinstance(v, torch.optim.Optimizer) and v is not opt), None)
-        if inner is None:
-            return None
-        opt = inner
-    return opt if hasattr(opt, "_optimizer_step_pre_hooks") else None
-
-
 class Guard(Wiring):
     """A runtime guard over a model/optimizer; see ``guard()`` for the arguments."""
 
@@ -76,9 +53,9 @@ class Guard(Wiring):
                  origin: Optional[Dict[str, str]] = None, **extras: Any):
         models = as_list(model, "model", nn.Module, "an nn.Module")
         given = as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
-        opts = [u for u in map(_unwrapped, given) if u is not None]
+        opts = [u for u in map(unwrapped_optimizer, given) if u is not None]
         # an Optimizer subclass that skipped Optimizer.__init__ and holds no optimizer inside cannot be hooked
-        self._unhooked = [type(o).__name__ for o in given if _unwrapped(o) is None]
+        self._unhooked = [type(o).__name__ for o in given if unwrapped_optimizer(o) is None]
         self._registry = registry()
         self.config: Config = make_config(self._registry, checks=checks, mode=mode, report=report, live=live,
                                           every=every, snoop=snoop, budget=budget, origin=origin,

@@ -31,6 +31,29 @@ def wrapper_types() -> Tuple[type, ...]:
     return DP_TYPES + (extra,) if isinstance(extra, type) else DP_TYPES
 
 
+def unwrapped_optimizer(opt: torch.optim.Optimizer) -> Optional[torch.optim.Optimizer]:
+    """The real optimizer inside a wrapper that subclasses Optimizer without its machinery (accelerate's
+    ``AcceleratedOptimizer`` in ``.optimizer``, timm's ``Lookahead`` in ``._base_optimizer``: no step hooks
+    of their own; their ``step()`` calls the wrapped one's). None when there is no such optimizer inside."""
+    for _ in range(4):
+        hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
+        if hooks is not None:
+            inner = getattr(opt, "optimizer", None)
+            if (isinstance(inner, torch.optim.Optimizer) and inner is not opt
+                    and getattr(inner, "_optimizer_step_pre_hooks", None) is hooks):
+                # Lightning Fabric's FabricSGD: a subclass of SGD whose __dict__ is a copy of the wrapped one's, hook
+                # tables included; the hooks fire from the wrapped optimizer's step(), with it as the optimizer
+                return inner
+            return opt
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = next((v for v in vars(opt).values() if isinstance(v, torch.optim.Optimizer) and v is not opt), None)
+        if inner is None:
+            return None
+        opt = inner
+    return opt if hasattr(opt, "_optimizer_step_pre_hooks") else None
+
+
 def is_compiled(module: Any) -> bool:
     """A ``torch.compile`` wrapper (``OptimizedModule``)."""
     return type(module).__name__ == "OptimizedModule"
