@@ -195,7 +195,6 @@ def _run_apart(g: Any, opts: Dict[str, Any]) -> int:
     import time
 
     from ._procs import MAIN_PID_VAR
-    from .findings import SEVERITY_RANK
 
     cfg = g.config
     env = {k: v for k, v in os.environ.items() if k != MAIN_PID_VAR}
@@ -231,13 +230,7 @@ def _run_apart(g: Any, opts: Dict[str, Any]) -> int:
                         found.extend(Record.load(name).findings)
                 except Exception:
                     continue
-            limit = SEVERITY_RANK[opts["fail_on"]]
-            bad = [f for f in found if SEVERITY_RANK.get(f.severity, 99) <= limit]
-            if bad:
-                sys.stderr.write(f"guard: {len(bad)} finding(s) of severity {opts['fail_on']} or worse "
-                                 f"({', '.join(sorted({f.kind for f in bad}))})\n")
-                if code == 0:
-                    code = 1
+            code = _fail_on(found, opts["fail_on"], code)
     finally:
         if scratch is not None:
             import shutil
@@ -256,7 +249,6 @@ def cmd_run(argv: Sequence[str]) -> int:
         auto.discard()
     from . import guard
     from .config import ConfigError
-    from .findings import SEVERITY_RANK
 
     live = opts["live"]
     if live is None and str(opts["mode"] or "").strip().lower() != "record":
@@ -318,15 +310,22 @@ def cmd_run(argv: Sequence[str]) -> int:
     except Exception:
         pass
     if opts["fail_on"] is not None:
-        limit = SEVERITY_RANK[opts["fail_on"]]
         # this process's findings, those of the script's own guards, and those its child processes reported
-        everything = list(g.findings) + list(g.aside_findings) + _child_findings(g)
-        bad = [f for f in everything if SEVERITY_RANK.get(f.severity, 99) <= limit]
-        if bad:
-            sys.stderr.write(f"guard: {len(bad)} finding(s) of severity {opts['fail_on']} or worse "
-                             f"({', '.join(sorted({f.kind for f in bad}))})\n")
-            if code == 0:
-                code = 1
+        code = _fail_on(list(g.findings) + list(g.aside_findings) + _child_findings(g), opts["fail_on"], code)
+    return code
+
+
+def _fail_on(findings: List[Any], severity: str, code: int) -> int:
+    """`--fail-on`: the exit status 1 (one line saying why) when a finding is that severe; else `code`."""
+    from .findings import SEVERITY_RANK
+
+    limit = SEVERITY_RANK[severity]
+    bad = [f for f in findings if SEVERITY_RANK.get(f.severity, 99) <= limit]
+    if bad:
+        sys.stderr.write(f"guard: {len(bad)} finding(s) of severity {severity} or worse "
+                         f"({', '.join(sorted({f.kind for f in bad}))})\n")
+        if code == 0:
+            return 1
     return code
 
 
