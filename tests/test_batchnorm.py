@@ -258,3 +258,17 @@ def test_a_batch_pooled_away_inside_the_model_gets_the_pooling_hint_not_drop_las
     [f] = by_kind(g, "batchnorm-single-sample")
     assert f.where == "bn" and f.details["model_batch"] == 16
     assert "batch of 16 samples" in f.hint and "mean(0, keepdim=True)" in f.hint and "drop_last" not in f.hint
+
+
+def test_a_batch_of_one_image_says_how_many_values_each_channel_still_has():
+    """pix2pix-style batch size 1 with BatchNorm2d: an info that counts the values per channel (8 x 8 = 64)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    opt = torch.optim.Adam(model.parameters())
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(1, 3, 8, 8)).pow(2).mean().backward()
+            opt.step()
+    (f,) = g.findings
+    assert f.severity == "info" and f.kind == "batchnorm-single-sample" and f.where == "input"
+    assert "(input (1, 8, 8, 8), 64 values per channel)" in f.message and "very noisy" not in f.message

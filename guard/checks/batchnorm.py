@@ -110,9 +110,11 @@ class BatchNormBatch(Check):
         if path not in self._first:
             self._first.add(path)
             if n < SMALL_BATCH:
+                per = f", {n * spatial} values per channel" if spatial > 1 else ""
                 self.emit("batchnorm-single-sample", "input",
-                          f"{path} ({type(module).__name__}) trains on batches of {n} sample(s) (input {shape}): "
-                          f"its batch statistics and running estimates are very noisy",
+                          f"{path} ({type(module).__name__}) trains on batches of {n} sample(s) (input {shape}{per}): "
+                          f"its batch statistics follow each batch's few samples, and the running estimates that "
+                          f"eval mode uses are noisy",
                           "Use a larger batch (16 or more per device is typical for BatchNorm), SyncBatchNorm across "
                           "devices, or GroupNorm/LayerNorm, which do not depend on the batch size.",
                           severity="info", source=self.g.root_source,
