@@ -179,8 +179,9 @@ class MissingZeroGrad(Check):
             self._judge(opt, st)
 
     def on_step_pre(self, optimizer):
-        if not self._closure_done:
-            self._during[id(optimizer)] = [0, 0]  # backwards inside this step() come from its closure
+        if not self._closure_done and isinstance(optimizer, torch.optim.LBFGS):
+            # the optimizer that re-evaluates its closure within one step(): backwards inside it come from there
+            self._during[id(optimizer)] = [0, 0]
         st = self._st.data.get(id(optimizer))
         if st is None or not st.cands:
             return
