@@ -1,6 +1,7 @@
 """Training-loop pitfalls: retained loss graphs, eval without no_grad, eval in train mode, missing zero_grad."""
 import inspect
 import os
+import sys
 
 import pytest
 import torch
@@ -417,6 +418,36 @@ def test_eval_without_no_grad_reports_memory_held_by_accumulated_val_loss():
     f = g.findings[0]
     assert f.details["graphs_alive"] == 4 and f.details["saved_bytes"] > 4 * 8 * 64 * 4
     assert "saved activations" in f.message
+
+
+def test_evaluation_from_the_training_steps_own_line_is_still_found():
+    """A call site whose forwards were back-propagated for many steps is then sampled (1 forward in 8 tagged):
+    evaluation run later from that same line (a shared `run(batch)` helper, model left in train mode, grad on)
+    is still reported, at the step it ran, with the sampled forwards counted."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches()
+
+    def run(x):
+        return model(x)  # the one line both loops call the model from
+
+    with guard(model, opt, live=False) as g:
+        for epoch in range(6):
+            for x, y in data:
+                opt.zero_grad()
+                F.mse_loss(run(x), y).backward()
+                opt.step()
+        assert g.findings == []  # 24 training steps: the site is trusted, nothing reported
+        val = [F.mse_loss(run(x), y) for x, y in data * 4]  # 16 evaluation forwards, graphs kept
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(run(x), y).backward()
+            opt.step()
+    assert kinds(g) == ["eval-without-no-grad"]
+    f = g.findings[0]
+    assert f.step == 24 and f.source == line_of(sys.modules[__name__], "return model(x)  # the one line")
+    assert 1 <= f.details["forwards"] < 16 and f.details["graphs_alive"] >= 1  # sampled: not all 16 tagged
+    del val
 
 
 def test_eval_without_no_grad_at_the_end_of_training():

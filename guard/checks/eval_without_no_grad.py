@@ -15,6 +15,11 @@ judged, and a guard that never saw one reports nothing (inference scripts).
 
 Cost: one ``torch.is_grad_enabled()``, one metadata write and one hook
 registration per root model call; nothing per inner module, no graph walks.
+A call site (model, its mode, the calling line) whose last `TRUST` tagged
+forwards were all back-propagated is then tagged on every `SAMPLE`-th call only:
+a training step's forward is the same line every step, while an evaluation loop
+run from that line still has one of every `SAMPLE` forwards tagged (and all of
+them happen at one step, so the finding's step is the same).
 Reported once; afterwards the check stops tracking.
 """
 from __future__ import annotations
@@ -39,6 +44,8 @@ GRACE = 2  # steps a still-alive, unclaimed graph may wait for its backward
 #: may be any of them)
 MAX_OUTPUTS = 64
 MIN_DROPPED = 3  # training-mode forwards whose graphs were dropped at once, before they are worth a word
+TRUST = 8  # back-propagated forwards in a row after which a call site is sampled
+SAMPLE = 8  # a trusted call site has one forward in this many tagged
 
 
 def _NONE() -> None:
@@ -53,10 +60,10 @@ class _Tag:
 
 
 class _Fwd:
-    __slots__ = ("step", "source", "path", "used", "tags", "outs", "age", "module", "eval_mode", "short")
+    __slots__ = ("step", "source", "path", "used", "tags", "outs", "age", "module", "eval_mode", "short", "site")
 
-    def __init__(self, step: int, source: Optional[str], path: str, module: Any = None):
-        self.step, self.source, self.path = step, source, path
+    def __init__(self, step: int, source: Optional[str], path: str, module: Any = None, site: Any = None):
+        self.step, self.source, self.path, self.site = step, source, path, site
         self.module = weakref.ref(module) if module is not None else None
         self.eval_mode = module is not None and not getattr(module, "training", True)
         self.short = False  # its graph was gone by the next model call: dropped at once (x = G(z).detach())
@@ -94,6 +101,8 @@ class EvalWithoutNoGrad(Check):
         self._backwards = self._backwards_at_call = 0  # backward() calls seen, and at the last root call's start
         self._drops: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> training-mode graphs dropped at once
         self._first_bn = WeakIdMap()  # root model -> weak reference to its first BatchNorm (or to nothing)
+        self._streak: Dict[Tuple[int, bool, Optional[str]], int] = {}  # call site -> back-propagated in a row
+        self._tick = 0  # forwards of trusted call sites
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if is_root:
@@ -107,12 +116,18 @@ class EvalWithoutNoGrad(Check):
             return
         if self._backwards != self._backwards_at_call:
             return  # back-propagated inside the call itself (Lightning manual optimization in training_step)
+        source = self.g.root_source
+        site = (id(module), module.training, source)
+        if self._streak.get(site, 0) >= TRUST:
+            self._tick += 1
+            if self._tick % SAMPLE:
+                return
         if self._recalibrating(module):
             return  # BatchNorm statistics recomputed on purpose (Lightning's SWA epoch runs forward only)
         outs = graph_outputs(output, MAX_OUTPUTS + 1)
         if not outs or len(outs) > MAX_OUTPUTS or len(self._pending) >= MAX_PENDING:
             return
-        rec = _Fwd(self.g.step, self.g.root_source, path, module)
+        rec = _Fwd(self.g.step, source, path, module, site)
         for t in outs:
             md = t.grad_fn.metadata
             if self._key in md:
@@ -152,15 +167,20 @@ class EvalWithoutNoGrad(Check):
             return
         self._backward_in_step = False
         keep, unused = [], []
+        streak = self._streak
         for rec in self._pending:
             if rec.used:
+                streak[rec.site] = streak.get(rec.site, 0) + 1
                 continue
             rec.age += 1
             if rec.alive() and rec.age <= GRACE:
                 keep.append(rec)
             else:
+                streak[rec.site] = 0
                 unused.append(rec)
         self._pending = keep
+        if len(streak) > 256:
+            streak.clear()
         if unused:
             self._report(unused)
 
