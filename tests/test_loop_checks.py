@@ -684,6 +684,54 @@ def test_eval_in_train_mode_leaves_swa_update_bn_alone():
     assert g.findings == []
 
 
+class _ScheduleFreeSGD(torch.optim.SGD):
+    """The part of schedulefree.SGDScheduleFree guard can see: ``train()``/``eval()`` flip each group's
+    ``train_mode`` (the real one also swaps the weights for their average)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        for grp in self.param_groups:
+            grp["train_mode"] = True
+
+    def train(self):
+        for grp in self.param_groups:
+            grp["train_mode"] = True
+
+    def eval(self):
+        for grp in self.param_groups:
+            grp["train_mode"] = False
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_schedule_free_batchnorm_recalibration_is_not_an_evaluation(switch):
+    """facebookresearch/schedule_free's recipe: model.train(); optimizer.eval(); under no_grad, forwards of
+    training batches recompute BatchNorm statistics at the averaged weights. Without optimizer.eval() the same
+    forwards are an evaluation in train mode."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    opt = _ScheduleFreeSGD(model.parameters(), lr=0.01)
+    data = batches()
+    with guard(model, opt, checks="all", live=False) as g:
+        for epoch in range(2):
+            model.train()
+            opt.train()
+            for x, y in data:
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            if switch:
+                opt.eval()
+            with torch.no_grad():
+                for x, _ in data[:2]:
+                    model(x)
+            model.eval()
+            with torch.no_grad():
+                model(data[0][0])
+    if switch:
+        assert g.findings == []
+    else:
+        assert kinds(g) == ["eval-in-train-mode"]
+
+
 def test_eval_in_train_mode_leaves_precise_bn_with_momentum_one_alone():
     """fvcore/detectron2's update_bn_stats: BatchNorm momentum set to 1.0, the model in train mode under no_grad,
     the batch statistics averaged by hand; a Dropout left in train mode under no_grad is still reported."""

@@ -287,6 +287,63 @@ def test_a_probe_updated_by_an_optimizer_not_given_to_guard_is_not_in_no_optimiz
     assert "param-not-in-optimizer" not in kinds(g), g.findings
 
 
+def _unfreeze_run(add: bool, steps: int = 40, at: int = 10):
+    """Progressive unfreezing: the optimizer is built over the trainable parameters while the first layer is
+    frozen; at step `at` the layer is unfrozen, and (`add`) given to the optimizer as a new group."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    m[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    with guard(m, opt, live=False) as g:
+        for step in range(steps):
+            if step == at:
+                m[0].requires_grad_(True)
+                if add:
+                    opt.add_param_group({"params": m[0].parameters(), "lr": 1e-4})
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+    return g
+
+
+def test_a_layer_unfrozen_mid_run_but_never_added_to_the_optimizer_is_found():
+    g = _unfreeze_run(add=False)
+    f = only(g, "param-not-in-optimizer")
+    assert f.severity == "warning" and f.where == "0" and 10 <= f.step <= 10 + 16
+    assert f.details["names"] == ["0.weight", "0.bias"] and f.details["appeared_mid_run"] is True
+    assert "unfrozen mid-run" in f.message and "pile up" in f.message
+    assert "add_param_group" in f.hint
+    assert _unfreeze_run(add=True).findings == []
+
+
+def test_a_group_of_frozen_parameters_added_mid_run_is_told():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    m[2].requires_grad_(False)
+    opt = torch.optim.AdamW(m[0].parameters(), lr=3e-3)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+
+    def run(unfreeze):
+        with guard(m, opt, live=False) as g:
+            for step in range(20):
+                if step == 10:
+                    opt.add_param_group({"params": m[2].parameters(), "weight_decay": 0.05})
+                    if unfreeze:
+                        m[2].requires_grad_(True)
+                opt.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+        return g
+
+    f = only(run(unfreeze=False), "frozen-param-in-optimizer")
+    assert f.severity == "info" and f.where == "2" and f.step == 10 and f.details["added_group"] is True
+    assert "add_param_group" in f.message and "requires_grad_(True)" in f.hint
+    m[2].requires_grad_(False)
+    opt.param_groups.pop()
+    assert run(unfreeze=True).findings == []
+
+
 def test_frozen_backbone_done_right_is_clean():
     g = finetune_optimizer.train(fixed=True, live=False, checks="all")
     assert g.findings == [] and g.internal_errors == []

@@ -13,7 +13,9 @@ a Dropout or BatchNorm switched back to ``train()`` is deliberate (Monte Carlo
 dropout samples predictions that way). A momentum/EMA teacher or a DQN target
 network that only ever runs under ``no_grad`` is never reported, nor are model calls made by ``torch.optim``
 (``swa_utils.update_bn`` recomputes BatchNorm statistics in train mode), nor a BatchNorm with
-``momentum=None`` (a cumulative average: statistics recomputed by hand). To silence it for one module, set
+``momentum=None`` (a cumulative average: statistics recomputed by hand), nor calls while an optimizer is
+switched to its evaluation weights (schedule-free's ``optimizer.eval()``: its recipe recomputes BatchNorm
+statistics that way). To silence it for one module, set
 ``module.guard_train_mode_ok = True`` on the model or on the Dropout/BatchNorm
 module; to silence it everywhere, ``checks=["default", "-eval-in-train-mode"]``.
 
@@ -108,12 +110,24 @@ class EvalInTrainMode(Check):
             return
         if _called_by_torch():
             return  # e.g. torch.optim.swa_utils.update_bn recomputes BatchNorm statistics in train mode on purpose
+        if self._optimizer_in_eval():
+            return  # schedule-free: BatchNorm statistics recomputed at the averaged weights (optimizer.eval())
         info = (self.g.step, self.g.root_source, [n for n, _ in training], [type(m).__name__ for _, m in training],
                 torch.is_inference_mode_enabled())
         if module in self._trained:
             self._emit(module, path, *info)
         else:
             self._pending[module] = info
+
+    def _optimizer_in_eval(self) -> bool:
+        """A watched optimizer switched to its evaluation weights (schedule-free's ``optimizer.eval()`` sets
+        ``train_mode`` False): its recipe recomputes BatchNorm statistics there, model in train mode, under
+        ``no_grad``, on training batches."""
+        for opt in self.g.optimizers:
+            if getattr(opt, "train_mode", None) is False or any(
+                    grp.get("train_mode") is False for grp in opt.param_groups):
+                return True
+        return False
 
     def _emit(self, module, path: str, step: int, source: Optional[str], names: List[str], types: List[str],
               inference: bool) -> None:

@@ -2,7 +2,8 @@
 
 * ``frozen-param-in-optimizer`` [info]: ``requires_grad=False`` parameters in an
   optimizer's groups (the freeze-layers recipe done halfway), named by module prefix.
-  Checked once per optimizer, at its first ``step()``.
+  Checked at an optimizer's first ``step()``, and for groups added later (``add_param_group``) at the
+  first ``step()`` after they were added.
 * ``param-not-in-optimizer`` [warning]: parameters of the watched model that receive
   gradients but are in no watched optimizer (e.g. a layer replaced after the optimizer
   was built), looked at the first step and reported (with that step) `CONFIRM_STEPS` steps
@@ -10,7 +11,9 @@
   is watched, and by then each one of the loop has stepped (a GAN's two, an encoder's own
   optimizer stepping every other batch). A parameter
   that changed in place meanwhile (its version counter) was updated after all: by an
-  optimizer not given to guard (a probe's own), or by hand; it is not reported.
+  optimizer not given to guard (a probe's own), or by hand; it is not reported. After the first look,
+  the model is looked at again every `RELOOK` steps: layers unfrozen mid-run (``requires_grad_(True)``)
+  without ``add_param_group`` get gradients that no optimizer applies (nor zeroes: they pile up).
 
 Host-only work, once per optimizer / once per run; no device values are read.
 """
@@ -28,6 +31,8 @@ from .._weak import WeakIdMap
 #: primary optimizer steps between the look at the missing parameters and the report: optimizers that step less
 #: often than the primary one (every 2nd or 4th batch) have stepped by then
 CONFIRM_STEPS = 8
+#: primary optimizer steps between later looks (a layer unfrozen mid-run is found within this many steps)
+RELOOK = 16
 
 
 def _listing(prefixes: List[str], more: bool) -> str:
@@ -44,25 +49,36 @@ class OptimizerParams(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        self._seen = WeakIdMap()  # optimizers looked at
+        self._seen = WeakIdMap()  # optimizer -> how many of its param groups were looked at
         self._missing_done = False
-        self._cand = None  # (names missing at the first step, that step, its line): told at the next step
+        self._cand = None  # (names missing at a look, that step, its line): confirmed CONFIRM_STEPS later
+        self._looked = 0  # step of the last look at the missing parameters
+        self._told: set = set()  # names already reported as missing
 
     def on_step_pre(self, optimizer):
-        if id(optimizer) not in self._seen.data:
-            self._seen[optimizer] = True
-            self._frozen(optimizer)
-        if not self._missing_done and self.g.is_primary(optimizer):
-            # Looked at the first step, told at the next one: by then every optimizer of the loop has stepped
-            # once (a GAN's two, a probe's own optimizer beside the one given to guard) and is watched.
-            if self._cand is None:
-                named = dict(self.g.named_parameters())
-                versions = {n: named[n]._version for n in self._missing_names()}
-                self._cand = (versions, self.g.step, self.g.source())
-                if not versions:
-                    self._missing_done = True  # every parameter with a gradient is held: nothing to follow
-            elif self.g.step - self._cand[1] >= CONFIRM_STEPS or not self._still_missing():
-                self._confirm()
+        groups = optimizer.param_groups
+        seen = self._seen.data.get(id(optimizer))
+        if seen is None or seen != len(groups):
+            self._seen[optimizer] = len(groups)
+            self._frozen(optimizer, groups[seen or 0:], added=seen is not None)
+        if not self.g.is_primary(optimizer):
+            return
+        if self._missing_done:
+            if self.g.step - self._looked < RELOOK:
+                return
+            self._missing_done = False  # a later look: layers unfrozen since without add_param_group
+            self._cand = None
+        # Looked at the first step, told some steps later: by then every optimizer of the loop has stepped
+        # (a GAN's two, a probe's own optimizer beside the one given to guard) and is watched.
+        if self._cand is None:
+            self._looked = self.g.step
+            named = dict(self.g.named_parameters())
+            versions = {n: named[n]._version for n in self._missing_names() if n not in self._told}
+            self._cand = (versions, self.g.step, self.g.source())
+            if not versions:
+                self._missing_done = self._looked_before = True  # every parameter with a gradient is held
+        elif self.g.step - self._cand[1] >= CONFIRM_STEPS or not self._still_missing():
+            self._confirm()
 
     def _still_missing(self) -> bool:
         """Whether any candidate is still in no optimizer (an optimizer seen since may hold them all)."""
@@ -82,11 +98,18 @@ class OptimizerParams(Check):
         # optimizer guard was not given (a probe's own), or by hand.
         missing = [n for n, v in versions.items() if n in still and n in named and named[n]._version == v]
         if missing:
-            self._missing(missing, step, source)
+            self._told.update(missing)
+            self._missing(missing, step, source, later=self._looked_before)
+        self._looked_before = True
 
-    def _frozen(self, opt) -> None:
-        frozen = [p for grp in opt.param_groups for p in grp["params"] if not p.requires_grad]
+    _looked_before = False  # a look before the current one found nothing missing
+
+    def _frozen(self, opt, groups: list, added: bool) -> None:
+        frozen = [p for grp in groups for p in grp["params"] if not p.requires_grad]
         if not frozen:
+            return
+        if added:
+            self._frozen_added(opt, frozen)
             return
         names = [self.g.param_name(p) for p in frozen]
         model_names = [n for n, _ in self.g.named_parameters()]
@@ -102,21 +125,45 @@ class OptimizerParams(Check):
                   details={"optimizer": type(opt).__name__, "modules": shown, "parameters": len(frozen),
                            "names": names[:20]})
 
+    def _frozen_added(self, opt, frozen: list) -> None:
+        names = [self.g.param_name(p) for p in frozen]
+        prefixes = module_prefixes(names, [n for n, _ in self.g.named_parameters()], limit=11)
+        shown, more = prefixes[:10], len(prefixes) > 10
+        self.emit("frozen-param-in-optimizer", shown[0],
+                  f"a param group added to {type(opt).__name__} (add_param_group) holds {len(frozen)} parameter(s) "
+                  f"with requires_grad=False ({_listing(shown, more)}): they get no gradient, so the optimizer "
+                  f"never trains them",
+                  "Unfreeze them when adding their group: module.requires_grad_(True) before (or right after) "
+                  "optimizer.add_param_group({'params': module.parameters()}).",
+                  source=self.g.source(),
+                  details={"optimizer": type(opt).__name__, "modules": shown, "parameters": len(frozen),
+                           "names": names[:20], "added_group": True})
+
     def _missing_names(self) -> List[str]:
         """Trainable parameters of the watched models with a gradient that no watched optimizer holds."""
         held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
         return [n for n, p in self.g.named_parameters() if p.requires_grad and p.grad is not None and id(p) not in held]
 
-    def _missing(self, missing: List[str], step: int, source) -> None:
+    def _missing(self, missing: List[str], step: int, source, later: bool = False) -> None:
         named = self.g.named_parameters()
         prefixes = module_prefixes(missing, [n for n, _ in named], limit=11)
         shown, more = prefixes[:10], len(prefixes) > 10
         opts = ", ".join(type(o).__name__ for o in self.g.optimizers)
-        self.emit("param-not-in-optimizer", shown[0],
-                  f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
-                  f"{_listing(shown, more)}; optimizer.step() never updates them",
-                  "Build the optimizer after the model is final (e.g. after replacing a layer or head), or add "
-                  "them: optimizer.add_param_group({'params': model.<module>.parameters()}). If they are meant "
-                  "to stay fixed, set requires_grad=False.",
-                  step=step, source=source,
-                  details={"modules": shown, "parameters": len(missing), "names": missing[:20]})
+        if later:
+            # They had no gradient at the earlier looks: unfrozen mid-run (requires_grad_(True)) and never added.
+            message = (f"{len(missing)} parameter(s) that had no gradient before get gradients since step {step} or a "
+                       f"little earlier (unfrozen mid-run?) but are in no optimizer ({opts}): {_listing(shown, more)}; "
+                       f"optimizer.step() never updates them, and zero_grad() never clears their gradients, which "
+                       f"pile up")
+            hint = ("When unfreezing layers, add them to the optimizer too: "
+                    "optimizer.add_param_group({'params': model.<module>.parameters()}) (with the learning rate "
+                    "you want for them).")
+        else:
+            message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
+                       f"{_listing(shown, more)}; optimizer.step() never updates them")
+            hint = ("Build the optimizer after the model is final (e.g. after replacing a layer or head), or add "
+                    "them: optimizer.add_param_group({'params': model.<module>.parameters()}). If they are meant "
+                    "to stay fixed, set requires_grad=False.")
+        self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=source,
+                  details={"modules": shown, "parameters": len(missing), "names": missing[:20],
+                           "appeared_mid_run": later})
