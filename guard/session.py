@@ -30,7 +30,7 @@ from .meter import Meter
 from .record import Record
 from .router import FRESH, GuardInternalWarning, Router
 from .staging import GradNorms, Staging
-from .watched import Watched, model_labels, unwrapped_optimizer
+from .watched import Watched, model_labels, unheld, unwrapped_optimizer
 from .wiring import Wiring
 
 MAX_FINDINGS = 1000
@@ -52,7 +52,7 @@ class Guard(Wiring):
                  report: Any = None, live: Any = None, every: Any = 1, snoop: Any = False, budget: Any = None,
                  origin: Optional[Dict[str, str]] = None, **extras: Any):
         models = as_list(model, "model", nn.Module, "an nn.Module")
-        given = as_list(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
+        given = as_list(unheld(optimizer), "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
         opts = [u for u in map(unwrapped_optimizer, given) if u is not None]
         # an Optimizer subclass that skipped Optimizer.__init__ and holds no optimizer inside cannot be hooked
         self._unhooked = [type(o).__name__ for o in given if unwrapped_optimizer(o) is None]

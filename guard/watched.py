@@ -54,6 +54,32 @@ def unwrapped_optimizer(opt: torch.optim.Optimizer) -> Optional[torch.optim.Opti
     return opt if hasattr(opt, "_optimizer_step_pre_hooks") else None
 
 
+def held_optimizers(obj: Any) -> Optional[List[torch.optim.Optimizer]]:
+    """The optimizers inside a holder that is no Optimizer itself (a ``MultipleOptimizer`` with ``.optimizers``,
+    a plain ``Lookahead`` class with ``.optimizer``): its ``step()`` calls theirs, whose hooks guard watches.
+    None for anything else."""
+    if isinstance(obj, torch.optim.Optimizer) or not callable(getattr(obj, "step", None)):
+        return None
+    many = getattr(obj, "optimizers", None)
+    if isinstance(many, (list, tuple)) and many and all(isinstance(o, torch.optim.Optimizer) for o in many):
+        return list(many)
+    for name in ("optimizer", "base_optimizer", "_optimizer", "inner_optimizer"):
+        inner = getattr(obj, name, None)
+        if isinstance(inner, torch.optim.Optimizer):
+            return [inner]
+    return None
+
+
+def unheld(optimizer: Any) -> Any:
+    """`optimizer` with holders that are no Optimizer (``.optimizers``, ``.optimizer``) replaced by what they hold."""
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
+    out = []
+    for it in items:
+        held = held_optimizers(it)
+        out.extend(held if held is not None else [it])
+    return out or None
+
+
 def is_compiled(module: Any) -> bool:
     """A ``torch.compile`` wrapper (``OptimizedModule``)."""
     return type(module).__name__ == "OptimizedModule"

@@ -836,3 +836,75 @@ def test_an_optimizer_stepping_every_other_batch_is_seen_before_parameters_are_c
             model["extra"].zero_grad()
     (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
     assert f.where == "extra" and f.step == 0 and f.details["names"] == ["extra.weight", "extra.bias"]
+
+
+class PlainLookahead:
+    """A Lookahead that is no Optimizer at all (the common copy-pasted form): the real one is `.optimizer`."""
+
+    def __init__(self, optimizer, k=2, alpha=0.5):
+        self.optimizer, self.k, self.alpha, self.n = optimizer, k, alpha, 0
+        self.slow = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def step(self):
+        self.optimizer.step()
+        self.n += 1
+        if self.n % self.k == 0:
+            with torch.no_grad():
+                for s, p in zip(self.slow, (p for g in self.optimizer.param_groups for p in g["params"])):
+                    s += self.alpha * (p - s)
+                    p.copy_(s)
+
+
+class MultipleOptimizer:
+    """Two optimizers stepped together (sparse embeddings with SparseAdam, the rest with AdamW)."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = list(optimizers)
+
+    def zero_grad(self):
+        for o in self.optimizers:
+            o.zero_grad()
+
+    def step(self):
+        for o in self.optimizers:
+            o.step()
+
+
+@pytest.mark.parametrize("holder", ["lookahead", "multiple"])
+def test_an_optimizer_holder_that_is_no_optimizer_is_watched_through_what_it_holds(holder):
+    """guard(model, holder) takes a holder's optimizers (`.optimizer`, `.optimizers`) instead of refusing it:
+    the healthy loop is silent, the same loop without zero_grad() is reported at the inner optimizer."""
+    def run(zero):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        if holder == "lookahead":
+            opt = PlainLookahead(torch.optim.SGD(model.parameters(), lr=0.05))
+        else:
+            opt = MultipleOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.05),
+                                    torch.optim.AdamW(model[2].parameters(), lr=1e-3))
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        with guard(model, opt, live=False, checks="all") as g:
+            for _ in range(6):
+                if zero:
+                    opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        return g
+
+    healthy = run(zero=True)
+    assert healthy.findings == [] and healthy.internal_errors == [] and healthy.notices == []
+    assert "missing-zero-grad" in kinds(run(zero=False))
+
+
+def test_an_object_that_holds_no_optimizer_is_still_refused():
+    from guard import ConfigError
+
+    class Junk:
+        def step(self):
+            pass
+
+    with pytest.raises(ConfigError, match="optimizer=Junk object is not a torch.optim.Optimizer"):
+        guard(nn.Linear(2, 2), Junk())
