@@ -10,7 +10,8 @@ torch's own ``BatchSampler`` with ``batch_size >= 2``; shuffled loaders, custom
 samplers and batch samplers, and iterable-style datasets are never looked at.
 
 Per batch of such a loader, the labels are the second element of an ``(x, y, ...)``
-tuple or list, or ``batch["label"|"labels"|"target"|"targets"|"y"]``, when that is a
+tuple or list, or ``batch["label"|"labels"|"target"|"targets"|"y"]`` of a mapping (a dict,
+HF's ``BatchEncoding``), or that field of a dataclass batch, when that is a
 1-d integer tensor on the CPU: a 2-d target (a language model's next tokens, a
 tagger's tags) or float targets (regression, time series) are not classes and are
 skipped, and so are batches whose labels are not in those places. And they are labels
@@ -21,14 +22,21 @@ sequences) or series ids are no labels, and bucketing by length is no sorting by
 the batch holds a single class. A batch counts as a training batch only when a
 ``backward()`` follows it before the loader's next batch (validation loaders,
 unshuffled on purpose, never count). Reported when, after at least `MIN_BATCHES`
-training batches, `FRACTION` of them hold a single class and at least two
+training batches, `FRACTION` of them hold a single class, at least two
 different classes fill whole batches (one majority class alone is class
-imbalance, not sorting). A loader is followed for at most `MAX_BATCHES` batches.
+imbalance, not sorting), and that many single-class batches are beyond chance:
+with the class frequencies seen so far, a batch of data in random order holds
+one class with probability ``q = sum(p_k ** batch_size)`` (a half for two
+balanced classes in batches of 2), and the binomial tail of the count must be
+below `ALPHA`. A loader is followed for at most `MAX_BATCHES` batches.
 Nothing on the device.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import weakref
+from collections.abc import Mapping
 from typing import Any, List, Optional
 
 import torch
@@ -40,13 +48,15 @@ from .base import Check
 MIN_BATCHES = 4
 FRACTION = 0.75
 MAX_BATCHES = 400
+ALPHA = 1e-3  # chance of that many single-class batches from data in random order, below which it is sorting
 _LABEL_KEYS = ("label", "labels", "target", "targets", "y")
 _CLASS_LOSSES = ("cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits")
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 class _Loader:
-    __slots__ = ("name", "source", "seen", "counted", "single", "classes", "lo", "hi", "since", "done", "desc", "ref")
+    __slots__ = ("name", "source", "seen", "counted", "single", "classes", "lo", "hi", "since", "done", "desc", "ref",
+                 "hist", "size")
 
     def __init__(self, name: Optional[str], source: Optional[str], desc: str):
         self.name, self.source, self.desc = name, source, desc
@@ -57,17 +67,37 @@ class _Loader:
         self.hi: Optional[int] = None
         self.since = 0
         self.done = False
+        self.hist: dict = {}  # label -> how many samples of the counted batches hold it
+        self.size = 0  # the loader's batch size
+
+
+def _chance(hist: dict, size: int) -> float:
+    """Probability that a batch of `size` drawn in random order holds a single class, for these frequencies."""
+    total = sum(hist.values())
+    return sum((c / total) ** size for c in hist.values()) if total else 1.0
+
+
+def _tail(k: int, n: int, q: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, q)."""
+    if q >= 1.0:
+        return 1.0
+    return min(1.0, sum(math.comb(n, i) * q ** i * (1 - q) ** (n - i) for i in range(k, n + 1)))
 
 
 def _labels(batch: Any) -> Optional[torch.Tensor]:
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or HF's BatchEncoding (a UserDict) from tokenizer.pad/collators
         for k in _LABEL_KEYS:
             t = batch.get(k)
             if isinstance(t, torch.Tensor):
                 return t
         return None
-    if isinstance(batch, (list, tuple)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
-        return batch[1]
+    if isinstance(batch, (list, tuple)):
+        return batch[1] if len(batch) >= 2 and isinstance(batch[1], torch.Tensor) else None
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):  # a collate_fn's Batch(x=..., y=...)
+        for k in _LABEL_KEYS:
+            t = getattr(batch, k, None)
+            if isinstance(t, torch.Tensor):
+                return t
     return None
 
 
@@ -117,6 +147,7 @@ class UnshuffledLabels(Check):
             # snapshot of its variables alive (Python < 3.13), which would hold the user's model and optimizer.
             st = self._loaders[loader] = _Loader(None, self.g.source(), desc)
             st.ref = weakref.ref(loader)
+            st.size = bs.batch_size
         if not st.done and result is not None:
             self._iters[result] = st
 
@@ -172,11 +203,18 @@ class UnshuffledLabels(Check):
         st.counted += 1
         st.lo = lo if st.lo is None else min(st.lo, lo)
         st.hi = hi if st.hi is None else max(st.hi, hi)
+        hist = st.hist
         if single:
             st.single += 1
             if lo not in st.classes:
                 st.classes.append(lo)
-        if st.counted >= MIN_BATCHES and st.single >= FRACTION * st.counted and len(st.classes) >= 2:
+            hist[lo] = hist.get(lo, 0) + pending[4].numel()
+        else:
+            labels, counts = torch.unique(pending[4], return_counts=True)
+            for label, c in zip(labels.tolist(), counts.tolist()):
+                hist[label] = hist.get(label, 0) + c
+        if (st.counted >= MIN_BATCHES and st.single >= FRACTION * st.counted and len(st.classes) >= 2
+                and _tail(st.single, st.counted, _chance(hist, st.size)) < ALPHA):
             st.done = True
             self._report(st)
 
@@ -188,15 +226,17 @@ class UnshuffledLabels(Check):
         where = st.name or "DataLoader"
         at = f" (iterated at {st.source})" if st.source else ""
         filled = ", ".join(map(str, st.classes[:8])) + (", ..." if len(st.classes) > 8 else "")
+        q = _chance(st.hist, st.size)
         self.emit("unshuffled-labels", where,
                   f"{name}{at} gives training batches that each hold one class: {st.single} of the first "
                   f"{st.counted} batches hold a single class (labels {st.lo}-{st.hi} seen so far; classes "
-                  f"{filled} each fill whole batches), with {st.desc}: the dataset is sorted by label, so each step "
+                  f"{filled} each fill whole batches; in random order about {q * st.counted:.1f} would), with "
+                  f"{st.desc}: the dataset is sorted by label, so each step "
                   f"trains on one class and the model follows the last class it saw",
                   "Shuffle the training data: DataLoader(dataset, batch_size=..., shuffle=True) (or a RandomSampler; "
                   "DistributedSampler(shuffle=True) under DDP). Keep shuffle=False for validation only.",
                   step=st.since, seen=self.g.step, source=st.source,
                   details={"loader": st.name, "single_class_batches": st.single, "batches": st.counted,
                            "classes_filling_batches": st.classes[:20], "label_range": [st.lo, st.hi],
-                           "sampler": "SequentialSampler"})
+                           "sampler": "SequentialSampler", "chance_single_class": q})
 
