@@ -84,6 +84,30 @@ def test_sampler_sets_the_length():
     assert w.details["suggested_batch_size"] not in (None, 8) and 33 % w.details["suggested_batch_size"] != 1
 
 
+def test_a_loader_given_a_batch_sampler_is_told_to_drop_last_there():
+    """DataLoader(batch_sampler=BatchSampler(...)) refuses DataLoader's drop_last: the fix names BatchSampler's."""
+    from torch.utils.data import BatchSampler
+
+    model = mlp_bn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = data(65)
+    loader = DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), 16, drop_last=False))
+    with guard(model, opt, live=False) as g:
+        with pytest.raises(ValueError):
+            run_epochs(model, loader, opt)
+    (w,) = by_kind(g, "batchnorm-last-batch")
+    assert "BatchSampler(batch_size=16, drop_last=False) given as batch_sampler=" in w.message
+    assert "BatchSampler(..., drop_last=True)" in w.hint and "DataLoader(..., drop_last=True)" not in w.hint
+    (e,) = by_kind(g, "batchnorm-single-sample")
+    assert "BatchSampler(..., drop_last=True)" in e.hint
+    with pytest.raises(ValueError, match="mutually exclusive"):  # what the plain fix would have done
+        DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), 16, drop_last=False), drop_last=True)
+    fixed = DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), 16, drop_last=True))
+    with guard(model, opt, live=False, checks="all") as g:
+        run_epochs(model, fixed, opt, epochs=2)
+    assert g.findings == []
+
+
 def test_distributed_sampler_per_rank_length():
     from torch.utils.data.distributed import DistributedSampler
 

@@ -41,8 +41,13 @@ _SKIPS_SMALL = re.compile(
     + r"|\bislice\(|\bzip\(\s*range\(")
 
 SMALL_BATCH = 4
-FIX = ("drop the incomplete last batch with `DataLoader(..., drop_last=True)`, use a batch size that does not leave "
-       "a single sample, or replace BatchNorm with GroupNorm/LayerNorm, which do not depend on the batch")
+FIX = ("drop the incomplete last batch with `DataLoader(..., drop_last=True)` (`BatchSampler(..., drop_last=True)` "
+       "for a loader given `batch_sampler=`), use a batch size that does not leave a single sample, or replace "
+       "BatchNorm with GroupNorm/LayerNorm, which do not depend on the batch")
+# a loader given `batch_sampler=` refuses DataLoader's drop_last: the fix goes to the BatchSampler
+FIX_SAMPLER = ("drop the incomplete last batch with `BatchSampler(..., drop_last=True)` (DataLoader's own drop_last "
+               "cannot be combined with batch_sampler=), use a batch size that does not leave a single sample, or "
+               "replace BatchNorm with GroupNorm/LayerNorm, which do not depend on the batch")
 
 
 def _training(m: _BatchNorm) -> bool:
@@ -172,7 +177,9 @@ class BatchNormBatch(Check):
         if len(self._pending) < 16:
             self._pending.append({"samples": n, "dataset_size": size, "batch_size": bs, "batches": n // bs + 1,
                                   "sampler": type(bs_sampler.sampler).__name__, "step": self.g.step,
-                                  "source": self.g.source()})
+                                  "source": self.g.source(),
+                                  # DataLoader(batch_sampler=...) leaves its own batch_size None
+                                  "batch_sampler_given": getattr(loader, "batch_size", 0) is None})
 
     def _handles_small_batches(self, frame: Any) -> bool:
         """Whether the code iterating the loader deals with a short last batch itself: it skips small batches
@@ -207,13 +214,17 @@ class BatchNormBatch(Check):
         size = p["dataset_size"]
         what = f"{n} samples" if size in (None, n) else f"{n} samples from its {p['sampler']} (dataset of {size})"
         alt = next((b for d in range(1, bs) for b in (bs + d, bs - d) if b > 1 and n % b != 1), None)
+        given = p.get("batch_sampler_given")
+        setting = (f"BatchSampler(batch_size={bs}, drop_last=False) given as batch_sampler=" if given
+                   else f"batch_size={bs}, drop_last=False")
         self.emit("batchnorm-last-batch", "input",
-                  f"this DataLoader ends every epoch with a batch of 1: {what}, batch_size={bs}, drop_last=False "
+                  f"this DataLoader ends every epoch with a batch of 1: {what}, {setting} "
                   f"-> {n // bs} full batches and a last batch of 1 sample; BatchNorm {', '.join(names[:3])} "
                   f"{'trains' if len(names) == 1 else 'train'} on one value per sample per channel and "
                   f"will fail at batch {n // bs + 1} of the epoch with 'Expected more than 1 value per channel "
                   f"when training'",
-                  f"Fix before the epoch ends: {FIX}" + (f" (e.g. batch_size={alt})." if alt else "."),
+                  f"Fix before the epoch ends: {FIX_SAMPLER if given else FIX}"
+                  + (f" (e.g. batch_size={alt})." if alt else "."),
                   step=p["step"], source=p["source"],
                   details={"dataset_size": size, "samples_per_epoch": n, "batch_size": bs, "last_batch_size": 1,
                            "batches_per_epoch": p["batches"], "sampler": p["sampler"], "batchnorm_modules": names,
