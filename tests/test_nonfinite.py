@@ -316,6 +316,63 @@ def test_logits_masked_with_minus_inf_are_fine_until_a_row_is_masked_whole(read_
     assert f.details["counts"]["output"]["neginf"] > 0 and f.details["counts"]["output"]["nan"] == 0
 
 
+class _MaskedPolicy(nn.Module):
+    """An RL policy with -inf action masks (correct); the bug is in the entropy bonus the loop computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 5)
+
+    def forward(self, x, mask):
+        return self.l(x).masked_fill(~mask, float("-inf"))
+
+
+def _entropy_run(form, start, steps=6):
+    torch.manual_seed(0)
+    model = _MaskedPolicy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for i in range(steps):
+            x, mask = torch.randn(8, 4), torch.rand(8, 5) > 0.3
+            mask[:, 0] = True
+            logp = nn.functional.log_softmax(model(x, mask), -1)
+            loss = -logp[:, 0].mean()
+            if i >= start:
+                if form == "product":  # 0 * -inf: NaN loss
+                    ent = -(logp.exp() * logp).sum(-1).mean()
+                elif form == "where":  # finite loss, NaN gradients from the masked branch
+                    ent = -torch.where(mask, logp.exp() * logp, torch.zeros(())).sum(-1).mean()
+                else:  # fixed
+                    ent = torch.distributions.Categorical(logits=logp).entropy().mean()
+                loss = loss - 0.01 * ent
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if not all(torch.isfinite(p).all() for p in model.parameters()):
+                break
+    return g
+
+
+@pytest.mark.parametrize("form", ["product", "where"])
+def test_nan_made_from_a_minus_inf_mask_by_the_loops_own_arithmetic_is_explained(form, read_path):
+    """-inf action masks are correct; an entropy written as sum(p * log p) over them makes NaN (0 * -inf), in the
+    loss or, through torch.where, only in the gradients. The report says the module made -inf only (a mask) and
+    names the arithmetic, not an overflow; once the mask was seen on healthy steps, the loss or gradients are
+    reported with the same explanation."""
+    f = _entropy_run(form, start=0).findings[0]
+    assert (f.kind, f.where, f.step) == ("nonfinite-output", "_MaskedPolicy", 0)
+    assert "produced -inf (and no NaN or +inf)" in f.message and f.details["only_neg_inf"] is True
+    assert "0 * -inf" in f.hint and "Categorical(logits=...).entropy()" in f.hint and "xlogy" in f.hint
+    f = _entropy_run(form, start=3).findings[0]
+    if form == "product":
+        assert (f.kind, f.step) == ("nonfinite-loss", 3) and "0 * -inf" in f.hint
+    else:
+        assert (f.kind, f.where, f.step) == ("nonfinite-grad", "l.weight", 3)
+        assert "loss was finite" in f.message and f.details["masked_outputs"] is True
+        assert "torch.where(mask, f(x), 0)" in f.hint
+    assert _entropy_run("fixed", start=0).findings == []
+
+
 def test_plus_inf_and_nan_inputs_are_still_dirty_data(read_path):
     for bad in (float("inf"), float("nan")):
         model = nn.Sequential(nn.Linear(4, 2))

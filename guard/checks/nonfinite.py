@@ -469,7 +469,10 @@ class NonFinite(Check):
             done = k + 1
         for call in calls:
             if any(i in bad for _, i in call.outputs) and not any(i in bad and i not in taken for _, i in call.inputs):
-                if self._report_output(call, bad, refs, [name for name, i in call.inputs if i in taken]):
+                # -inf alone in what it made, on a step whose NaN/Inf came from elsewhere too: a mask (first seen
+                # on a bad step, so not yet known as one) that later arithmetic turned into NaN
+                masked = all(i in masks for _, i in call.outputs if i in bad)
+                if self._report_output(call, bad, refs, [name for name, i in call.inputs if i in taken], masked):
                     return
         for flag, source, step in losses:
             if flag in bad:
@@ -479,8 +482,8 @@ class NonFinite(Check):
                                   "the loss passed to backward() is NaN/Inf; the model's outputs held -inf (a mask) "
                                   "but no NaN",
                                   "A row masked whole (every class -inf) has no probability to take: softmax and "
-                                  "cross_entropy give NaN there. Leave at least one entry per row unmasked, or use a "
-                                  "large negative number (torch.finfo(x.dtype).min) instead of -inf.",
+                                  "cross_entropy give NaN there; leave at least one entry per row unmasked. "
+                                  + MASK_HINT,
                                   step=step, source=source, details={"masked_outputs": True})
                     else:
                         self.emit("nonfinite-loss", "loss",
@@ -491,7 +494,7 @@ class NonFinite(Check):
                 return
         for flag, gn, step, source in grads:
             if flag in bad and not self._bad_param_names:  # NaN weights make NaN grads: not news
-                self._report_grads(gn, step, source)
+                self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs))
                 return
 
     def _report_input(self, call: _Call, bad: set, refs: Dict[int, weakref.ref]) -> None:
@@ -509,7 +512,8 @@ class NonFinite(Check):
                   step=call.step, source=call.source,
                   details={"module": call.type, "arguments": args, "counts": counts})
 
-    def _report_output(self, call: _Call, bad: set, refs: Dict[int, weakref.ref], taken: List[str] = ()) -> bool:
+    def _report_output(self, call: _Call, bad: set, refs: Dict[int, weakref.ref], taken: List[str] = (),
+                       masked: bool = False) -> bool:
         if self._bad_param_names:
             # Weights are already NaN/Inf (found after an optimizer step): every later NaN output is
             # their consequence, and standard layers with such weights passed their input's flag on.
@@ -539,6 +543,18 @@ class NonFinite(Check):
                     f"the healthy steps before)" if taken else "its inputs were finite")
         hint = _output_hint(call.type, bool(bad_params))
         where, what = call.path, f"{call.path} ({call.type})"
+        if masked and not bad_params:
+            self.emit("nonfinite-output", where,
+                      f"{what} produced -inf (and no NaN or +inf) from finite inputs, and NaN/Inf followed in the "
+                      f"loss or the gradients: if the -inf is a mask (masked_fill(~mask, float('-inf'))), what is "
+                      f"computed from it made the NaN",
+                      MASK_HINT + " If the -inf is not meant, this module overflowed: clamp its inputs or lower the "
+                      "learning rate.",
+                      step=call.step, source=call.source,
+                      details={"module": call.type, "counts": {n: nonfinite_counts(t) for n, i in call.outputs
+                                                               if i in bad and (t := refs.get(i, lambda: None)()) is not None},
+                               "only_neg_inf": True, "nonfinite_params": []})
+            return True
         huge = self._huge_weights(module) if module is not None and not bad_params else []
         if huge:
             # The standard layers inside are not screened one by one: their weights say which one overflowed.
@@ -575,18 +591,25 @@ class NonFinite(Check):
                         found.append((f"{mname}.{pname}" if mname else pname, v, owner))
         return sorted(found, key=lambda e: -e[1])
 
-    def _report_grads(self, gn, step: int, source: Optional[str]) -> None:
+    def _report_grads(self, gn, step: int, source: Optional[str], masked: bool = False) -> None:
         values = gn.per_param()
         names = [n for n, v in zip(gn.names, values) if v != v or v in (float("inf"), float("-inf"))]
         if not names:
             return
+        hint = ("The backward pass overflowed (e.g. sqrt/log/pow at 0, division by a tiny value, or an exploding "
+                "loss): clip with torch.nn.utils.clip_grad_norm_, lower the learning rate, or use AMP's GradScaler "
+                "which skips such steps.")
+        if masked:
+            # the forward was finite apart from -inf masks: the backward of an expression over them made the NaN
+            hint = ("The model's outputs held -inf (a mask) and the loss was finite: a torch.where(mask, f(x), 0) "
+                    "over the masked values still back-propagates NaN from f at -inf (0 * -inf in p * log p). "
+                    + MASK_HINT)
         self.emit("nonfinite-grad", names[0],
                   f"{len(names)} parameter gradient(s) are NaN/Inf: {', '.join(names[:5])}"
-                  + (" ..." if len(names) > 5 else ""),
-                  "The backward pass overflowed (e.g. sqrt/log/pow at 0, division by a tiny value, or an exploding "
-                  "loss): clip with torch.nn.utils.clip_grad_norm_, lower the learning rate, or use AMP's GradScaler "
-                  "which skips such steps.",
-                  step=step, source=source, details={"parameters": names[:20], "count": len(names)})
+                  + (" ..." if len(names) > 5 else "")
+                  + (" while the loss was finite and the model's outputs held -inf masks but no NaN" if masked else ""),
+                  hint, step=step, source=source,
+                  details={"parameters": names[:20], "count": len(names), **({"masked_outputs": True} if masked else {})})
 
     def _report_params(self, group: List[torch.Tensor], step: int, source: Optional[str], caused: bool) -> bool:
         bad = [self.g.param_name(p) for p in group if not bool(torch.isfinite(p.detach()).all())]
@@ -615,6 +638,11 @@ class NonFinite(Check):
 
 _NEG_INF = float("-inf")
 _INF = float("inf")
+MASK_HINT = ("Arithmetic on -inf makes NaN: 0 * -inf (an entropy sum(p * log_softmax(logits)) where p is 0), "
+             "-inf - -inf, and torch.where(mask, f(x), 0), whose backward still gets NaN from the masked branch. Use "
+             "torch.distributions.Categorical(logits=...).entropy(), torch.special.xlogy(p, p), or zero the masked "
+             "entries before the product (log_p.masked_fill(~mask, 0)); or mask with torch.finfo(x.dtype).min "
+             "instead of -inf.")
 #: a weight this large is no trained network's: a blown-up update (float32 overflows at 3.4e38)
 HUGE_WEIGHT = 1e10
 
