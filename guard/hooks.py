@@ -14,6 +14,7 @@ Two layers:
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import os
 import signal
@@ -30,6 +31,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.optim import optimizer as _optim_mod
+
+from ._frames import is_skipped
 
 Middleware = Callable[[Callable[..., Any], tuple, dict], Any]
 
@@ -188,9 +191,15 @@ class _Patch:
 
     def install(self) -> None:
         setattr(self.owner, self.attr, self.installed)
+        self.aliases: List[Callable[[], None]] = []  # undo of the user's names rebound to the wrapper
+        if isinstance(self.owner, types.ModuleType):
+            _unaliased.append(self)
 
     def uninstall(self) -> bool:
         """Put the original back; False when someone patched over us (we then stay as a pass-through)."""
+        aliases, self.aliases = getattr(self, "aliases", []), []
+        for undo in aliases:
+            undo()
         current = self.owner.__dict__.get(self.attr) if hasattr(self.owner, "__dict__") else None
         if current is not self.installed and getattr(self.owner, self.attr, None) is not self.installed:
             return False
@@ -205,6 +214,87 @@ class _Patch:
 
 
 _GUARD_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MAX_ALIAS_NAMES = 20_000  # names looked at in the user's modules per patched function (bounded start cost)
+
+
+_module_kinds: Dict[str, Tuple[Any, bool]] = {}  # module name -> (the module, whether it is the user's)
+
+
+def _user_modules() -> List[types.ModuleType]:
+    """The user's own modules (``__main__`` and files that are neither torch, guard, installed packages nor the
+    standard library); each module is judged once."""
+    out = []
+    kinds = _module_kinds
+    for name, mod in list(sys.modules.items()):
+        hit = kinds.get(name)
+        if hit is None or hit[0] is not mod:
+            f = getattr(mod, "__file__", None)
+            hit = kinds[name] = (mod, isinstance(mod, types.ModuleType) and (
+                name == "__main__" or (isinstance(f, str) and not is_skipped(f))))
+        if hit[1]:
+            out.append(mod)
+    return out
+
+
+_unaliased: List["_Patch"] = []  # module-function patches installed whose aliases were not yet rebound
+
+
+def rebind_aliases() -> None:
+    """A patched module function is also reached through the user's names bound before guard started
+    (``from torch.nn.functional import cross_entropy``, ``LOSS = partial(F.mse_loss, ...)``, a module-level
+    table of losses): point them at the wrapper, in one pass over the user's modules for every patch just
+    installed; each patch puts its names back when it is uninstalled."""
+    with _lock:
+        patches = {id(p.original): p for p in _unaliased if _patches.get((id(p.owner), p.attr)) is p}
+        _unaliased.clear()
+    if not patches:
+        return
+    budget = [_MAX_ALIAS_NAMES]
+    partial, function = functools.partial, types.FunctionType
+
+    def swap(container: Any, key: Any, value: Any, depth: int) -> None:
+        budget[0] -= 1
+        # a wrapper left by an earlier guard (the name was bound while it was patched) stands for the original
+        p = patches.get(id(getattr(value, "__wrapped__", None) if getattr(value, "_guard_patch", False) else value))
+        if p is not None and (value is p.original or getattr(value, "__wrapped__", None) is p.original):
+            container[key] = p.installed
+
+            def back(c=container, k=key, p=p, old=value) -> None:
+                if c.get(k) is p.installed:
+                    c[k] = old
+            p.aliases.append(back)
+        elif type(value) is partial:
+            p = patches.get(id(value.func))
+            if p is not None and value.func is p.original:
+                _set_partial_func(value, p.installed)
+
+                def back_partial(v=value, p=p) -> None:
+                    if v.func is p.installed:
+                        _set_partial_func(v, p.original)
+                p.aliases.append(back_partial)
+        elif depth == 0 and type(value) is dict and len(value) <= 256:
+            for k2, v2 in list(value.items()):
+                if id(v2) in patches or type(v2) is partial:
+                    swap(value, k2, v2, 1)
+
+    try:
+        for mod in _user_modules():
+            d = mod.__dict__
+            for key, value in list(d.items()):
+                # most values are none of the three: tested inline (a call per name cost ~10 ms a start)
+                t = type(value)
+                if (id(value) in patches or t is partial or (t is dict and not (type(key) is str and key[:2] == "__"))
+                        or (t is function and getattr(value, "_guard_patch", False))):
+                    if budget[0] <= 0:
+                        return
+                    swap(d, key, value, 0)
+    except Exception:  # an odd module namespace: the names not yet rebound stay as they were
+        pass
+
+
+def _set_partial_func(p: functools.partial, func: Callable) -> None:
+    """Swap a partial's function in place (its ``func`` is read-only; ``__setstate__`` is how pickle rebuilds it)."""
+    p.__setstate__((func, p.args, p.keywords or {}, p.__dict__ or None))
 
 
 def _warns_at_caller(owner: Any, attr: str) -> bool:

@@ -113,6 +113,7 @@ class Wiring:
                 inst.patch(target, router.patch_middleware(tuple(evs), self._accepts, self._tls, self.meter))
             except (AttributeError, ImportError, ValueError):
                 pass  # a target this torch version lacks (private hooks points): the check does without
+        _hooks.rebind_aliases()
         inst.process_exit(self)
 
     # ------------------------------------------------------------------ threads
