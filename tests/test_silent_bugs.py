@@ -125,6 +125,53 @@ def test_monte_carlo_dropout_and_attention_dropout_in_eval_are_silent():
     assert "dropout-in-eval" not in kinds(g)
 
 
+def _block(lin, x, p, training=True):
+    return F.dropout(F.relu(lin(x)), p, training=training)
+
+
+class HelperNet(nn.Module):
+    """Dropout through a helper whose `training` defaults to True."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        if self.how == "forgot":
+            return self.l2(_block(self.l1, x, 0.3))
+        if self.how == "mc":  # Monte Carlo dropout on purpose
+            return self.l2(_block(self.l1, x, 0.3, training=True))
+        return self.l2(_block(self.l1, x, 0.3, self.training))
+
+
+@pytest.mark.parametrize("how", ["forgot", "mc", "passed"])
+@pytest.mark.parametrize("mode", ["model", "global"])
+def test_dropout_on_through_a_helpers_default_in_eval_is_found(how, mode):
+    """`def block(lin, x, p, training=True)` called from forward without the mode: dropout stays on in eval.
+    A forward that passes its mode, or training=True on purpose (Monte Carlo dropout), is silent."""
+    torch.manual_seed(0)
+    model = HelperNet(how)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(*([model, opt] if mode == "model" else []), live=False, checks="all") as g:
+        for _ in range(3):
+            model.train()
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,))).backward()
+            opt.step()
+            model.eval()
+            with torch.no_grad():
+                model(torch.ones(1, 8))
+    if how != "forgot":
+        assert g.findings == []
+        return
+    f = only(g, "dropout-in-eval")
+    assert f.where == "HelperNet"
+    assert f.source == line_of(HelperNet, "_block(self.l1, x, 0.3))") and f.step == 1
+    assert "_block()" in f.message and "the helper's default" in f.message
+    assert "training=self.training" in f.hint and f.details["helper"] == "_block"
+
+
 def test_dropout_outside_a_forward_is_not_this_checks_pattern():
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -15,6 +15,7 @@ reported, nor is ``p == 0``. Nothing on the device.
 """
 from __future__ import annotations
 
+import linecache
 import os
 import sys
 from typing import Optional, Tuple
@@ -30,22 +31,23 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _MAX_UP = 4  # user frames searched for the module whose forward called (helpers called from forward)
 
 
-def _caller(frame) -> Tuple[Optional[object], Optional[object]]:
-    """(frame that called the patched function, the module whose forward it runs in) or (None, None)."""
+def _caller(frame, with_frame: bool = False) -> Tuple[Optional[object], ...]:
+    """(frame that called the patched function, the module whose forward it runs in) or (None, None);
+    `with_frame` adds the frame of that module's method (a helper's caller)."""
     f = frame
     while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_GUARD):
         f = f.f_back
     if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
-        return None, None  # torch's own code: not the user's line
+        return (None, None, None) if with_frame else (None, None)  # torch's own code: not the user's line
     call = f
     for _ in range(_MAX_UP):
         if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
             break  # left the forward (torch's Module.__call__)
         me = f.f_locals.get("self")
         if isinstance(me, nn.Module):
-            return call, me
+            return (call, me, f) if with_frame else (call, me)
         f = f.f_back
-    return call, None
+    return (call, None, None) if with_frame else (call, None)
 
 
 class DropoutInEval(Check):
@@ -63,18 +65,76 @@ class DropoutInEval(Check):
     def on_f_dropout(self, args, kwargs):
         if len(args) < 3 and "training" not in kwargs:
             self._look("dropout", args, kwargs)
+        elif self._evaluating() and (args[2] if len(args) > 2 else kwargs.get("training")) is True:
+            self._look_helper("dropout", args, kwargs)
 
     def on_f_dropout1d(self, args, kwargs):
         if len(args) < 3 and "training" not in kwargs:
             self._look("dropout1d", args, kwargs)
+        elif self._evaluating() and (args[2] if len(args) > 2 else kwargs.get("training")) is True:
+            self._look_helper("dropout1d", args, kwargs)
 
     def on_f_dropout2d(self, args, kwargs):
         if len(args) < 3 and "training" not in kwargs:
             self._look("dropout2d", args, kwargs)
+        elif self._evaluating() and (args[2] if len(args) > 2 else kwargs.get("training")) is True:
+            self._look_helper("dropout2d", args, kwargs)
 
     def on_f_dropout3d(self, args, kwargs):
         if len(args) < 3 and "training" not in kwargs:
             self._look("dropout3d", args, kwargs)
+        elif self._evaluating() and (args[2] if len(args) > 2 else kwargs.get("training")) is True:
+            self._look_helper("dropout3d", args, kwargs)
+
+    def _evaluating(self) -> bool:
+        """Cheap filter for ``training=True`` calls: the watched models are all in eval mode (under a global
+        guard, grad is off). nn.Dropout passes its own mode, so in training nothing more is looked at."""
+        models = self.g.models
+        if models:
+            return not any(m.training for m in models)
+        return not torch.is_grad_enabled()
+
+    def _look_helper(self, fn: str, args: tuple, kwargs: dict) -> None:
+        """``training=True`` reached F.dropout through a helper's default (``def block(x, p, training=True)``)
+        while the module calling the helper is in eval mode, and that call passed no ``training``: the
+        forward forgot ``training=self.training``. A forward that says ``training=True`` itself, to the helper
+        or to F.dropout, asks for Monte Carlo dropout: left alone."""
+        if torch.compiler.is_compiling():
+            return
+        frame, module, owner = _caller(sys._getframe(1), with_frame=True)
+        if frame is None or module is None or owner is frame or module.training:
+            return
+        line = (frame.f_code.co_filename, frame.f_lineno, owner.f_code.co_filename, owner.f_lineno)
+        if line in self._lines:
+            return
+        self._lines.add(line)
+        name = "training"
+        code = frame.f_code
+        params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        if not any(v in params and frame.f_locals.get(v) is True for v in ("training", "train", "is_training")):
+            return  # True from somewhere else than the helper's own parameter
+        text = linecache.getline(owner.f_code.co_filename, owner.f_lineno).split("#")[0]
+        if "train" in text:
+            return  # the forward passes a mode (training=True on purpose, or a variable of its own)
+        path = self.g.known_path(module)
+        if path is None:
+            if self.g.models:
+                return
+            path = type(module).__name__
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        source = f"{_short(code.co_filename)}:{frame.f_lineno}"
+        forward = f"{_short(owner.f_code.co_filename)}:{owner.f_lineno}"
+        mod = type(module).__name__
+        self.emit("dropout-in-eval", path,
+                  f"F.{fn}(..., p={p}) in the helper {code.co_name}() ({source}) ran with {name}=True, the helper's "
+                  f"default, while {path} ({mod}) is in eval mode: {mod}.{owner.f_code.co_name} calls it at {forward} "
+                  f"without passing the mode, so this dropout stays on after model.eval() and validation and "
+                  f"inference outputs are random",
+                  f"Pass the module's mode down: {code.co_name}(..., training=self.training) at {forward} (or give "
+                  f"the helper no default for training, or use an nn.Dropout(p={p}) submodule).",
+                  source=forward,
+                  details={"function": f"F.{fn}", "p": p, "module": mod, "module_training": False,
+                           "helper": code.co_name, "helper_source": source})
 
     def _look(self, fn: str, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
