@@ -527,6 +527,7 @@ class Installer:
         self._hook_ids: set = set()
         self._module_attrs: Dict[Tuple[int, str], Any] = {}
         self._strips = False
+        self.on_copy: Optional[Callable[[nn.Module], None]] = None  # told of each module copied or pickled
 
     def _keep(self, handle: Any) -> Any:
         self._stack.callback(handle.remove)
@@ -564,6 +565,11 @@ class Installer:
         state = call(*args, **kwargs)
         if not isinstance(state, dict):
             return state
+        if self.on_copy is not None and args:
+            try:
+                self.on_copy(args[0])
+            except Exception:  # a note for a later notice: never the user's copy's business
+                pass
         ids = self._hook_ids
         if ids:
             for name in _HOOK_DICTS:

@@ -74,6 +74,7 @@ class Guard(Wiring):
     # ------------------------------------------------------------------ state
     def _reset(self) -> None:
         self.step = 0
+        self._copied_at: Optional[str] = None  # where a watched model was first copied (a notice's clue)
         self.sampling = True
         self._mid_step = False
         self.room = RecursionRoom()  # recursion-limit room for deep models

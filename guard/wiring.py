@@ -114,7 +114,13 @@ class Wiring:
             except (AttributeError, ImportError, ValueError):
                 pass  # a target this torch version lacks (private hooks points): the check does without
         _hooks.rebind_aliases()
+        inst.on_copy = self._note_copy
         inst.process_exit(self)
+
+    def _note_copy(self, module: nn.Module) -> None:
+        """A watched model is copied or pickled (``copy.deepcopy``, ``torch.save``): where, for a later notice."""
+        if self._copied_at is None and any(m is module for m in self.watched.models):
+            self._copied_at = user_source(2)
 
     # ------------------------------------------------------------------ threads
     def _accepts(self) -> bool:
@@ -439,11 +445,19 @@ class Wiring:
 
     def _end_step(self, t0: Optional[float] = None) -> None:
         self._tls.forwards = 0  # forwards combined into one loss leave a surplus; a step settles it
-        if self.step == 0 and self._models and not self.watched.module_ids and not self.watched.scripted and "torch._dynamo" in sys.modules:
-            self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs through "
-                        "a torch.compile'd wrapper (compiled code skips module hooks), guard that compiled module "
-                        "instead; if another module computes the loss (a half-precision copy of fp32 master "
-                        "weights), guard that one; until then only gradients and parameters are checked.")
+        if self.step == 0 and self._models and not self.watched.module_ids and not self.watched.scripted:
+            copied = self._copied_at
+            if copied is not None:
+                self.notice(f"guard: optimizer steps ran but no call of the watched model was seen, and the model "
+                            f"was copied at {copied} (copy.deepcopy): if the copy is what trains, the optimizer, "
+                            f"built over the original's parameters, never updates it. Build the optimizer over the "
+                            f"copy's parameters (or train the original), and guard the module that is trained.")
+            elif "torch._dynamo" in sys.modules:
+                self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs "
+                            "through a torch.compile'd wrapper (compiled code skips module hooks), guard that "
+                            "compiled module instead; if another module computes the loss (a half-precision copy "
+                            "of fp32 master weights), guard that one; until then only gradients and parameters "
+                            "are checked.")
         self.dispatch("step_end", self.step)
         meter = self.meter
         if t0 is not None:

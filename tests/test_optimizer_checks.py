@@ -908,3 +908,30 @@ def test_an_object_that_holds_no_optimizer_is_still_refused():
 
     with pytest.raises(ConfigError, match="optimizer=Junk object is not a torch.optim.Optimizer"):
         guard(nn.Linear(2, 2), Junk())
+
+
+def test_a_loop_that_trains_a_deep_copy_is_told_where_the_copy_was_made():
+    """The optimizer is built over the model; a Trainer deep-copies the model and trains the copy: nothing the
+    optimizer holds ever gets a gradient. The notice names the copy's line (not torch.compile)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    with guard(model, opt, live=False) as g:
+        trained = copy.deepcopy(model)  # the bug: train `model`, or build the optimizer over `trained`
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(trained(x), y).backward()
+            opt.step()
+    (note,) = [n for n in g.notices if "no call of the watched model" in n]
+    assert "copied at tests/test_optimizer_checks.py:" in note and "copy.deepcopy" in note
+    assert "torch.compile" not in note
+    with guard(model, opt, live=False) as g:  # the original trained: no notice
+        copy.deepcopy(model)  # a snapshot kept for comparison
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert g.notices == [] and g.findings == []
