@@ -847,6 +847,40 @@ def test_a_critic_steps_detached_generator_outputs_are_graphs_built_for_nothing_
     assert "with torch.no_grad(): fake = G(z)" in f.hint
 
 
+def test_a_part_detached_by_a_helper_is_told_it_never_trains():
+    """`features()` returns `backbone(x).detach()`: the backbone is trainable and in the optimizer, yet never
+    gets a gradient. The finding says the detach cuts it off (not "run it under no_grad", which would hide the
+    symptom); a backbone frozen on purpose (requires_grad=False, out of the optimizer) is silent."""
+    import torch
+    from torch import nn
+
+    from guard import guard
+
+    def run(frozen):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"backbone": nn.Sequential(nn.Linear(8, 16), nn.ReLU()), "head": nn.Linear(16, 3)})
+        if frozen:
+            model["backbone"].requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+        def features(x):
+            return model["backbone"](x).detach()
+
+        with guard(model, opt, live=False) as g:
+            for _ in range(6):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model["head"](features(torch.randn(8, 8))),
+                                            torch.randint(0, 3, (8,))).backward()
+                opt.step()
+        return g
+
+    (f,) = run(frozen=False).findings
+    assert (f.kind, f.where) == ("eval-without-no-grad", "backbone")
+    assert "never trains" in f.message and f.details["parameters_without_gradient"] == 2
+    assert "remove the .detach()" in f.hint and "requires_grad=False" in f.hint
+    assert run(frozen=True).findings == []
+
+
 def test_one_dry_run_of_a_model_is_no_evaluation():
     import torch
     from torch import nn

@@ -247,6 +247,25 @@ class EvalWithoutNoGrad(Check):
                 keep.append(r)
         return keep
 
+    def _starved(self, rec: _Fwd) -> int:
+        """How many trainable parameters of `rec`'s module an optimizer holds, when none of them has a gradient
+        (None, or zeros left by zero_grad(set_to_none=False)); 0 otherwise. Looked at once, when reporting."""
+        m = rec.module() if rec.module is not None else None
+        if m is None or self.g.step < 2:
+            return 0
+        # Held by the optimizer that counts the steps, which has stepped twice since: a GAN's generator, whose
+        # own optimizer may not have stepped yet (WGAN's critic steps first), is not judged starved.
+        held = {id(p) for o in self.g.optimizers if self.g.is_primary(o) for grp in o.param_groups
+                for p in grp["params"]}
+        params = [p for p in m.parameters() if p.requires_grad and id(p) in held][:256]
+        if not params:
+            return 0
+        for p in params:
+            g = p.grad
+            if g is not None and (g.is_sparse or bool(g.detach().ne(0).any())):
+                return 0
+        return len(params)
+
     def _report(self, unused: List[_Fwd]) -> None:
         # A training-mode forward whose graph was dropped at once (a lazy module's dry run, a GAN's
         # `fake = G(z).detach()` for the critic) kept nothing: a few such calls are no evaluation; when
@@ -297,7 +316,19 @@ class EvalWithoutNoGrad(Check):
         details["dropped_at_once"] = dropped
         if dropped:
             n = details["forwards"] = max(n, drops.get((first.path, first.source), 0))
-        if dropped:
+        starved = self._starved(first) if dropped else 0
+        if dropped and starved:
+            # Its trainable weights are in an optimizer and never got a gradient: the detach cuts off a part
+            # meant to train (a helper's `return backbone(x).detach()`), not a GAN's critic step.
+            details["parameters_without_gradient"] = starved
+            message = (f"{n} forward pass{'es' if n != 1 else ''} of {first.path} at {first.source} built autograd "
+                       f"graphs that were dropped at once (a `.detach()`ed or discarded output), and none of its "
+                       f"{starved} trainable parameter(s), which an optimizer holds, has got a gradient: the detach "
+                       f"cuts {first.path} off from the loss, so it never trains")
+            hint = (f"If {first.path} should train, remove the .detach() (or torch.no_grad()) between it and the "
+                    f"loss; if it is frozen on purpose, set requires_grad=False on it and run it under "
+                    f"`with torch.no_grad():`.")
+        elif dropped:
             message = (f"{n} forward pass{'es' if n != 1 else ''} of {first.path} at {first.source} built autograd "
                        f"graphs (outputs require grad) that were dropped at once, never back-propagated (a "
                        f"`.detach()`ed or discarded output): building them costs time and memory for nothing")
