@@ -416,12 +416,41 @@ def _owner_path(module: nn.Module, frame: Any) -> Optional[str]:
     f, hops = frame, 0
     while f is not None and hops < 12 and is_skipped(f.f_code.co_filename):
         f, hops = f.f_back, hops + 1
-    if f is None or "self" not in f.f_code.co_varnames[:max(f.f_code.co_argcount, 1)]:
+    if f is None:
         return None
-    owner = f.f_locals.get("self")
-    if not isinstance(owner, nn.Module) or owner is module:
+    if "self" in f.f_code.co_varnames[:max(f.f_code.co_argcount, 1)]:
+        owner = f.f_locals.get("self")
+        if isinstance(owner, nn.Module) and owner is not module:
+            return _path_in(owner, module)
+        if owner is not None and not isinstance(owner, nn.Module) and hasattr(owner, "__dict__"):
+            # a Trainer's method calling `self.model.backbone(x)`: the model among its attributes
+            return _path_in_any(vars(owner), module)
         return None
+    # a loop calling a model's parts (`model.backbone(x)`, `model.head(h)`): the model among its variables
+    return _path_in_any(f.f_locals, module)
+
+
+def _path_in(owner: nn.Module, module: nn.Module) -> Optional[str]:
     for path, m in owner.named_modules():
         if m is module:
             return path or None
+    return None
+
+
+def _path_in_any(names: Dict[str, Any], module: nn.Module, limit: int = 16) -> Optional[str]:
+    """`module`'s path in the first of the (at most `limit`) modules among `names`' values that holds it; for
+    a single layer (no submodules, whose parameters would be a bare ``weight``) held directly, its name there."""
+    n, direct = 0, None
+    for k, v in list(names.items()):
+        if v is module:
+            direct = direct or k
+        elif isinstance(v, nn.Module):
+            n += 1
+            if n > limit:
+                break
+            found = _path_in(v, module)
+            if found is not None:
+                return found
+    if direct is not None and isinstance(direct, str) and not direct.startswith("_") and next(module.children(), None) is None:
+        return direct
     return None

@@ -984,3 +984,53 @@ def test_missing_zero_grad_on_sparse_embedding_gradients(opt_cls):
             sparse_opt.step()  # no sparse_opt.zero_grad()
     (f,) = g.findings
     assert f.kind == "missing-zero-grad" and f.where == type(sparse_opt).__name__ and f.step == 1
+
+
+class _PartTrainer:
+    """A Trainer holding a body and a separate head; `partial` zeroes only the body's gradients."""
+
+    def __init__(self, partial):
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 3)
+        self.opt = torch.optim.SGD(list(self.model.parameters()) + list(self.head.parameters()), lr=0.05)
+        self.partial = partial
+
+    def step(self, x, y):
+        if self.partial:
+            self.model.zero_grad()  # the bug: the head's gradients pile up
+        else:
+            self.opt.zero_grad()
+        F.cross_entropy(self.head(self.model(x)), y).backward()
+        self.opt.step()
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_zero_grad_over_part_of_the_parameters_is_named_under_a_global_guard(partial):
+    """Under a global guard a Trainer's `self.head` (a single layer) is named `head`, not a bare `weight`; the
+    message says the other gradients were cleared and the hint names model.zero_grad()'s reach."""
+    t = _PartTrainer(partial)
+    with guard(live=False) as g:
+        for _ in range(4):
+            t.step(torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    if not partial:
+        assert g.findings == []
+        return
+    (f,) = g.findings
+    assert (f.kind, f.step) == ("missing-zero-grad", 1)
+    assert f.details["names"] == ["head.weight", "head.bias"]
+    assert "the other 2 were cleared or new" in f.message and "model.zero_grad() clears only" in f.hint
+
+
+def test_a_loop_calling_a_models_parts_names_them_by_their_path_under_a_global_guard():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"backbone": nn.Sequential(nn.Linear(8, 16), nn.ReLU()), "head": nn.Linear(16, 3)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(live=False) as g:
+        for i in range(4):
+            out = model["head"](model["backbone"](torch.randn(8, 8)))
+            F.cross_entropy(out, torch.randint(0, 3, (8,))).backward()  # no zero_grad: found, named by path
+            opt.step()
+    (f,) = g.findings
+    assert f.kind == "missing-zero-grad"
+    assert set(f.details["names"]) == {"backbone.0.weight", "backbone.0.bias", "head.weight", "head.bias"}

@@ -290,6 +290,36 @@ def test_healthy_loss_shapes_are_silent():
 
 
 
+@pytest.mark.parametrize("fn", ["gaussian", "poisson"])
+def test_gaussian_and_poisson_nll_broadcast_without_a_warning_are_found(fn):
+    """F.gaussian_nll_loss(mu[N, 1], y[N], var) and F.poisson_nll_loss broadcast to [N, N] with no warning at all."""
+    torch.manual_seed(0)
+    model = mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loss_of(out, y, fixed):
+        mu, raw = out[:, :1], out[:, 1:]
+        target = y.unsqueeze(1) if fixed else y
+        if fn == "gaussian":
+            return F.gaussian_nll_loss(mu, target, F.softplus(raw) + 1e-3)
+        return F.poisson_nll_loss(mu, target.abs().round())
+
+    for fixed in (False, True):
+        with guard(model, opt, live=False) as g, warnings.catch_warnings():
+            warnings.simplefilter("error")  # PyTorch itself says nothing
+            for _ in range(3):
+                opt.zero_grad()
+                loss_of(model(torch.randn(16, 8)), torch.randn(16), fixed).backward()
+                opt.step()
+        if fixed:
+            assert g.findings == []
+        else:
+            (f,) = g.findings
+            assert (f.kind, f.step) == ("loss-shape-broadcast", 0)
+            assert f.details["broadcast_shape"] == [16, 16] and "without a word" in f.message
+            assert "target.view_as(input)" in f.hint or "squeeze" in f.hint
+
+
 def _classify_with_mse(target_of, batch, classes=4, steps=3):
     torch.manual_seed(0)
     model = mlp(classes)

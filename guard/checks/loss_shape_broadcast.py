@@ -4,8 +4,9 @@
 broadcasts to ``[N, N]``: every prediction is compared with every target, the loss
 is minimised by predicting the mean, and PyTorch only prints a UserWarning that is
 easy to miss. Observed through declared patches of ``torch.nn.functional``'s
-``mse_loss``, ``l1_loss``, ``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy``
-and ``binary_cross_entropy_with_logits`` (``nn.MSELoss``, ``nn.L1Loss``, ... call them).
+``mse_loss``, ``l1_loss``, ``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy``,
+``binary_cross_entropy_with_logits``, ``gaussian_nll_loss`` and ``poisson_nll_loss`` (``nn.MSELoss``,
+``nn.L1Loss``, ``nn.GaussianNLLLoss``, ... call them; the last two broadcast without even a warning).
 
 Reported when the broadcast shape differs from the input's: the input is replicated
 against targets it was never meant to meet. A target that broadcasts *into* the
@@ -31,7 +32,8 @@ import torch
 from .base import Check
 
 _FNS = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-        "binary_cross_entropy_with_logits")
+        "binary_cross_entropy_with_logits", "gaussian_nll_loss", "poisson_nll_loss")
+_SILENT = ("gaussian_nll_loss", "poisson_nll_loss")  # broadcast without even PyTorch's warning
 _LABEL_LOOKS = 3  # calls of one (loss, shapes) whose target values are looked at
 
 
@@ -45,7 +47,8 @@ def _broadcast(a: torch.Size, b: torch.Size) -> Optional[List[int]]:
 class LossShapeBroadcast(Check):
     name = "loss-shape-broadcast"
     kinds = {"loss-shape-broadcast": ("error", "a regression/BCE loss gets input and target shapes that broadcast")}
-    description = "mse/l1/smooth_l1/huber/BCE with input and target shapes that broadcast ([N, 1] vs [N] gives [N, N])"
+    description = ("mse/l1/smooth_l1/huber/BCE/Gaussian and Poisson NLL with input and target shapes that broadcast "
+                   "([N, 1] vs [N] gives [N, N])")
     patches = {f"shape_{fn}": f"torch.nn.functional.{fn}" for fn in _FNS}
 
     def __init__(self, guard):
@@ -71,7 +74,7 @@ class LossShapeBroadcast(Check):
     def _per_sample_labels(self, fn: str, x: torch.Tensor, t: torch.Tensor) -> None:
         """Stage a look at a target of one value per sample broadcast over `x`'s C outputs."""
         xs, ts = list(x.shape), list(t.shape)
-        if fn.startswith("binary_cross_entropy") or len(xs) != 2 or xs[1] < 2 or not t.is_floating_point():
+        if fn.startswith("binary_cross_entropy") or fn in _SILENT or len(xs) != 2 or xs[1] < 2 or not t.is_floating_point():
             return
         if not (ts == [xs[0], 1] or (ts == [xs[0]] and xs[0] == xs[1])):
             return
@@ -119,6 +122,7 @@ class LossShapeBroadcast(Check):
         message = (f"{fn}() got input {xs} and target {ts}: they broadcast to {out} ({n_out:,} pairs for {n_in:,} "
                    f"predictions), so every prediction is compared with every target and the model learns the "
                    f"mean" + (" (PyTorch raises a ValueError for this loss)" if raises else
+                              "; PyTorch computes it without a word" if fn in _SILENT else
                               "; PyTorch only warns and computes it"))
         hint = f"Give input and target the same shape: {fix}."
         self.emit("loss-shape-broadcast", "loss", message, hint, source=self.g.source(),

@@ -218,6 +218,13 @@ class MissingZeroGrad(Check):
         hint = ("Call optimizer.zero_grad() once per optimizer step (before backward() or right after step()). "
                 "To accumulate over micro-batches on purpose, step every N backwards and zero_grad() after "
                 "that step.")
+        if len(stale) < total:
+            # Some of the optimizer's gradients were cleared and these were not: a zero_grad() over part of them.
+            message += (f" (the other {total - len(stale)} were cleared or new: a zero_grad() that covers only part "
+                        f"of the optimizer's parameters, such as model.zero_grad() on a module that does not hold "
+                        f"these, leaves them to pile up)")
+            hint = ("model.zero_grad() clears only that module's parameters: call optimizer.zero_grad(), which "
+                    "clears every parameter the optimizer holds, once per optimizer step. " + hint.split(". ", 1)[1])
         self.emit("missing-zero-grad", where, message, hint, step=step, source=src,
                   details={"optimizer": type(opt).__name__, "parameters": len(stale), "with_grad": total,
                            "names": names, "stale_since_step": since, "backward_source": bsrc})
