@@ -95,6 +95,48 @@ def test_backward_on_an_unreduced_loss_is_explained():
     assert f.where == "loss" and f.step == 0 and "reduction='none'" in f.message
 
 
+class PosEmb(nn.Module):
+    def __init__(self, maxlen=8):
+        super().__init__()
+        self.tok = nn.Embedding(10, 4)
+        self.pos = nn.Embedding(maxlen, 4)
+        self.out = nn.Linear(4, 10)
+
+    def forward(self, ids):
+        return self.out(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
+
+
+@pytest.mark.parametrize("mode", ["model", "global"])
+def test_an_embedding_index_out_of_range_names_the_layer_the_index_and_its_size(mode):
+    """A curriculum grows the sequence past the position table: PyTorch says only 'index out of range in self'."""
+    model = PosEmb()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(IndexError, match="index out of range in self") as ei:
+        with guard(*([model, opt] if mode == "model" else []), live=False) as g:
+            for length in (4, 8, 12):
+                opt.zero_grad()
+                ids = torch.randint(0, 10, (2, length))
+                nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+                opt.step()
+    (f,) = _explained(g)
+    assert f.where == "pos" and f.step == 2
+    assert "Embedding(8, 4)" in f.message and "index 11, outside [0, 8)" in f.message
+    assert f.details["index_max"] == 11 and f.details["num_embeddings"] == 8 and "at least 12" in f.hint
+    assert "index 11" in _notes(ei.value)
+
+
+@pytest.mark.parametrize("dtype, word", [(torch.int32, "Int"), (torch.float32, "Float")])
+def test_class_targets_of_the_wrong_dtype_are_explained(dtype, word):
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="expected target dtype") as ei:
+        with guard(model, opt, live=False) as g:
+            nn.functional.cross_entropy(model(torch.randn(5, 4)), torch.tensor([0, 1, 2, 1, 0], dtype=dtype)).backward()
+    (f,) = _explained(g)
+    assert f.where == "loss" and f.details["target_dtype"] == word and "y.long()" in f.hint
+    assert "y.long()" in _notes(ei.value)
+
+
 def test_inplace_clean_twin_same_grads_double_backward_and_no_leak():
     torch.manual_seed(0)
     model = InplaceNet(fixed=True)

@@ -47,6 +47,7 @@ _SIZE_RE = re.compile(r"got input size (torch\.Size\(\[[^\]]*\]\))")
 _CHANNELS_RE = re.compile(r"weight of size \[([\d, ]+)\], expected input\[([\d, ]+)\] to have (\d+) channels, "
                           r"but got (\d+) channels instead")
 _DTYPE_TEXTS = ("must have the same dtype", "mixed dtype", "expected scalar type", "does not match weight dtype")
+_TARGET_DTYPE_RE = re.compile(r"expected target dtype to be Long or Byte, but got (\w+)")
 _TYPE_RE = re.compile(r"Input type \(([\w.]+)\) and (?:bias|weight) type \(([\w.]+)\) should be the same")
 _DTYPE_WORDS = {"double": "float64", "float": "float32", "half": "float16", "bfloat16": "bfloat16"}
 _PAIRED_LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
@@ -417,6 +418,18 @@ class ExplainErrors(Check):
             else:
                 return None
             return "DataLoader", cause, fix, {"worker_signals": sigs}
+        if isinstance(exc, IndexError) and "index out of range in self" in text:
+            return self._embedding_index(exc, module)
+        m = _TARGET_DTYPE_RE.search(text)
+        if isinstance(exc, RuntimeError) and m:
+            got = m.group(1)
+            cause = (f"the loss's class targets are {got} ({'torch.float32' if got == 'Float' else 'torch.' + got.lower()}"
+                     f"), but cross_entropy/nll_loss take class indices as int64 (Long)"
+                     + (": labels read from NumPy or a CSV often arrive as int32" if got == "Int" else "")
+                     + (": float targets must instead be class probabilities of the input's shape" if got in ("Float", "Double", "Half") else ""))
+            fix = ("Convert the targets: loss_fn(logits, y.long()) (or make the Dataset return torch.long labels: "
+                   "torch.as_tensor(label, dtype=torch.long)).")
+            return "loss", cause, fix, {"target_dtype": got}
         if isinstance(exc, (RuntimeError, ValueError)):
             hit = (self._dtype_mismatch(exc, text, module) or self._channels(text, module)
                    or self._loss_sizes(exc, text))
@@ -433,6 +446,28 @@ class ExplainErrors(Check):
                        f"to state_dict() keys, which gain a 'module.' prefix.")
                 return wrapper, cause, fix, {"attribute": name, "found_on_module": known}
         return None
+
+    def _embedding_index(self, exc: BaseException, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+        """An Embedding given an index >= num_embeddings (or < 0): which layer, the index and the table's size."""
+        path, mod, args = self._innermost(exc)
+        if not isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        idx = args[0]
+        if idx.numel() == 0 or idx.is_floating_point() or idx.device.type == "meta":
+            return None
+        lo, hi = int(idx.min()), int(idx.max())
+        n = mod.num_embeddings
+        bad = hi if hi >= n else lo
+        shape = list(idx.shape)
+        cause = (f"`{path}` ({type(mod).__name__}({n}, {mod.embedding_dim})) got index {bad}, outside [0, {n}) "
+                 f"(indices of shape {shape} range over [{lo}, {hi}]): " +
+                 ("a position past the longest sequence it was built for, or a token id past the vocabulary"
+                  if bad >= n else "a negative index (a padding or ignore value such as -100 or -1 used as an id)"))
+        fix = (f"Make num_embeddings cover every index (the vocabulary size, or the longest sequence for positions: "
+               f"at least {hi + 1}), or truncate/clip the inputs to it (x[:, :{n}] for positions); for padding, use "
+               f"an id inside the table with padding_idx=... .")
+        return path or "embedding", cause, fix, {"num_embeddings": n, "index_min": lo, "index_max": hi,
+                                                  "index_shape": shape}
 
     def _dtype_mismatch(self, exc: BaseException, text: str, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """Float and Double met in one op: name the odd parameters of the failing module, or its input."""
