@@ -444,7 +444,8 @@ def _path_in_any(names: Dict[str, Any], module: nn.Module, limit: int = 16) -> O
     for k, v in list(names.items()):
         if v is module:
             direct = direct or k
-        elif isinstance(v, nn.Module):
+        elif isinstance(v, nn.Module) and not isinstance(v, wrapper_types()) and not is_compiled(v):
+            # (a DDP/DataParallel/compile wrapper of the model is no model holding it: no `module.` prefix)
             n += 1
             if n > limit:
                 break

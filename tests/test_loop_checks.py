@@ -1034,3 +1034,43 @@ def test_a_loop_calling_a_models_parts_names_them_by_their_path_under_a_global_g
     (f,) = g.findings
     assert f.kind == "missing-zero-grad"
     assert set(f.details["names"]) == {"backbone.0.weight", "backbone.0.bias", "head.weight", "head.bias"}
+
+
+class _Bank(nn.Module):
+    """An NNCLR-style support set: features of earlier steps kept in a registered buffer (or a plain attribute)."""
+
+    def __init__(self, as_buffer, detach):
+        super().__init__()
+        self.net = nn.Linear(8, 8)
+        self.detach = detach
+        if as_buffer:
+            self.register_buffer("bank", torch.zeros(32, 8))
+        else:
+            self.bank = torch.zeros(32, 8)
+
+    def forward(self, x):
+        z = self.net(x)
+        out = z @ self.bank.detach().T
+        self.bank = torch.cat([z.detach() if self.detach else z, self.bank[:-4]])  # the bug: no z.detach()
+        return out
+
+
+@pytest.mark.parametrize("as_buffer", [True, False])
+def test_features_kept_across_steps_in_a_buffer_are_named_with_a_detach_fix(as_buffer):
+    def run(detach):
+        torch.manual_seed(0)
+        m = _Bank(as_buffer, detach)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        with guard(m, opt, live=False) as g:
+            for _ in range(40):
+                loss = m(torch.randn(4, 8)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return g
+
+    (f,) = run(detach=False).findings
+    assert (f.kind, f.where, f.step) == ("loss-graph-retained", "m.bank", 0)
+    assert "features kept across steps without .detach()" in f.message and f.details["held_shapes"] == ["[32, 8]"]
+    assert "z.detach()" in f.hint and "loss.item()" not in f.hint
+    assert run(detach=True).findings == []

@@ -100,6 +100,9 @@ def graph_holders(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, 
         return
     if isinstance(value, nn.Module):
         attrs = {k: v for k, v in vars(value).items() if k not in ("_parameters", "_buffers", "_modules")}
+        # a registered buffer (a memory bank, a queue of features) and the submodules that may hold one
+        attrs.update((k, v) for k, v in value._buffers.items() if v is not None)
+        attrs.update((k, v) for k, v in value._modules.items() if v is not None)
     else:
         try:
             attrs = vars(value)

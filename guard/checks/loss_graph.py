@@ -387,6 +387,16 @@ class LossGraph(Check):
                        f"{nodes} graph nodes{mem}); use `loss.item()`")
             hint = (f"Accumulate Python numbers, e.g. {fix}, or keep `loss.detach()`; every tensor that still "
                     f"has a grad_fn keeps its whole step's graph alive, so memory and time grow each step.")
+            if any(t.numel() > 1 for t in ts):
+                # not a loss but features kept across steps (a memory bank, a queue, a cached hidden state)
+                shapes = sorted({str(list(t.shape)) for t in ts})[:3]
+                details["held_shapes"] = shapes
+                message = (f"`{name}` ({src}) holds tensors ({', '.join(shapes)}) that carry the autograd graphs of "
+                           f"{n} steps (since step {min(steps)}; {nodes} graph nodes{mem}): features kept across "
+                           f"steps without .detach()")
+                hint = (f"Store detached values: `{said} = torch.cat([z.detach(), ...])` (or update it under "
+                        f"torch.no_grad()); a kept tensor with a grad_fn holds its step's whole graph alive, so "
+                        f"memory and time grow each step.")
             where = base
             self.emit("loss-graph-retained", where, message, hint, step=since, source=src, details=details)
             return
