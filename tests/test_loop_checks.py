@@ -1074,3 +1074,29 @@ def test_features_kept_across_steps_in_a_buffer_are_named_with_a_detach_fix(as_b
     assert "features kept across steps without .detach()" in f.message and f.details["held_shapes"] == ["[32, 8]"]
     assert "z.detach()" in f.hint and "loss.item()" not in f.hint
     assert run(detach=True).findings == []
+
+
+class _History:
+    def __init__(self):
+        self.losses = []
+
+    def add(self, loss):
+        self.losses.append(loss)  # the holder's update: keeps every step's graph
+
+
+def test_a_list_attribute_updated_in_its_class_is_traced_to_that_line_with_self_in_the_fix():
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    history = _History()
+    with guard(model, opt, live=False) as g:
+        for x, y in batches(4) * 8:
+            loss = F.mse_loss(model(x), y)
+            history.add(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = g.findings
+    assert (f.kind, f.where) == ("loss-graph-retained", "history.losses")
+    assert f.source == line_of(_History, "self.losses.append(loss)")
+    assert "`self.losses.append(loss.item())`" in f.hint

@@ -190,7 +190,7 @@ def _line_has(source: str, text: str) -> bool:
 
 def _parent_of(name: str, frame: Any) -> Any:
     """The object owning an attribute holder (`meter` for `meter.sum`), if the name is a.b."""
-    m = re.match(r"^(\w+)\.\w+$", name)
+    m = re.match(r"^(\w+)\.\w+(?:\[\.\.\.\])?$", name)  # `meter.sum`, `model.step_losses[...]`
     if not m:
         return None
     return frame.f_locals.get(m.group(1), frame.f_globals.get(m.group(1)))
@@ -366,7 +366,9 @@ class LossGraph(Check):
             name, frame, steps, ts = holders[0]
             roots = {self.g.path_of(m): m for m in self.g.roots}
             parent = roots.get(name.split(".", 1)[0]) if "." in name else None
-            src = _update_source(name, frame, parent if parent is not None else _parent_of(name, frame))
+            if parent is None:
+                parent = _parent_of(name, frame)
+            src = _update_source(name, frame, parent)
             n = len(steps)
             nodes, saved = graph_size(ts)
             details.update(holder=name, holder_source=src, steps=n, graph_nodes=nodes,
@@ -377,7 +379,8 @@ class LossGraph(Check):
                 mem = f", {fmt_bytes(saved)} of saved tensors"
             base = name[:-5] if name.endswith("[...]") else name
             said = base  # in the fix: as the updating line names it (`self.total` in the model's own methods)
-            if parent is not None and "." in base and src and _line_has(src, "self." + base.split(".", 1)[1]):
+            if (parent is not None and not isinstance(parent, (dict, list, tuple)) and "." in base and src
+                    and _line_has(src, "self." + base.split(".", 1)[1])):
                 said = "self." + base.split(".", 1)[1]
             if name.endswith("[...]"):
                 fix = f"`{said}.append(loss.item())`"
