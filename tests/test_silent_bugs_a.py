@@ -562,3 +562,38 @@ def test_init_loss_judged_at_exit_when_fewer_steps_ran():
     g = init_loss_high.train(steps=1, live=False)
     [f] = g.findings
     assert f.details["calls"] == 1 and f.step == 0
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = [nn.Linear(8, 8) for _ in range(2)]  # the bug is here, in _Inner
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+def test_an_unregistered_list_in_a_submodule_names_the_class_that_holds_it():
+    torch.manual_seed(0)
+    model = _Outer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+    (f,) = only(g, "module-not-registered")
+    assert f.where == "inner.blocks"
+    assert "that _Inner (_Outer.inner) does not register" in f.message and "_Inner.__init__" in f.hint

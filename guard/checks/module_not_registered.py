@@ -82,10 +82,11 @@ def _container(value: Any) -> str:
 
 
 class _Candidate:
-    __slots__ = ("where", "container", "types", "n_modules", "params", "n_params", "source")
+    __slots__ = ("where", "container", "types", "n_modules", "params", "n_params", "source", "owner")
 
     def __init__(self, where: str, container: str, mods: List[nn.Module], owner: type):
         self.where, self.container = where, container
+        self.owner = owner.__name__  # the class whose __init__ should register them (not always the model's)
         self.source = _assignment_source(owner, where.rsplit(".", 1)[-1])
         self.types = list(dict.fromkeys(type(m).__name__ for m in mods))
         self.n_modules = len(mods)
@@ -164,13 +165,15 @@ class ModuleNotRegistered(Check):
         mpath = self.g.path_of(model)
         types = ", ".join(c.types[:4]) + (", ..." if len(c.types) > 4 else "")
         fix = "nn.ModuleDict" if c.container == "dict" else "nn.ModuleList"
+        owner = mpath if "." not in c.where else f"{c.owner} ({mpath}.{c.where.rsplit('.', 1)[0]})"
         message = (f"{mpath}.{c.where} is a plain Python {c.container} holding {c.n_modules} module(s) ({types}; "
-                   f"{c.n_params:,} parameters) that {mpath} does not register: they run in forward and get "
+                   f"{c.n_params:,} parameters) that {owner} does not register: they run in forward and get "
                    f"gradients, but model.parameters(), .to(device), state_dict() and the optimizer miss them, so "
                    f"they are never updated ({n_untrained} parameter tensors with gradients in no optimizer) "
                    f"and not saved")
         attr = c.where.rsplit(".", 1)[-1]
-        hint = (f"Use {fix} instead of a plain {c.container}: self.{attr} = {fix}(...); then parameters() (and an "
+        hint = (f"Use {fix} instead of a plain {c.container} in {c.owner}.__init__: self.{attr} = {fix}(...); then "
+                f"parameters() (and an "
                 f"optimizer built after it), .to() and state_dict() include them.")
         self.emit("module-not-registered", c.where, message, hint, source=c.source,
                   details={"attribute": c.where, "container": c.container, "modules": c.n_modules,
