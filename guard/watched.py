@@ -423,8 +423,9 @@ def _owner_path(module: nn.Module, frame: Any) -> Optional[str]:
         if isinstance(owner, nn.Module) and owner is not module:
             return _path_in(owner, module)
         if owner is not None and not isinstance(owner, nn.Module) and hasattr(owner, "__dict__"):
-            # a Trainer's method calling `self.model.backbone(x)`: the model among its attributes
-            return _path_in_any(vars(owner), module)
+            # a Trainer's method calling `self.model.backbone(x)`: the model among its attributes; a single
+            # layer beside the model (`self.head`) takes its attribute's name
+            return _path_in_any(vars(owner), module, direct=True)
         return None
     # a loop calling a model's parts (`model.backbone(x)`, `model.head(h)`): the model among its variables
     return _path_in_any(f.f_locals, module)
@@ -437,13 +438,13 @@ def _path_in(owner: nn.Module, module: nn.Module) -> Optional[str]:
     return None
 
 
-def _path_in_any(names: Dict[str, Any], module: nn.Module, limit: int = 16) -> Optional[str]:
+def _path_in_any(names: Dict[str, Any], module: nn.Module, limit: int = 16, direct: bool = False) -> Optional[str]:
     """`module`'s path in the first of the (at most `limit`) modules among `names`' values that holds it; for
     a single layer (no submodules, whose parameters would be a bare ``weight``) held directly, its name there."""
-    n, direct = 0, None
+    allow, n, found_direct = direct, 0, None
     for k, v in list(names.items()):
         if v is module:
-            direct = direct or k
+            found_direct = found_direct or k
         elif isinstance(v, nn.Module) and not isinstance(v, wrapper_types()) and not is_compiled(v):
             # (a DDP/DataParallel/compile wrapper of the model is no model holding it: no `module.` prefix)
             n += 1
@@ -452,6 +453,7 @@ def _path_in_any(names: Dict[str, Any], module: nn.Module, limit: int = 16) -> O
             found = _path_in(v, module)
             if found is not None:
                 return found
-    if direct is not None and isinstance(direct, str) and not direct.startswith("_") and next(module.children(), None) is None:
-        return direct
+    if (allow and found_direct is not None and isinstance(found_direct, str) and not found_direct.startswith("_")
+            and next(module.children(), None) is None):
+        return found_direct
     return None
