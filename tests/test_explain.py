@@ -549,3 +549,15 @@ def test_a_plain_tensor_attribute_left_behind_by_a_move_is_named_with_register_b
     assert "self.register_buffer('pos', tensor, persistent=False)" in f.hint
     assert f.details["plain_attributes"] == ["0.pos"]
     assert any("register_buffer" in n for n in info.value.__notes__)
+
+
+def test_an_unassigned_tensor_conversion_is_named_in_the_dtype_fix():
+    model = nn.Linear(4, 1).double()
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, live=False) as g:
+            x.double()  # the bug: the float64 copy is thrown away
+            model(x)
+    (f,) = _explained(g)
+    assert "float64 parameters" in f.message and "a bare `x.double()` changes nothing" in f.hint
+    assert "x = x.double()" in _notes(ei.value)

@@ -597,3 +597,24 @@ def test_an_unregistered_list_in_a_submodule_names_the_class_that_holds_it():
     (f,) = only(g, "module-not-registered")
     assert f.where == "inner.blocks"
     assert "that _Inner (_Outer.inner) does not register" in f.message and "_Inner.__init__" in f.hint
+
+
+def test_a_loss_computed_under_no_grad_then_given_requires_grad_is_told_so():
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @torch.no_grad()
+    def compute_loss(x, y):
+        return F.mse_loss(model(x), y)
+
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            opt.zero_grad()
+            loss = compute_loss(torch.randn(8, 8), torch.randn(8, 1))
+            loss.requires_grad_()  # silences "does not require grad": the model gets no gradient
+            loss.backward()
+            opt.step()
+    f = only(g, "loss-disconnected")[0]
+    assert "computed under torch.no_grad() and then given requires_grad_()" in f.message
+    assert "@torch.no_grad()" in f.hint

@@ -503,7 +503,9 @@ class ExplainErrors(Check):
             cause = f"tensors of different dtypes ({' and '.join(said) or 'float types'}) met in {name}"
         fix = ("Give the model and its inputs one dtype: x = x.float() (torch.from_numpy(a).float() for NumPy data), "
                "or model.to(x.dtype) / model.float() for weights made from NumPy arrays; for mixed precision use "
-               "torch.autocast rather than .half() on some tensors.")
+               "torch.autocast rather than .half() on some tensors. Tensor.double()/.float()/.half()/.to() return a "
+               "new tensor: a bare `x.double()` changes nothing, assign it (x = x.double()); only nn.Module's "
+               "conversions work in place.")
         return where, cause, fix, {"param_dtypes": params, "input_dtypes": inputs, "error_dtypes": said}
 
     def _loss_sizes(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:

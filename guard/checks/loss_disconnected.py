@@ -167,16 +167,18 @@ class LossDisconnected(Check):
             reaches = "nothing that requires a gradient"
         elif len(descr) == 1 and descr[0].startswith("the loss itself"):
             reaches = ("only itself: it is a new leaf tensor made with requires_grad=True (such as "
-                       "torch.tensor(loss.item(), requires_grad=True)), cut off from the model")
+                       "torch.tensor(loss.item(), requires_grad=True), or a loss computed under torch.no_grad() and "
+                       "then given requires_grad_()), cut off from the model")
         else:
             reaches = (f"only {len(descr)} tensor(s) that are not parameters: {'; '.join(descr[:4])}"
                        + (" ..." if len(descr) > 4 else "") + " (the graph was cut by .detach(), .item(), "
-                       ".numpy() or .data and restarted with requires_grad=True)")
+                       ".numpy(), .data or torch.no_grad() and restarted with requires_grad=True)")
         message = (f"the tensor passed to backward() (shape {shape}, at {src}) reaches no parameter of {opt} "
                    f"or any other optimizer: it reaches {reaches}; backward() computes no gradient for the model "
                    f"and {opt}.step() changes nothing")
         hint = ("Compute the loss from the model's outputs without leaving autograd: no .item(), .detach(), "
-                ".numpy() or .data on the way, and no torch.tensor(..., requires_grad=True) around the loss; use "
-                "loss.item() only for logging.")
+                ".numpy() or .data on the way, no torch.tensor(..., requires_grad=True) around the loss, and no "
+                "torch.no_grad() (or @torch.no_grad() on the function computing it) followed by "
+                "loss.requires_grad_(); use loss.item() only for logging.")
         self.emit("loss-disconnected", "loss", message, hint, step=step, source=src,
                   details={"reaches": descr[:MAX_LEAVES], "optimizer": opt, "loss_shape": shape})
