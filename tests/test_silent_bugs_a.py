@@ -618,3 +618,63 @@ def test_a_loss_computed_under_no_grad_then_given_requires_grad_is_told_so():
     f = only(g, "loss-disconnected")[0]
     assert "computed under torch.no_grad() and then given requires_grad_()" in f.message
     assert "@torch.no_grad()" in f.hint
+
+
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, h):
+        return torch.sigmoid(self.lin(h))
+
+
+class _PerCall(nn.Module):
+    """`how`: "linear"/"gate" build a layer inside forward at every call (the bug); "lazy" builds it once and
+    registers it; "lossfn" builds a parameter-free module per call; "fixed" builds it in __init__."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.enc = nn.Linear(8, 16)
+        self.proj = _Gate() if how == "fixed" else None
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))
+        if self.how == "linear":
+            gate = nn.Linear(16, 16)  # a fresh random layer at every call
+            h = h * torch.sigmoid(gate(h))
+        elif self.how == "gate":
+            h = h * _Gate()(h)
+        elif self.how in ("lazy", "fixed"):
+            if self.proj is None:
+                self.proj = _Gate()
+            h = h * self.proj(h)
+        elif self.how == "lossfn":
+            h = nn.Tanh()(h) + nn.functional.softplus(h) * 0
+        return h[:, :3]
+
+
+@pytest.mark.parametrize("how", ["linear", "gate", "lazy", "lossfn", "fixed"])
+@pytest.mark.parametrize("mode", ["model", "global"])
+def test_a_layer_constructed_inside_forward_at_every_call_is_found(how, mode):
+    torch.manual_seed(0)
+    model = _PerCall(how)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(*([model, opt] if mode == "model" else []), live=False, checks="all") as g:
+        for step in range(4):
+            if how == "lazy" and step == 1:
+                opt.add_param_group({"params": model.proj.parameters()})
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    if how not in ("linear", "gate"):
+        assert g.findings == [], g.findings
+        return
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("module-not-registered", "_PerCall", 0)
+    kind = "Linear" if how == "linear" else "_Gate"
+    assert f.message.startswith(f"a {kind} (272 parameters) is constructed inside _PerCall's forward")
+    assert f.details["constructed"] == kind and "__init__" in f.hint
+    assert f.source == line_of(_PerCall, "gate = nn.Linear(16, 16)" if how == "linear" else "h = h * _Gate()(h)")

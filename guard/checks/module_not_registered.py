@@ -15,6 +15,14 @@ modules. To leave deliberate hiding alone (a frozen teacher kept in a list so th
 trained: at an optimizer step, one of their parameters holds a gradient and is in no
 optimizer (the silent bug: it is never updated).
 
+Also a module with trainable parameters constructed inside a watched module's
+``forward`` (``gate = nn.Linear(16, 16)`` as a local variable) on two different
+steps at the same line: a fresh, randomly initialised layer at every call, which
+no optimizer holds and nothing saves. Seen through a declared patch of
+``nn.Module.__init__``: a construction looks up the stack for a watched module's
+call (only then: constructions outside a forward cost one frame walk and nothing
+more); lazily built layers assigned to ``self`` (registered) are left alone.
+
 Cost: one attribute walk per root model (once); at each optimizer step, until found,
 a ``p.grad is None`` test of the few candidate parameters. Nothing per module call,
 no device values.
@@ -23,16 +31,20 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .._frames import short_path as _short
+from .._frames import is_skipped, short_path as _short
 from .base import Check
 
 DEPTH = 3  # nesting of plain containers searched (list of lists, dict of lists, ...)
+_CALL_IMPL = nn.Module._call_impl.__code__
+MAX_UP = 64  # frames looked at above a module construction for a module call
+MADE_STEPS = 2  # steps at which one line constructed unregistered layers, before it is reported
 MAX_ITEMS = 10_000
 _SKIP_ATTRS = frozenset(("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set",
                          "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -118,6 +130,8 @@ class ModuleNotRegistered(Check):
                                                  "parameters(), .to(), state_dict()")}
     description = "modules in a plain list/dict/tuple attribute (not nn.ModuleList/ModuleDict): never trained or saved"
 
+    patches = {"module_init": "torch.nn.Module.__init__"}
+
     def watches(self, module) -> bool:
         return False  # root model calls only
 
@@ -125,8 +139,39 @@ class ModuleNotRegistered(Check):
         super().__init__(guard)
         self._scanned: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._cands: Dict[int, Tuple[weakref.ref, List[_Candidate]]] = {}
+        # modules constructed inside a watched module's forward, held until that model call ends (a local
+        # `gate = nn.Linear(...)` dies with the forward): (module, owner path, line, step)
+        self._made: List[Tuple[nn.Module, str, Optional[str], int]] = []
+        self._made_lines: Dict[Optional[str], set] = {}  # line -> steps it made unregistered layers
+        self._made_told: set = set()
+
+    def on_module_init(self, args, kwargs):
+        if not args or len(self._made) >= 64:
+            return
+        me = args[0]
+        f, below = sys._getframe(1), None
+        for _ in range(MAX_UP):
+            if f is None:
+                return
+            code = f.f_code
+            if code is _CALL_IMPL:
+                owner = f.f_locals.get("self")
+                path = self.g.known_path(owner) if owner is not None else None
+                if path is None or below is None:
+                    return  # constructed in an unwatched module's forward (or none)
+                # the forward's line that builds it (through a helper or a class of the user's own, too)
+                line = f"{_short(below.f_code.co_filename)}:{below.f_lineno}"
+                self._made.append((me, path, line, self.g.step))
+                return
+            if code.co_name == "__init__" and isinstance(f.f_locals.get("self"), nn.Module) and f.f_locals.get("self") is not me:
+                return  # a part of a module under construction (nn.Linear inside a Gate): the Gate counts
+            if not is_skipped(code.co_filename):
+                below = f  # the outermost frame of the user's below the module call: its forward
+            f = f.f_back
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
+        if self._made and is_root:
+            self._judge_made()
         if not is_root or module in self._scanned:
             return
         self._scanned.add(module)
@@ -160,6 +205,40 @@ class ModuleNotRegistered(Check):
                 self._cands[key] = (mref, keep)
             else:
                 del self._cands[key]
+
+    def _judge_made(self) -> None:
+        """Layers built in a forward since the last step: the unregistered ones with trainable parameters."""
+        made, self._made = self._made, []
+        known = None
+        for m, path, line, step in made:
+            if line in self._made_told:
+                continue
+            params = [p for p in m.parameters() if p.requires_grad]
+            if not params:
+                continue  # a loss module or an activation built per call: nothing to train
+            if known is None:
+                known = {id(p) for _, p in self.g.named_parameters()}
+            if any(id(p) in known for p in params):
+                continue  # registered (a lazily built `self.proj = nn.Linear(...)`)
+            steps = self._made_lines.setdefault(line, set())
+            steps.add(step)
+            if len(steps) >= MADE_STEPS:
+                self._made_told.add(line)
+                self._emit_made(m, path, line, min(steps), sum(p.numel() for p in params))
+
+    def on_exit(self):
+        self._made = []  # constructed in a forward that never ended under the guard: let them go
+
+    def _emit_made(self, m: nn.Module, path: str, line: Optional[str], since: int, n: int) -> None:
+        t = type(m).__name__
+        self.emit("module-not-registered", path,
+                  f"a {t} ({n:,} parameters) is constructed inside {path}'s forward ({line}) at every call: each "
+                  f"step uses a fresh, randomly initialised layer, which no optimizer holds, nothing trains and "
+                  f"state_dict() does not save",
+                  f"Create it once in __init__ (self.<name> = {t}(...)) and call that attribute in forward; for a "
+                  f"parameter-free operation use torch.nn.functional instead of building a module per call.",
+                  step=since, source=line,
+                  details={"constructed": t, "parameters": n, "in_forward_of": path, "constructed_at": line})
 
     def _emit(self, model: nn.Module, c: _Candidate, n_untrained: int) -> None:
         mpath = self.g.path_of(model)
