@@ -1100,3 +1100,23 @@ def test_a_list_attribute_updated_in_its_class_is_traced_to_that_line_with_self_
     assert (f.kind, f.where) == ("loss-graph-retained", "history.losses")
     assert f.source == line_of(_History, "self.losses.append(loss)")
     assert "`self.losses.append(loss.item())`" in f.hint
+
+
+def test_per_parameter_optimizers_without_zero_grad_give_one_finding():
+    """Optimizer in backward: one SGD per parameter, stepped from a post-accumulate-grad hook that never zeroes
+    the gradient. One finding for all of them, naming the parameters, not one per optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opts = {p: torch.optim.SGD([p], lr=0.01) for p in model.parameters()}
+    handles = [p.register_post_accumulate_grad_hook(lambda p: opts[p].step()) for p in model.parameters()]
+    try:
+        with guard(model, list(opts.values()), live=False) as g:
+            for _ in range(4):
+                F.mse_loss(model(torch.randn(8, 8)), torch.randn(8, 1)).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    (f,) = g.findings
+    assert (f.kind, f.where) == ("missing-zero-grad", "SGD (per-parameter)")
+    assert f.message.startswith("the 4 per-parameter SGD optimizers (one per parameter) apply gradients")
+    assert sorted(f.details["names"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]

@@ -63,6 +63,7 @@ class MissingZeroGrad(Check):
     def __init__(self, guard):
         super().__init__(guard)
         self._st = WeakIdMap()  # optimizer -> _State
+        self._per_param_told: set = set()  # optimizer types told once for all their per-parameter instances
         self._armed = False  # some state may be armed (only a step arms one): backwards skip the scan otherwise
         # id(optimizer) -> [backward() calls, zero_grad() calls] while its step() runs: an L-BFGS closure
         # evaluated many times within one step
@@ -207,11 +208,23 @@ class MissingZeroGrad(Check):
 
     def _emit(self, opt, stale: List[torch.Tensor], total: int, since: int, bsrc: Optional[str]) -> None:
         where = self._label(opt)
+        group = self._per_parameter(opt)
+        if group:
+            # one optimizer per parameter (stepped from a post-accumulate-grad hook): one finding for all of them
+            if type(opt).__name__ in self._per_param_told:
+                return
+            self._per_param_told.add(type(opt).__name__)
+            where = f"{type(opt).__name__} (per-parameter)"
+            stale = [p for o in group for grp in o.param_groups for p in grp["params"]
+                     if p.grad is not None] if len(stale) == 1 else stale
+            total = max(total, len(group))
         names = [self.g.param_name(p) for p in stale[:8]]
         src = self.g.source()
         step = self.g.step
         more = ", ..." if len(stale) > len(names) else ""
-        message = (f"{where}.step() applies gradients that still hold those of the step before: no "
+        caller = (f"the {len(group)} per-parameter {type(opt).__name__} optimizers (one per parameter) apply" if group
+                  else f"{where}.step() applies")
+        message = (f"{caller} gradients that still hold those of the step before: no "
                    f"zero_grad() after step {since}, so backward() ({bsrc}) added onto the old gradients of "
                    f"{len(stale)} of {total} parameters ({', '.join(names)}{more}); every update sums all "
                    f"earlier steps' gradients")
@@ -240,6 +253,15 @@ class MissingZeroGrad(Check):
                 "loss = loss_fn(model(x), y); loss.backward(); return loss.")
         self.emit("missing-zero-grad", where, message, hint, source=self.g.source(),
                   details={"optimizer": type(opt).__name__, "closure_backwards": backwards})
+
+    def _per_parameter(self, opt) -> list:
+        """The optimizers of `opt`'s type that each hold one parameter, when `opt` is one of several such."""
+        def single(o) -> bool:
+            return sum(len(g["params"]) for g in o.param_groups) == 1
+        if not single(opt):
+            return []
+        same = [o for o in self.g.optimizers if type(o) is type(opt) and single(o)]
+        return same if len(same) > 1 else []
 
     def _label(self, opt) -> str:
         opts = self.g.optimizers
