@@ -58,25 +58,26 @@ class OptimizerParams(Check):
     def on_step_pre(self, optimizer):
         groups = optimizer.param_groups
         seen = self._seen.data.get(id(optimizer))
-        if seen is None or seen != len(groups):
+        if seen != len(groups):
             self._seen[optimizer] = len(groups)
             self._frozen(optimizer, groups[seen or 0:], added=seen is not None)
+        if self._missing_done and self.g.step - self._looked < RELOOK:
+            return  # the usual step: two comparisons
         if not self.g.is_primary(optimizer):
             return
         if self._missing_done:
-            if self.g.step - self._looked < RELOOK:
-                return
             self._missing_done = False  # a later look: layers unfrozen since without add_param_group
             self._cand = None
         # Looked at the first step, told some steps later: by then every optimizer of the loop has stepped
         # (a GAN's two, a probe's own optimizer beside the one given to guard) and is watched.
         if self._cand is None:
             self._looked = self.g.step
-            named = dict(self.g.named_parameters())
-            versions = {n: named[n]._version for n in self._missing_names() if n not in self._told}
-            self._cand = (versions, self.g.step, self.g.source())
+            missing = self._loose()
+            versions = {n: p._version for n, p in missing if n not in self._told}
             if not versions:
                 self._missing_done = self._looked_before = True  # every parameter with a gradient is held
+                return
+            self._cand = (versions, self.g.step, self.g.source())
         elif self.g.step - self._cand[1] >= CONFIRM_STEPS or not self._still_missing():
             self._confirm()
 
@@ -141,8 +142,19 @@ class OptimizerParams(Check):
 
     def _missing_names(self) -> List[str]:
         """Trainable parameters of the watched models with a gradient that no watched optimizer holds."""
+        return [n for n, _ in self._loose()]
+
+    def _loose(self) -> list:
+        """(name, parameter) of the trainable parameters with a gradient that no watched optimizer holds; the
+        parameters are looked at first, the (costlier) names only for those."""
         held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
-        return [n for n, p in self.g.named_parameters() if p.requires_grad and p.grad is not None and id(p) not in held]
+        loose = [p for m in self.g.models for p in m.parameters()
+                 if p.grad is not None and p.requires_grad and id(p) not in held] if self.g.models else None
+        if loose == []:
+            return []
+        ids = {id(p) for p in loose} if loose is not None else None
+        return [(n, p) for n, p in self.g.named_parameters()
+                if (ids is None or id(p) in ids) and p.requires_grad and p.grad is not None and id(p) not in held]
 
     def _missing(self, missing: List[str], step: int, source, later: bool = False) -> None:
         named = self.g.named_parameters()
