@@ -312,9 +312,27 @@ def test_a_layer_unfrozen_mid_run_but_never_added_to_the_optimizer_is_found():
     f = only(g, "param-not-in-optimizer")
     assert f.severity == "warning" and f.where == "0" and 10 <= f.step <= 10 + 16
     assert f.details["names"] == ["0.weight", "0.bias"] and f.details["appeared_mid_run"] is True
-    assert "unfrozen mid-run" in f.message and "pile up" in f.message
+    assert "unfrozen or replaced mid-run" in f.message and "pile up" in f.message
     assert "add_param_group" in f.hint
     assert _unfreeze_run(add=True).findings == []
+
+
+def test_a_head_replaced_mid_run_and_left_out_of_the_optimizer_is_found():
+    """A new head assigned at step 20 (after the first look): built after the guard started, it is listed at
+    the next look, and its parameters, in no optimizer, are reported."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    with guard(m, opt, live=False) as g:
+        for step in range(60):
+            if step == 20:
+                m[2] = nn.Linear(16, 3)  # the bug: not handed to the optimizer
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+    f = only(g, "param-not-in-optimizer")
+    assert f.where == "2" and 20 <= f.step <= 20 + 16 and f.details["names"] == ["2.weight", "2.bias"]
 
 
 def test_a_group_of_frozen_parameters_added_mid_run_is_told():

@@ -46,6 +46,7 @@ class OptimizerParams(Check):
         "param-not-in-optimizer": ("warning", "trainable parameters that get gradients are in no optimizer"),
     }
     description = "requires_grad=False parameters handed to an optimizer; trainable ones that are in none"
+    patches = {"module_init": "torch.nn.Module.__init__"}  # (shared with module-not-registered: one wrapper)
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -54,6 +55,7 @@ class OptimizerParams(Check):
         self._cand = None  # (names missing at a look, that step, its line): confirmed CONFIRM_STEPS later
         self._looked = 0  # step of the last look at the missing parameters
         self._told: set = set()  # names already reported as missing
+        self._plist = None  # (ids of the root models, their parameters)
 
     def on_step_pre(self, optimizer):
         groups = optimizer.param_groups
@@ -148,13 +150,22 @@ class OptimizerParams(Check):
         """(name, parameter) of the trainable parameters with a gradient that no watched optimizer holds; the
         parameters are looked at first, the (costlier) names only for those."""
         held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
-        loose = [p for m in self.g.models for p in m.parameters()
-                 if p.grad is not None and p.requires_grad and id(p) not in held] if self.g.models else None
-        if loose == []:
+        loose = [p for p in self._params() if p.grad is not None and p.requires_grad and id(p) not in held]
+        if not loose:
             return []
-        ids = {id(p) for p in loose} if loose is not None else None
-        return [(n, p) for n, p in self.g.named_parameters()
-                if (ids is None or id(p) in ids) and p.requires_grad and p.grad is not None and id(p) not in held]
+        ids = {id(p) for p in loose}
+        return [(n, p) for n, p in self.g.named_parameters() if id(p) in ids]
+
+    def _params(self) -> list:
+        """The watched models' parameters, listed once per set of models (``Module.parameters()`` walks every
+        module in Python: ~3 us a module, too much for a look every 16 steps on a large model)."""
+        key = tuple(map(id, self.g.roots))
+        if self._plist is None or self._plist[0] != key:
+            self._plist = (key, [p for _, p in self.g.named_parameters()])
+        return self._plist[1]
+
+    def on_module_init(self, args, kwargs):
+        self._plist = None  # a module built since (a new head to assign): list the parameters again
 
     def _missing(self, missing: List[str], step: int, source, later: bool = False) -> None:
         named = self.g.named_parameters()
@@ -164,12 +175,12 @@ class OptimizerParams(Check):
         if later:
             # They had no gradient at the earlier looks: unfrozen mid-run (requires_grad_(True)) and never added.
             message = (f"{len(missing)} parameter(s) that had no gradient before get gradients since step {step} or a "
-                       f"little earlier (unfrozen mid-run?) but are in no optimizer ({opts}): {_listing(shown, more)}; "
+                       f"little earlier (a layer unfrozen or replaced mid-run?) but are in no optimizer ({opts}): {_listing(shown, more)}; "
                        f"optimizer.step() never updates them, and zero_grad() never clears their gradients, which "
                        f"pile up")
-            hint = ("When unfreezing layers, add them to the optimizer too: "
+            hint = ("When unfreezing or replacing a layer mid-run, add its parameters to the optimizer too: "
                     "optimizer.add_param_group({'params': model.<module>.parameters()}) (with the learning rate "
-                    "you want for them).")
+                    "you want for them), or build a new optimizer over model.parameters().")
         else:
             message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
                        f"{_listing(shown, more)}; optimizer.step() never updates them")
