@@ -427,8 +427,16 @@ def _owner_path(module: nn.Module, frame: Any) -> Optional[str]:
             # layer beside the model (`self.head`) takes its attribute's name
             return _path_in_any(vars(owner), module, direct=True)
         return None
-    # a loop calling a model's parts (`model.backbone(x)`, `model.head(h)`): the model among its variables
+    # a loop calling a model's parts (`model.backbone(x)`, `model.head(h)`): the model among its variables.
+    # A function's f_locals is, before Python 3.13, a snapshot that the frame keeps until it returns: read in a
+    # long training loop, it would keep that moment's tensors (a loss and its graph) alive for the whole run.
+    # So only a script's top level (its locals are its globals) or a write-through proxy (3.13+) is read.
+    if f.f_code.co_flags & _CO_OPTIMIZED and sys.version_info < (3, 13):
+        return None
     return _path_in_any(f.f_locals, module)
+
+
+_CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function's frame (fast locals)
 
 
 def _path_in(owner: nn.Module, module: nn.Module) -> Optional[str]:

@@ -1022,18 +1022,50 @@ def test_a_zero_grad_over_part_of_the_parameters_is_named_under_a_global_guard(p
     assert "the other 2 were cleared or new" in f.message and "model.zero_grad() clears only" in f.hint
 
 
-def test_a_loop_calling_a_models_parts_names_them_by_their_path_under_a_global_guard():
-    torch.manual_seed(0)
-    model = nn.ModuleDict({"backbone": nn.Sequential(nn.Linear(8, 16), nn.ReLU()), "head": nn.Linear(16, 3)})
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with guard(live=False) as g:
-        for i in range(4):
-            out = model["head"](model["backbone"](torch.randn(8, 8)))
-            F.cross_entropy(out, torch.randint(0, 3, (8,))).backward()  # no zero_grad: found, named by path
-            opt.step()
-    (f,) = g.findings
+_PARTS_SCRIPT = """
+torch.manual_seed(0)
+model = nn.ModuleDict({"backbone": nn.Sequential(nn.Linear(8, 16), nn.ReLU()), "head": nn.Linear(16, 3)})
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+with guard(live=False) as g:
+    for i in range(4):
+        out = model["head"](model["backbone"](torch.randn(8, 8)))
+        F.cross_entropy(out, torch.randint(0, 3, (8,))).backward()  # no zero_grad: found, named by path
+        opt.step()
+"""
+
+
+def test_a_scripts_loop_calling_a_models_parts_names_them_by_their_path_under_a_global_guard():
+    """A script's top-level loop (its variables are its globals): the parts are named by their path in `model`."""
+    scope = {"torch": torch, "nn": nn, "F": F, "guard": guard}
+    exec(compile(_PARTS_SCRIPT, __file__, "exec"), scope)
+    (f,) = scope["g"].findings
     assert f.kind == "missing-zero-grad"
     assert set(f.details["names"]) == {"backbone.0.weight", "backbone.0.bias", "head.weight", "head.bias"}
+
+
+def test_naming_a_model_first_called_late_in_a_loop_keeps_none_of_the_loops_tensors_alive():
+    """StyleGAN's lazy regulariser: `reg` is back-propagated every 4th step and kept until replaced. A second model
+    first called at step 5, from the same function, must not make guard keep that step's `reg` (and its graph)
+    alive: a function's f_locals is a snapshot its frame keeps (Python < 3.13), so guard does not read it there."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 1), nn.Linear(4, 1)
+    opt = torch.optim.SGD(a.parameters(), lr=0.01)
+    x = torch.randn(8, 4)
+    with guard(live=False) as g:
+        reg = None
+        for i in range(24):
+            opt.zero_grad()
+            loss = a(x).pow(2).mean()
+            if i % 4 == 0:
+                reg = a(x).abs().mean()
+                loss = loss + reg
+            loss.backward()
+            opt.step()
+            if i == 5:
+                with torch.no_grad():
+                    b(x)  # a second model, first called now
+    assert g.findings == [], g.findings
+    del reg
 
 
 class _Bank(nn.Module):

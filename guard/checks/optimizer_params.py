@@ -19,6 +19,7 @@ Host-only work, once per optimizer / once per run; no device values are read.
 """
 from __future__ import annotations
 
+import weakref
 from typing import List
 
 import torch
@@ -55,7 +56,7 @@ class OptimizerParams(Check):
         self._cand = None  # (names missing at a look, that step, its line): confirmed CONFIRM_STEPS later
         self._looked = 0  # step of the last look at the missing parameters
         self._told: set = set()  # names already reported as missing
-        self._plist = None  # (ids of the root models, their parameters)
+        self._plist = None  # (ids of the root models, weak references to them and to their parameters)
 
     def on_step_pre(self, optimizer):
         groups = optimizer.param_groups
@@ -159,10 +160,14 @@ class OptimizerParams(Check):
     def _params(self) -> list:
         """The watched models' parameters, listed once per set of models (``Module.parameters()`` walks every
         module in Python: ~3 us a module, too much for a look every 16 steps on a large model)."""
-        key = tuple(map(id, self.g.roots))
-        if self._plist is None or self._plist[0] != key:
-            self._plist = (key, [p for _, p in self.g.named_parameters()])
-        return self._plist[1]
+        roots = self.g.roots
+        key = tuple(map(id, roots))
+        plist = self._plist
+        if plist is None or plist[0] != key or any(r() is not m for r, m in zip(plist[1], roots)):
+            # weak references: a model dropped under a global guard is not kept alive by this list
+            self._plist = plist = (key, [weakref.ref(m) for m in roots],
+                                   [weakref.ref(p) for _, p in self.g.named_parameters()])
+        return [p for r in plist[2] if (p := r()) is not None]
 
     def on_module_init(self, args, kwargs):
         self._plist = None  # a module built since (a new head to assign): list the parameters again
