@@ -447,7 +447,10 @@ class Wiring:
         self._tls.forwards = 0  # forwards combined into one loss leave a surplus; a step settles it
         if self.step == 0 and self._models and not self.watched.module_ids and not self.watched.scripted:
             copied = self._copied_at
-            if copied is not None:
+            if copied is not None and not any(p.grad is not None for o in self.optimizers
+                                              for grp in o.param_groups for p in grp["params"]):
+                # a copy trained while the optimizer's parameters got nothing (fp32 master weights whose
+                # gradients are copied over from a half-precision copy do get them: the generic notice then)
                 self.notice(f"guard: optimizer steps ran but no call of the watched model was seen, and the model "
                             f"was copied at {copied} (copy.deepcopy): if the copy is what trains, the optimizer, "
                             f"built over the original's parameters, never updates it. Build the optimizer over the "

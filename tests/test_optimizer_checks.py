@@ -953,3 +953,15 @@ def test_a_loop_that_trains_a_deep_copy_is_told_where_the_copy_was_made():
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     assert g.notices == [] and g.findings == []
+    with guard(model, opt, live=False) as g:  # master weights: the copy computes, its gradients go to the original
+        half = copy.deepcopy(model)
+        for _ in range(3):
+            half.zero_grad()
+            nn.functional.cross_entropy(half(x), y).backward()
+            for pm, ph in zip(model.parameters(), half.parameters()):
+                pm.grad = ph.grad.clone()
+            opt.step()
+            with torch.no_grad():
+                for pm, ph in zip(model.parameters(), half.parameters()):
+                    ph.copy_(pm)
+    assert not any("copied at" in n for n in g.notices)
