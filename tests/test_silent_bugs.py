@@ -140,12 +140,15 @@ class HelperNet(nn.Module):
     def forward(self, x):
         if self.how == "forgot":
             return self.l2(_block(self.l1, x, 0.3))
+        if self.how == "forgot-named":  # a word like `x_train` on the line is no mode passed
+            x_train = x
+            return self.l2(_block(self.l1, x_train, 0.3))
         if self.how == "mc":  # Monte Carlo dropout on purpose
             return self.l2(_block(self.l1, x, 0.3, training=True))
         return self.l2(_block(self.l1, x, 0.3, self.training))
 
 
-@pytest.mark.parametrize("how", ["forgot", "mc", "passed"])
+@pytest.mark.parametrize("how", ["forgot", "forgot-named", "mc", "passed"])
 @pytest.mark.parametrize("mode", ["model", "global"])
 def test_dropout_on_through_a_helpers_default_in_eval_is_found(how, mode):
     """`def block(lin, x, p, training=True)` called from forward without the mode: dropout stays on in eval.
@@ -162,12 +165,13 @@ def test_dropout_on_through_a_helpers_default_in_eval_is_found(how, mode):
             model.eval()
             with torch.no_grad():
                 model(torch.ones(1, 8))
-    if how != "forgot":
+    if not how.startswith("forgot"):
         assert g.findings == []
         return
     f = only(g, "dropout-in-eval")
     assert f.where == "HelperNet"
-    assert f.source == line_of(HelperNet, "_block(self.l1, x, 0.3))") and f.step == 1
+    line = "_block(self.l1, x, 0.3))" if how == "forgot" else "_block(self.l1, x_train, 0.3))"
+    assert f.source == line_of(HelperNet, line) and f.step == 1
     assert "_block()" in f.message and "the helper's default" in f.message
     assert "training=self.training" in f.hint and f.details["helper"] == "_block"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sys
 from typing import Optional, Tuple
 
@@ -28,6 +29,7 @@ from .base import Check
 
 _GUARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PASSES_MODE = re.compile(r"\btraining\b|\btrain(?:ing)?_?mode\b|\b(?:is_)?train\s*=")  # not `x_train`, `trainer`
 _MAX_UP = 4  # user frames searched for the module whose forward called (helpers called from forward)
 
 
@@ -114,8 +116,8 @@ class DropoutInEval(Check):
         if not any(v in params and frame.f_locals.get(v) is True for v in ("training", "train", "is_training")):
             return  # True from somewhere else than the helper's own parameter
         text = linecache.getline(owner.f_code.co_filename, owner.f_lineno).split("#")[0]
-        if "train" in text:
-            return  # the forward passes a mode (training=True on purpose, or a variable of its own)
+        if _PASSES_MODE.search(text):
+            return  # the forward passes a mode (training=True on purpose, self.training, a variable of its own)
         path = self.g.known_path(module)
         if path is None:
             if self.g.models:
