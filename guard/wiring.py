@@ -110,7 +110,7 @@ class Wiring:
             by_target.setdefault(target, []).append(ev)
         for target, evs in by_target.items():
             try:
-                inst.patch(target, router.patch_middleware(tuple(evs), self._accepts, self._tls, self.meter))
+                inst.patch(target, router.patch_middleware(tuple(evs), self._accepts_quietly, self._tls, self.meter))
             except (AttributeError, ImportError, ValueError):
                 pass  # a target this torch version lacks (private hooks points): the check does without
         _hooks.rebind_aliases()
@@ -127,7 +127,13 @@ class Wiring:
         """Active, and this thread is the one training (patched functions ask at every call)."""
         return self._active and not (self._owner is not None and self._owner[0] != _thread_id() and self._foreign())
 
-    def _foreign(self, stepping: bool = False) -> bool:
+    def _accepts_quietly(self) -> bool:
+        """`_accepts` for the patched functions (losses, DataLoader iteration): another thread calling them (a
+        producer thread filling a queue from a DataLoader) is left alone without a notice of training there."""
+        return self._active and not (self._owner is not None and self._owner[0] != _thread_id()
+                                     and self._foreign(quiet=True))
+
+    def _foreign(self, stepping: bool = False, quiet: bool = False) -> bool:
         """An event from another thread than the one training (whose optimizer steps guard counts; until it
         steps, the first to call a model): ignored while that thread lives. Two threads training at once under
         one guard would mix their steps, and a check of one would read the other's gradients while its
@@ -145,7 +151,7 @@ class Wiring:
             if not self._told_threads:
                 self._told_threads = True
                 self.watched.narrow(owner[0])
-            if owner[2] and not self._noticed_threads:
+            if owner[2] and not self._noticed_threads and not quiet:
                 self._noticed_threads = True
                 self.notice(f"guard: {threading.current_thread().name} runs the model or an optimizer while "
                             f"{owner[1].name} trains: this guard follows {owner[1].name} until it ends and leaves "
@@ -480,7 +486,10 @@ class Wiring:
 
     def _mw_backward(self, call: Callable, args: tuple, kwargs: dict) -> Any:
         tls = self._tls
-        if not self._accepts() or getattr(tls, "in_backward", False) or (self._models and not self.watched.scripted and not getattr(tls, "forwards", 0)):
+        # (another thread's backward of a model this guard does not watch is passed through before the thread
+        # test, which would tell of that thread as if it trained this guard's model)
+        if (self._models and not self.watched.scripted and not getattr(tls, "forwards", 0)) or not self._accepts() \
+                or getattr(tls, "in_backward", False):
             return call(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
         tls.in_backward = True

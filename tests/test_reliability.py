@@ -1047,3 +1047,39 @@ def test_generator_and_async_functions_are_not_decorated_and_generators_of_names
     from guard.config import unknown_env
 
     assert "did you mean TORCH_GUARD_EVERY?" in unknown_env({"TORCH_GUARD_every": "2"})[0]
+
+
+@pytest.mark.parametrize("mode", ["model", "global"])
+def test_a_producer_thread_iterating_a_dataloader_is_no_training_thread(mode):
+    """A thread that only fills a queue from a DataLoader (patched: guard watches its iteration) while the main
+    thread trains: no notice that it "runs the model or an optimizer", no finding."""
+    import queue
+    import threading
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=8, shuffle=True)
+    q: "queue.Queue" = queue.Queue(maxsize=4)
+
+    def produce():
+        for _ in range(3):
+            for batch in loader:
+                q.put(batch)
+        q.put(None)
+
+    with guard(*([model, opt] if mode == "model" else []), live=False) as g:
+        first = next(iter(loader))  # the main thread iterates a loader too, and trains, before the producer
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(first[0]), first[1]).backward()
+        opt.step()
+        t = threading.Thread(target=produce, name="producer")
+        t.start()
+        while (batch := q.get()) is not None:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+            opt.step()
+        t.join()
+    assert g.notices == [] and g.findings == [] and g.internal_errors == []
