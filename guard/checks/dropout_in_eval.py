@@ -29,6 +29,7 @@ from .base import Check
 
 _GUARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_grad_on = torch.is_grad_enabled
 _PASSES_MODE = re.compile(r"\btraining\b|\btrain(?:ing)?_?mode\b|\b(?:is_)?train\s*=")  # not `x_train`, `trainer`
 _MAX_UP = 4  # user frames searched for the module whose forward called (helpers called from forward)
 
@@ -64,37 +65,35 @@ class DropoutInEval(Check):
         super().__init__(guard)
         self._lines: set = set()  # source lines already looked at
 
+    # Every nn.Dropout call in training comes here with its mode passed and grad on: one length test and one
+    # grad-mode test, nothing more (a per-module-call path).
     def on_f_dropout(self, args, kwargs):
-        if len(args) < 3 and "training" not in kwargs:
-            self._look("dropout", args, kwargs)
-        elif self._evaluating() and (args[2] if len(args) > 2 else kwargs.get("training")) is True:
-            self._look_helper("dropout", args, kwargs)
+        if (len(args) < 3 and "training" not in kwargs) or not _grad_on():
+            self._call("dropout", args, kwargs)
 
     def on_f_dropout1d(self, args, kwargs):
-        if len(args) < 3 and "training" not in kwargs:
-            self._look("dropout1d", args, kwargs)
-        elif self._evaluating() and (args[2] if len(args) > 2 else kwargs.get("training")) is True:
-            self._look_helper("dropout1d", args, kwargs)
+        if (len(args) < 3 and "training" not in kwargs) or not _grad_on():
+            self._call("dropout1d", args, kwargs)
 
     def on_f_dropout2d(self, args, kwargs):
-        if len(args) < 3 and "training" not in kwargs:
-            self._look("dropout2d", args, kwargs)
-        elif self._evaluating() and (args[2] if len(args) > 2 else kwargs.get("training")) is True:
-            self._look_helper("dropout2d", args, kwargs)
+        if (len(args) < 3 and "training" not in kwargs) or not _grad_on():
+            self._call("dropout2d", args, kwargs)
 
     def on_f_dropout3d(self, args, kwargs):
+        if (len(args) < 3 and "training" not in kwargs) or not _grad_on():
+            self._call("dropout3d", args, kwargs)
+
+    def _call(self, fn: str, args: tuple, kwargs: dict) -> None:
         if len(args) < 3 and "training" not in kwargs:
-            self._look("dropout3d", args, kwargs)
-        elif self._evaluating() and (args[2] if len(args) > 2 else kwargs.get("training")) is True:
-            self._look_helper("dropout3d", args, kwargs)
+            self._look(fn, args, kwargs)
+        elif (args[2] if len(args) > 2 else kwargs.get("training")) is True and self._evaluating():
+            self._look_helper(fn, args, kwargs)
 
     def _evaluating(self) -> bool:
-        """Cheap filter for ``training=True`` calls: the watched models are all in eval mode (under a global
-        guard, grad is off). nn.Dropout passes its own mode, so in training nothing more is looked at."""
+        """For ``training=True`` calls under ``no_grad`` (evaluation): the watched models are all in eval mode
+        (under a global guard, any ``no_grad`` call qualifies)."""
         models = self.g.models
-        if models:
-            return not any(m.training for m in models)
-        return not torch.is_grad_enabled()
+        return not any(m.training for m in models) if models else True
 
     def _look_helper(self, fn: str, args: tuple, kwargs: dict) -> None:
         """``training=True`` reached F.dropout through a helper's default (``def block(x, p, training=True)``)
