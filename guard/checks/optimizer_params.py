@@ -56,6 +56,7 @@ class OptimizerParams(Check):
         self._cand = None  # (names missing at a look, that step, its line): confirmed CONFIRM_STEPS later
         self._looked = 0  # step of the last look at the missing parameters
         self._told: set = set()  # names already reported as missing
+        self._looked_before = False  # a look before the current one found nothing missing
         self._plist = None  # (ids of the root models, weak references to them and to their parameters)
 
     def on_step_pre(self, optimizer):
@@ -105,8 +106,6 @@ class OptimizerParams(Check):
             self._told.update(missing)
             self._missing(missing, step, source, later=self._looked_before)
         self._looked_before = True
-
-    _looked_before = False  # a look before the current one found nothing missing
 
     def _frozen(self, opt, groups: list, added: bool) -> None:
         frozen = [p for grp in groups for p in grp["params"] if not p.requires_grad]
