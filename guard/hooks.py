@@ -214,10 +214,10 @@ class _Patch:
 
 
 _GUARD_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_MAX_ALIAS_NAMES = 20_000  # names looked at in the user's modules per patched function (bounded start cost)
+_MAX_ALIAS_NAMES = 20_000  # candidate names rebound per guard start, at most (a bounded start cost)
 
 
-_module_kinds: Dict[str, Tuple[Any, bool]] = {}  # module name -> (the module, whether it is the user's)
+_module_kinds: Dict[str, Tuple[Any, bool]] = {}  # module name -> (weak reference to the module, whether the user's)
 
 
 def _user_modules() -> List[types.ModuleType]:
@@ -227,10 +227,15 @@ def _user_modules() -> List[types.ModuleType]:
     kinds = _module_kinds
     for name, mod in list(sys.modules.items()):
         hit = kinds.get(name)
-        if hit is None or hit[0] is not mod:
+        if hit is None or hit[0]() is not mod:
             f = getattr(mod, "__file__", None)
-            hit = kinds[name] = (mod, isinstance(mod, types.ModuleType) and (
-                name == "__main__" or (isinstance(f, str) and not is_skipped(f))))
+            mine = isinstance(mod, types.ModuleType) and (
+                name == "__main__" or (isinstance(f, str) and not is_skipped(f)))
+            try:
+                kinds[name] = (weakref.ref(mod), mine)
+            except TypeError:  # an object in sys.modules that takes no weak reference: judged each time
+                pass
+            hit = (None, mine)
         if hit[1]:
             out.append(mod)
     return out
