@@ -244,10 +244,11 @@ def _user_modules() -> List[types.ModuleType]:
 _unaliased: List["_Patch"] = []  # module-function patches installed whose aliases were not yet rebound
 
 
-def rebind_aliases() -> None:
+def rebind_aliases(extra: Optional[List[Dict[str, Any]]] = None) -> None:
     """A patched module function is also reached through the user's names bound before guard started
     (``from torch.nn.functional import cross_entropy``, ``LOSS = partial(F.mse_loss, ...)``, a module-level
-    table of losses): point them at the wrapper, in one pass over the user's modules for every patch just
+    table of losses, and in `extra` namespaces such as a watched model's attributes: ``self.loss_fn =
+    F.cross_entropy``): point them at the wrapper, in one pass over the user's modules for every patch just
     installed; each patch puts its names back when it is uninstalled."""
     with _lock:
         patches = {id(p.original): p for p in _unaliased if _patches.get((id(p.owner), p.attr)) is p}
@@ -283,8 +284,7 @@ def rebind_aliases() -> None:
                     swap(value, k2, v2, 1)
 
     try:
-        for mod in _user_modules():
-            d = mod.__dict__
+        for d in [mod.__dict__ for mod in _user_modules()] + list(extra or ()):
             for key, value in list(d.items()):
                 # most values are none of the three: tested inline (a call per name cost ~10 ms a start)
                 t = type(value)

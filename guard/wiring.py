@@ -113,7 +113,8 @@ class Wiring:
                 inst.patch(target, router.patch_middleware(tuple(evs), self._accepts_quietly, self._tls, self.meter))
             except (AttributeError, ImportError, ValueError):
                 pass  # a target this torch version lacks (private hooks points): the check does without
-        _hooks.rebind_aliases()
+        # a model's own attributes too (a LightningModule's `self.loss_fn = F.cross_entropy`, set in __init__)
+        _hooks.rebind_aliases([vars(m) for m in self.watched.models])
         inst.on_copy = self._note_copy
         inst.process_exit(self)
 

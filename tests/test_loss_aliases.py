@@ -90,3 +90,32 @@ def test_a_name_bound_while_an_earlier_guard_ran_is_checked_by_the_next_one():
         assert late.mse_loss is stale  # put back as it was
     finally:
         del sys.modules["late_user_module"]
+
+
+class _WithLoss(nn.Module):
+    """A model holding its loss function as an attribute (a LightningModule's `self.loss_fn = F.mse_loss`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+        self.loss_fn = F.mse_loss
+        self.smooth = partial(F.smooth_l1_loss, beta=0.5)
+
+    def step(self, x, y, which):
+        out = self.net(x)
+        return self.loss_fn(out, y) if which == "attr" else self.smooth(out, y)
+
+
+def test_a_loss_held_as_an_attribute_of_the_watched_model_is_checked():
+    for which in ("attr", "partial"):
+        torch.manual_seed(0)
+        model = _WithLoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with guard(model, opt, live=False) as g:
+            for _ in range(3):
+                opt.zero_grad()
+                model.step(torch.randn(16, 8), torch.randn(16), which).backward()  # [16, 1] vs [16]
+                opt.step()
+        assert [(f.kind, f.step) for f in g.findings] == [("loss-shape-broadcast", 0)], which
+        assert model.loss_fn is F.mse_loss and not getattr(model.loss_fn, "_guard_patch", False)
+        assert model.smooth.func is F.smooth_l1_loss
