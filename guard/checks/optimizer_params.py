@@ -111,36 +111,25 @@ class OptimizerParams(Check):
         frozen = [p for grp in groups for p in grp["params"] if not p.requires_grad]
         if not frozen:
             return
-        if added:
-            self._frozen_added(opt, frozen)
-            return
-        names = [self.g.param_name(p) for p in frozen]
-        model_names = [n for n, _ in self.g.named_parameters()]
-        prefixes = module_prefixes(names, model_names, limit=11)
-        shown, more = prefixes[:10], len(prefixes) > 10
-        total = sum(len(g["params"]) for g in opt.param_groups)
-        self.emit("frozen-param-in-optimizer", shown[0],
-                  f"{len(frozen)} of the {total} parameters handed to {type(opt).__name__} have requires_grad=False "
-                  f"({_listing(shown, more)}): they are frozen, yet the optimizer holds them",
-                  "Pass only trainable parameters: torch.optim.X(filter(lambda p: p.requires_grad, "
-                  "model.parameters()), ...). If you unfreeze them later on purpose, this is fine.",
-                  source=self.g.source(),
-                  details={"optimizer": type(opt).__name__, "modules": shown, "parameters": len(frozen),
-                           "names": names[:20]})
-
-    def _frozen_added(self, opt, frozen: list) -> None:
         names = [self.g.param_name(p) for p in frozen]
         prefixes = module_prefixes(names, [n for n, _ in self.g.named_parameters()], limit=11)
         shown, more = prefixes[:10], len(prefixes) > 10
-        self.emit("frozen-param-in-optimizer", shown[0],
-                  f"a param group added to {type(opt).__name__} (add_param_group) holds {len(frozen)} parameter(s) "
-                  f"with requires_grad=False ({_listing(shown, more)}): they get no gradient, so the optimizer "
-                  f"never trains them",
-                  "Unfreeze them when adding their group: module.requires_grad_(True) before (or right after) "
-                  "optimizer.add_param_group({'params': module.parameters()}).",
-                  source=self.g.source(),
-                  details={"optimizer": type(opt).__name__, "modules": shown, "parameters": len(frozen),
-                           "names": names[:20], "added_group": True})
+        name = type(opt).__name__
+        if added:  # a group added later while still frozen: its layer was never unfrozen, so it never trains
+            message = (f"a param group added to {name} (add_param_group) holds {len(frozen)} parameter(s) with "
+                       f"requires_grad=False ({_listing(shown, more)}): they get no gradient, so the optimizer "
+                       f"never trains them")
+            hint = ("Unfreeze them when adding their group: module.requires_grad_(True) before (or right after) "
+                    "optimizer.add_param_group({'params': module.parameters()}).")
+        else:
+            total = sum(len(g["params"]) for g in opt.param_groups)
+            message = (f"{len(frozen)} of the {total} parameters handed to {name} have requires_grad=False "
+                       f"({_listing(shown, more)}): they are frozen, yet the optimizer holds them")
+            hint = ("Pass only trainable parameters: torch.optim.X(filter(lambda p: p.requires_grad, "
+                    "model.parameters()), ...). If you unfreeze them later on purpose, this is fine.")
+        self.emit("frozen-param-in-optimizer", shown[0], message, hint, source=self.g.source(),
+                  details={"optimizer": name, "modules": shown, "parameters": len(frozen), "names": names[:20],
+                           **({"added_group": True} if added else {})})
 
     def _missing_names(self) -> List[str]:
         """Trainable parameters of the watched models with a gradient that no watched optimizer holds."""
