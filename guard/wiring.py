@@ -224,6 +224,9 @@ class Wiring:
 
     def _enter_root(self, module: nn.Module) -> None:
         """An outermost model call starts: remember where it came from."""
+        if self._backward_pending and self._active:
+            # first: ending the step (no optimizer) resets the step's forward count, this call counts after it
+            self._advance_backward_step()
         if self._owner is None and torch.is_grad_enabled():  # a shape check or evaluation trains nothing
             self._own_call()
         if not self.watched.primary_called:
@@ -233,8 +236,6 @@ class Wiring:
         tls.root_source = user_source(3)
         tls.forwards = getattr(tls, "forwards", 0) + 1
         self._fresh_step = False
-        if self._backward_pending and self._active:
-            self._advance_backward_step()
 
     def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict]) -> None:
         if self._skip_pre():
