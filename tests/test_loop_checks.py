@@ -1152,3 +1152,83 @@ def test_per_parameter_optimizers_without_zero_grad_give_one_finding():
     assert (f.kind, f.where) == ("missing-zero-grad", "SGD (per-parameter)")
     assert f.message.startswith("the 4 per-parameter SGD optimizers (one per parameter) apply gradients")
     assert sorted(f.details["names"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+# --------------------------------------------------------------------------- missing-zero-grad, updates by hand
+
+def manual_loop(update, clear, steps=8, every=1, model_guard=True, **opts):
+    """A loop with no optimizer: `update(p)` under no_grad every `every` backwards, then `clear(p)` (None: nothing)."""
+    torch.manual_seed(0)
+    model = mlp()
+    data = batches()
+    with guard(model if model_guard else None, live=False, **opts) as g:
+        for s in range(steps):
+            x, y = data[s % len(data)]
+            F.mse_loss(model(x), y).backward()
+            if (s + 1) % every == 0:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        update(p)
+                        if clear is not None:
+                            clear(p)
+    return g
+
+
+def sub(p):
+    p -= 0.01 * p.grad
+
+
+def sub_data(p):
+    p.data.sub_(0.01 * p.grad.data)
+
+
+def none(p):
+    p.grad = None
+
+
+def zero(p):
+    p.grad.zero_()
+
+
+@pytest.mark.parametrize("model_guard", [True, False])
+@pytest.mark.parametrize("update", [sub, sub_data])
+def test_updates_by_hand_that_never_clear_the_gradients_are_found(update, model_guard):
+    g = manual_loop(update, None, model_guard=model_guard)
+    f = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    assert len(f) == 1, g.findings
+    f = f[0]
+    assert f.where == "parameters (no optimizer)" and f.step == 1
+    assert "p.grad = None" in f.hint and "0.weight" in f.message
+    assert f.source == line_of(manual_loop, ".backward()")
+    assert g.internal_errors == []
+
+
+@pytest.mark.parametrize("clear", [none, zero])
+@pytest.mark.parametrize("update", [sub, sub_data])
+def test_updates_by_hand_that_clear_the_gradients_are_silent(update, clear):
+    g = manual_loop(update, clear)
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_accumulation_by_hand_is_silent_and_its_missing_clear_is_found():
+    """Several backwards before one update change no parameter in between: accumulation, not the bug."""
+    g = manual_loop(sub, none, steps=12, every=3)
+    assert g.findings == [] and g.internal_errors == []
+    g = manual_loop(sub, None, steps=12, every=3)
+    assert kinds(g) == ["missing-zero-grad"] and g.findings[0].step == 3
+
+
+def test_a_model_guard_without_optimizer_counts_every_backward_as_a_step():
+    """Each backward() is a step of its own (the step's end used to reset the next forward's count, so every
+    other backward went unseen and the steps were counted at half speed)."""
+    model = mlp()
+    with guard(model, live=False) as g:
+        for s in range(6):
+            x = torch.randn(8, 8)
+            if s == 3:
+                x[0, 0] = float("nan")
+            model(x).pow(2).mean().backward()
+            model.zero_grad()
+    assert g.step == 6
+    f = [f for f in g.findings if f.kind == "nonfinite-input"]
+    assert len(f) == 1 and f[0].step == 3

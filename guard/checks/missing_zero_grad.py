@@ -13,9 +13,17 @@ while the stale gradients are still in place, so a ``zero_grad()`` any time
 before the step (GAN loops, zeroing before ``backward()``) and deliberate
 accumulation (several backwards, one step, then ``zero_grad()``) stay silent.
 
+With no optimizer at all (hand-written updates, ``p -= lr * p.grad`` under
+``no_grad``), a few of the model's parameters stand for it: a ``backward()``
+that finds their gradients as the last one left them (same tensor, same version)
+while the parameters themselves changed in between (their version, or, for
+updates through ``.data``, their first values) adds onto gradients that were
+already applied. Several backwards before one update (accumulation) change no
+parameter in between and stay silent.
+
 Cost: nothing per module call and nothing per step while ``zero_grad()`` is
 called; the parameters are looked at only at a backward that follows a step
-without it.
+without it (with no optimizer, 4 parameters' versions per backward).
 """
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ class MissingZeroGrad(Check):
     kinds = {
         "missing-zero-grad": ("warning", "gradients of earlier steps accumulate into a step without zero_grad()"),
     }
-    description = "optimizer.step() with gradients still holding earlier steps' gradients (no zero_grad())"
+    description = "optimizer.step() (or an update by hand) with gradients still holding earlier steps' gradients (no zero_grad())"
     patches = {"opt_zero_grad": "torch.optim.Optimizer.zero_grad",
                "module_zero_grad": "torch.nn.Module.zero_grad"}
 
@@ -69,6 +77,9 @@ class MissingZeroGrad(Check):
         # evaluated many times within one step
         self._during: dict = {}
         self._closure_done = False
+        # hand-written updates (no optimizer): [(param ref, grad ref, grad version, param version, first values)]
+        self._manual: List[tuple] = []
+        self._manual_told = False
 
     # ------------------------------------------------------------------ zero_grad observed
     def on_opt_zero_grad_done(self, args, kwargs, result):
@@ -117,6 +128,7 @@ class MissingZeroGrad(Check):
         """Sent events again after sampled-out steps: the primary optimizer's step just ended unseen, and
         its ``step_post`` would have armed it. Other optimizers may have stepped and zeroed unseen: what
         was kept of them is forgotten (they arm again at their next step seen)."""
+        self._manual = []  # updates may have run unseen: compare from the next backward's end on
         for opt, st in list(self._st.items()):
             st.clear()
             if self.g.is_primary(opt):
@@ -124,6 +136,8 @@ class MissingZeroGrad(Check):
                 self._armed = True
 
     def on_backward(self, tensors, kwargs):
+        if not self._manual_told and not self.g.has_optimizer:
+            self._manual_backward()
         if self._during:
             for counts in self._during.values():
                 counts[0] += 1
@@ -133,6 +147,69 @@ class MissingZeroGrad(Check):
         for opt, st in list(self._st.items()):
             if st.armed:
                 self._evaluate(opt, st)
+
+    # ------------------------------------------------------------------ no optimizer: updates by hand
+    def _manual_backward(self) -> None:
+        """A backward with no optimizer seen: did the parameters change since the last one left their gradients,
+        while those gradients stayed as they were? Then the update used them and nothing cleared them."""
+        kept, self._manual = self._manual, []
+        stale, moved, snaps = [], False, []
+        for pref, gref, gv, pv, first in kept:
+            p = pref()
+            g = p.grad if p is not None else None
+            if g is None or g is not gref() or g._version != gv:
+                continue  # cleared (None, zero_(), a new tensor) since: this parameter is fine
+            stale.append(p)
+            if p._version != pv:
+                moved = True
+            else:
+                snaps.append((p, first))
+        if stale and len(stale) == len(kept):
+            step, src = self.g.step, self.g.source()
+            if moved:
+                self._manual_emit(stale, step, src)
+            elif snaps:  # updated through `.data` (no version change): compare first values, read with the step's
+                with torch.no_grad():
+                    changed = torch.stack([(p.detach().reshape(-1)[:first.numel()] != first).any() for p, first in snaps])
+                self.g.stage_batch(lambda: [(changed.float(), lambda values: any(values) and
+                                             self._manual_emit(stale, step, src))])
+        if kept and self.following and not self.g.costly_step:
+            self.follow(False)  # a budget samples this check: one backward after a sampled one was compared
+            return
+        self.g.stage_batch(self._manual_after)
+
+    def _manual_after(self) -> list:
+        """At the backward's resolution (after it ran): note the state of up to 4 parameters with gradients."""
+        if self._manual_told or self.g.has_optimizer:
+            return []
+        out = []
+        for _, p in self.g.named_parameters()[:64]:
+            g = p.grad
+            if g is None or g.layout is not torch.strided or g.is_meta or not p.requires_grad:
+                continue
+            first = p.detach().reshape(-1)[:4].clone()
+            out.append((weakref.ref(p), weakref.ref(g), g._version, p._version, first))
+            if len(out) == 4:
+                break
+        self._manual = out
+        if out and self.g.meter.period > 1:
+            self.follow(True)  # sampled by a budget: see the next backward too, to compare with this one
+        return []
+
+    def _manual_emit(self, stale: List[torch.Tensor], step: int, src: Optional[str]) -> None:
+        if self._manual_told:
+            return
+        self._manual_told = True
+        self._manual = []
+        names = [self.g.param_name(p) for p in stale]
+        self.emit("missing-zero-grad", "parameters (no optimizer)",
+                  f"the parameters were updated by hand after the last backward(), but their gradients were not "
+                  f"cleared: this backward() adds onto gradients that were already applied ({', '.join(names)}), so "
+                  f"every update sums all earlier steps' gradients",
+                  "Clear the gradients after each update: `p.grad = None` (or `p.grad.zero_()`) for every parameter "
+                  "inside the `with torch.no_grad():` block, or call model.zero_grad(); a torch.optim optimizer "
+                  "(`optimizer.step(); optimizer.zero_grad()`) does both.",
+                  step=step, source=src, details={"parameters": names, "optimizer": None})
 
     def _evaluate(self, opt, st: _State) -> None:
         """First backward since `opt` stepped without zero_grad(): which gradients are left over?"""
