@@ -180,6 +180,12 @@ class _Patch:
         wrapper.__qualname__ = getattr(func, "__qualname__", attr)
         wrapper.__doc__ = getattr(func, "__doc__", None)
         wrapper._guard_patch = True  # type: ignore[attr-defined]
+        # TorchScript compiles what a scripted function or module calls from its source: it must see the original
+        # (`F.dropout` inside a scripted `nn.Dropout`), not this wrapper. Recursive scripting asks
+        # `__prepare_scriptable__`; `torch.jit.script(fn)` itself unwraps `__script_if_tracing_wrapper`.
+        wrapper.__prepare_scriptable__ = lambda: func  # type: ignore[attr-defined]
+        setattr(wrapper, "__script_if_tracing_wrapper", True)
+        setattr(wrapper, "__original_fn", func)
         self.wrapper = wrapper
         self.installed = kind(wrapper) if kind is not None else wrapper
 

@@ -251,6 +251,10 @@ class Watched:
                     self.primary = weakref.ref(opt)
         return known, became
 
+    def stepping_optimizers(self) -> List[torch.optim.Optimizer]:
+        """Every live optimizer seen stepping, watched or not (an attack's own optimizer over its delta)."""
+        return list(self._opt_watch.keys())
+
     @property
     def roots(self) -> List[nn.Module]:
         """The watched models, or under a global guard the outermost modules seen called."""
@@ -336,6 +340,15 @@ class Watched:
             self.scripted = True
             self._notice(f"guard: {type(inner).__name__} is a TorchScript module: it runs no Python hooks, "
                          f"so guard checks its losses, gradients and optimizer steps, not its layers.")
+        else:
+            scripted = [p for p, m in inner.named_modules() if p and isinstance(m, torch.jit.ScriptModule)]
+            top = [p for p in scripted if not any(p.startswith(q + ".") for q in scripted)]
+            if top:
+                names = ", ".join(self.paths_by_id.get(id(inner.get_submodule(p)), p) for p in top[:4])
+                self._notice(f"guard: {names} {'is a TorchScript module' if len(top) == 1 else 'are TorchScript modules'} "
+                             f"inside the model: {'its' if len(top) == 1 else 'their'} own layers run no Python hooks, "
+                             f"so guard checks what goes in and out of {'it' if len(top) == 1 else 'them'}, not the "
+                             f"layers inside.")
         return inner
 
     def adopt_root(self, module: nn.Module, frame: Any = None) -> None:

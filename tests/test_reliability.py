@@ -506,6 +506,39 @@ def test_torchscript_module():
     assert g2.findings == [] and g2.internal_errors == []
 
 
+@pytest.mark.parametrize("global_guard", [False, True])
+def test_torchscript_compiles_modules_and_functions_while_a_guard_is_active(global_guard):
+    """guard's patched F.dropout and loss functions hand TorchScript the originals to compile (it compiled the
+    wrappers' source and failed: 'undefined value has_torch_function_unary')."""
+    import torch.nn.functional as F
+
+    model = mlp()
+    with guard(None if global_guard else model, live=False) as g:
+        block = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)))
+        losses = [torch.jit.script(m) for m in (nn.MSELoss(), nn.CrossEntropyLoss(), nn.BCEWithLogitsLoss())]
+
+        def fused(x: torch.Tensor, y: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+            return F.mse_loss(F.dropout(x, p, training), y) + F.cross_entropy(x, y.argmax(1))
+
+        fn = torch.jit.script(fused)
+        x = torch.randn(3, 4)
+        out = block(x)
+        value = fn(out, torch.randn(3, 4), 0.1, True) + losses[0](out, x)
+        _train(model)
+    assert out.shape == (3, 4) and value.dim() == 0
+    assert torch.equal(torch.jit.script(fused)(x, x, 0.0, False), F.mse_loss(x, x) + F.cross_entropy(x, x.argmax(1)))
+    assert g.internal_errors == [] and g.findings == []
+
+
+def test_a_torchscript_block_inside_an_eager_model_is_named_in_a_notice():
+    model = nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))),
+                          nn.Linear(4, 1))
+    with guard(model, live=False) as g:
+        _train(model)
+    assert g.findings == [] and g.internal_errors == []
+    assert len(g.notices) == 1 and g.notices[0].startswith("guard: 1 is a TorchScript module inside the model")
+
+
 def test_model_with_its_own_forward_hooks_keeps_them_and_their_effect():
     model = mlp()
     calls = []

@@ -128,8 +128,9 @@ class LossDisconnected(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        # backwards of this step that reached no nn.Parameter: (leaf refs, leaf descriptions, source, step, shape)
-        self._pending: List[Tuple[List[weakref.ref], List[str], Optional[str], int, List[int]]] = []
+        # backwards of this step that reached no nn.Parameter: ([(leaf ref, its version then)], leaf descriptions,
+        # source, step, shape)
+        self._pending: List[Tuple[List[Tuple[weakref.ref, int]], List[str], Optional[str], int, List[int]]] = []
         self._done = False
         self._paths: List[Tuple[int, ...]] = []  # known paths from a loss's node to a parameter (`_leaves`)
 
@@ -145,23 +146,30 @@ class LossDisconnected(Check):
         descr = [f"{'the loss itself' if any(l is t for t in ts) else 'a tensor'} {list(l.shape)} "
                  f"({'a leaf made with requires_grad=True' if l.grad_fn is None else type(l.grad_fn).__name__})"
                  for l in leaves]
-        self._pending.append(([weakref.ref(l) for l in leaves], descr, self.g.root_source, self.g.step,
+        self._pending.append(([(weakref.ref(l), l._version) for l in leaves], descr, self.g.root_source, self.g.step,
                               list(ts[0].shape)))
 
     def on_step_pre(self, optimizer):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
-        held |= {id(p) for grp in optimizer.param_groups for p in grp["params"]}
+        # any optimizer counts, watched or not: an attack's own optimizer over its delta (PGD with Adam([delta]))
+        opts = list(self.g.optimizers) + [optimizer] + self.g.watched.stepping_optimizers()
+        held = {id(p) for o in opts for grp in o.param_groups for p in grp["params"]}
         for refs, descr, src, step, shape in pending:
-            if any(id(l) in held for r in refs if (l := r()) is not None):
-                continue  # it trains a plain tensor an optimizer holds (style transfer)
-            self._emit(optimizer, descr, src, step, shape)
+            live = [(l, v) for r, v in refs if (l := r()) is not None]
+            if any(id(l) in held or l._version != v for l, v in live):
+                # it trains a plain tensor an optimizer holds (style transfer), or one that an optimizer guard does
+                # not see (given one optimizer, guard hooks that one only) updated in place since that backward
+                continue
+            shapes = {tuple(p.shape) for grp in optimizer.param_groups for p in grp["params"]}
+            copies = bool(live) and all(l.grad_fn is None and l.dim() and tuple(l.shape) in shapes for l, _ in live)
+            self._emit(optimizer, descr, src, step, shape, copies)
             self._done = True  # a code property: reported once, then no more walks
             return
 
-    def _emit(self, optimizer, descr: List[str], src: Optional[str], step: int, shape: List[int]) -> None:
+    def _emit(self, optimizer, descr: List[str], src: Optional[str], step: int, shape: List[int],
+              copies: bool = False) -> None:
         opt = type(optimizer).__name__
         if not descr:
             reaches = "nothing that requires a gradient"
@@ -169,6 +177,11 @@ class LossDisconnected(Check):
             reaches = ("only itself: it is a new leaf tensor made with requires_grad=True (such as "
                        "torch.tensor(loss.item(), requires_grad=True), or a loss computed under torch.no_grad() and "
                        "then given requires_grad_()), cut off from the model")
+        elif copies:
+            reaches = (f"only {len(descr)} leaf tensor(s) shaped like {opt}'s parameters: {'; '.join(descr[:4])}"
+                       + (" ..." if len(descr) > 4 else "") + " (copies used in the parameters' place, such as a "
+                       "params dict passed to torch.func.functional_call or weights cloned with requires_grad_(): the "
+                       "optimizer holds the originals, which the forward never uses)")
         else:
             reaches = (f"only {len(descr)} tensor(s) that are not parameters: {'; '.join(descr[:4])}"
                        + (" ..." if len(descr) > 4 else "") + " (the graph was cut by .detach(), .item(), "
@@ -180,5 +193,9 @@ class LossDisconnected(Check):
                 ".numpy() or .data on the way, no torch.tensor(..., requires_grad=True) around the loss, and no "
                 "torch.no_grad() (or @torch.no_grad() on the function computing it) followed by "
                 "loss.requires_grad_(); use loss.item() only for logging.")
+        if copies:
+            hint = ("Build the optimizer over the tensors the forward uses (torch.optim.Adam(params.values()) for a "
+                    "functional_call params dict), or pass the module's own parameters (dict(model.named_parameters())) "
+                    "to functional_call.")
         self.emit("loss-disconnected", "loss", message, hint, step=step, source=src,
                   details={"reaches": descr[:MAX_LEAVES], "optimizer": opt, "loss_shape": shape})

@@ -165,14 +165,22 @@ class MissingZeroGrad(Check):
             else:
                 snaps.append((p, first))
         if stale and len(stale) == len(kept):
+            # Zeroed through `.data` (`p.grad.data.zero_()`) keeps the version: only non-zero gradients count, and
+            # updates through `.data` keep the parameter's version: then its first values tell. Both are computed
+            # now, before this backward adds to the gradients, and read with the step's other values.
             step, src = self.g.step, self.g.source()
-            if moved:
-                self._manual_emit(stale, step, src)
-            elif snaps:  # updated through `.data` (no version change): compare first values, read with the step's
-                with torch.no_grad():
-                    changed = torch.stack([(p.detach().reshape(-1)[:first.numel()] != first).any() for p, first in snaps])
-                self.g.stage_batch(lambda: [(changed.float(), lambda values: any(values) and
-                                             self._manual_emit(stale, step, src))])
+            with torch.no_grad():
+                values = [n.reshape(()).float() for n in fused_norms([p.grad.detach() for p in stale])[0]]
+                if not moved:
+                    values += [(p.detach().reshape(-1)[:first.numel()] != first).any().float() for p, first in snaps]
+                staged = torch.stack(values)
+            n = len(stale)
+
+            def verdict(vals: List[float]) -> None:
+                left = [p for p, v in zip(stale, vals[:n]) if v != 0.0]
+                if left and (moved or any(vals[n:])):
+                    self._manual_emit(left, step, src)
+            self.g.stage_batch(lambda: [(staged, verdict)])
         if kept and self.following and not self.g.costly_step:
             self.follow(False)  # a budget samples this check: one backward after a sampled one was compared
             return
