@@ -465,6 +465,47 @@ def test_loss_disconnected_demo():
     assert "torch.tensor(loss.item(), requires_grad=True)" in f.message and ".item()" in f.hint
 
 
+@pytest.mark.parametrize("mode", ["warn", "raise"])
+def test_an_attack_with_its_own_optimizer_over_its_delta_is_no_disconnected_loss(mode):
+    """PGD with Adam([delta]) while the model is frozen: that backward reaches only delta, which an optimizer the
+    model guard does not watch updates in place before the model's step (it was an error, and raise stopped training)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with guard(model, opt, live=False, mode=mode) as g:
+        for _ in range(3):
+            delta = torch.zeros_like(x, requires_grad=True)
+            dopt = torch.optim.Adam([delta], lr=0.1)
+            model.requires_grad_(False)
+            for _ in range(3):
+                dopt.zero_grad()
+                (-F.cross_entropy(model(x + delta), y)).backward()
+                dopt.step()
+            model.requires_grad_(True)
+            opt.zero_grad()
+            F.cross_entropy(model(x + delta.detach()), y).backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_a_functional_call_over_copies_of_the_parameters_is_told_so():
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            x = torch.randn(8, 8)
+            loss = torch.func.functional_call(model, params, (x,)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "loss-disconnected")[0]
+    assert "shaped like Adam's parameters" in f.message and "functional_call" in f.message
+    assert "params.values()" in f.hint
+
+
 def test_numpy_round_trip_names_the_tensor_it_reaches_in_global_mode():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
