@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from demos import amp_skipped, finetune_optimizer, grad_explosion, nan_grad, weight_decay_no_grad
@@ -965,3 +966,23 @@ def test_a_loop_that_trains_a_deep_copy_is_told_where_the_copy_was_made():
                 for pm, ph in zip(model.parameters(), half.parameters()):
                     ph.copy_(pm)
     assert not any("copied at" in n for n in g.notices)
+
+
+@pytest.mark.parametrize("steps", [10, 30])
+def test_models_of_earlier_rounds_kept_alive_are_not_parameters_in_no_optimizer(steps):
+    """A fresh model and optimizer per round (active learning, restarts) under a global guard, the earlier models
+    kept in a list: their gradients are what their last step left, not gradients still coming."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    kept = []
+    with guard(live=False) as g:
+        for _ in range(3):
+            m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+            opt = torch.optim.Adam(m.parameters(), 1e-2)
+            for _ in range(steps):
+                loss = F.cross_entropy(m(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            kept.append(m)
+    assert g.findings == [] and g.internal_errors == []

@@ -77,7 +77,7 @@ class OptimizerParams(Check):
         if self._cand is None:
             self._looked = self.g.step
             missing = self._loose()
-            versions = {n: p._version for n, p in missing if n not in self._told}
+            versions = {n: (p._version, weakref.ref(p.grad), p.grad._version) for n, p in missing if n not in self._told}
             if not versions:
                 self._missing_done = self._looked_before = True  # every parameter with a gradient is held
                 return
@@ -100,8 +100,10 @@ class OptimizerParams(Check):
         still = set(self._missing_names())
         named = dict(self.g.named_parameters())
         # A parameter changed in place since (its version counter moved) was updated after all: by an
-        # optimizer guard was not given (a probe's own), or by hand.
-        missing = [n for n, v in versions.items() if n in still and n in named and named[n]._version == v]
+        # optimizer guard was not given (a probe's own), or by hand. One whose gradient is the same tensor, unchanged,
+        # gets no more gradients: what is left of a finished run (an earlier round's model kept in a list).
+        missing = [n for n, (v, gref, gv) in versions.items() if n in still and n in named and named[n]._version == v
+                   and (named[n].grad is not gref() or named[n].grad._version != gv)]
         if missing:
             self._told.update(missing)
             self._missing(missing, step, source, later=self._looked_before)
