@@ -84,3 +84,42 @@ def test_models_that_normalize_their_own_input_are_not_reported():
     assert train(Normalizing(), [torch.rand(4, 3, 16, 16) * 255], checks="all").findings == []
     data_bn = nn.Sequential(nn.BatchNorm2d(3), convnet())
     assert train(data_bn, [torch.rand(4, 3, 16, 16) * 255], checks="all").findings == []
+
+
+class _TutorialNormalization(nn.Module):
+    """The PyTorch style-transfer tutorial's first module: mean and std kept as plain tensor attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = torch.tensor([0.485, 0.456, 0.406]).view(-1, 1, 1)
+        self.std = torch.tensor([0.229, 0.224, 0.225]).view(-1, 1, 1)
+
+    def forward(self, x):
+        return (x - self.mean) / self.std
+
+
+class _ShortNames(nn.Module):
+    """Per-channel constants under names that say nothing, shaped [C, 1, 1] for images."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("m", torch.tensor([0.485, 0.456, 0.406]).view(-1, 1, 1))
+        self.register_buffer("s", torch.tensor([0.229, 0.224, 0.225]).view(-1, 1, 1))
+
+    def forward(self, x):
+        return (x - self.m) / self.s
+
+
+def test_a_first_module_that_normalizes_with_plain_tensors_or_short_buffer_names_is_not_reported():
+    for first in (_TutorialNormalization(), _ShortNames()):
+        g = train(nn.Sequential(first, *convnet()), [torch.rand(4, 3, 16, 16) for _ in range(3)])
+        assert g.findings == [], (type(first).__name__, g.findings)
+
+
+def test_values_too_large_for_normalized_data_but_no_pixels_are_not_called_pixels():
+    """Raw spectrogram magnitudes (up to ~40): unnormalized, but dividing by 255 is the wrong fix."""
+    g = train(convnet(1), [torch.rand(4, 1, 16, 16) * 40 for _ in range(3)])
+    f = [f for f in g.findings if f.kind == "input-not-normalized"]
+    assert len(f) == 1
+    assert "0-255" not in f[0].message and "far beyond" in f[0].message
+    assert "255" not in f[0].hint and "log1p" in f[0].hint

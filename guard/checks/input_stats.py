@@ -19,6 +19,7 @@ from .base import Check
 STEPS = 3
 CHANNELS = (1, 3)
 RAW_MAX = 20.0  # normalized images stay within a few std of 0; 0-255 pixels do not
+PIXELS_MIN = 100.0  # a batch of 8-bit images reaches at least this; above RAW_MAX but below it: not pixels
 MEAN_01 = 0.2  # [0, 1] images with a mean above this are far from centred (MNIST's 0.13 is not flagged)
 IMAGENET = "Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))"
 
@@ -32,14 +33,26 @@ def _image(x: Any) -> bool:
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
 
 
+def _per_channel(name: str, t: Any) -> bool:
+    """A per-channel constant for images: named mean/std, or shaped ``[C, 1, 1]`` / ``[1, C, 1, 1]``."""
+    if not isinstance(t, torch.Tensor) or t.numel() not in CHANNELS:
+        return False
+    low = name.rsplit(".", 1)[-1].lower()
+    if low.startswith("running_"):
+        return False
+    return "mean" in low or "std" in low or (t.dim() >= 3 and tuple(t.shape[-2:]) == (1, 1))
+
+
 def _first_layer(model: nn.Module) -> str:
     """``"conv"``, ``"norm"`` (the model normalizes its own input) or ``"other"``."""
     for name, b in model.named_buffers():
-        leaf = name.rsplit(".", 1)[-1].lower()
-        if ("mean" in leaf or "std" in leaf) and not leaf.startswith("running_") and b.numel() in CHANNELS:
+        if _per_channel(name, b):
             return "norm"  # e.g. register_buffer("mean", ...) and (x - mean) / std inside forward
     for m in model.modules():
-        if isinstance(m, _NORMS):
+        if isinstance(m, _NORMS) or "normaliz" in type(m).__name__.lower():
+            return "norm"
+        # plain tensor attributes (the PyTorch style-transfer tutorial's Normalization keeps mean and std so)
+        if any(_per_channel(k, v) for k, v in vars(m).items()):
             return "norm"
         if m._parameters and any(p is not None for p in m._parameters.values()):
             return "conv" if isinstance(m, _ConvNd) else "other"
@@ -104,7 +117,12 @@ class InputStats(Check):
                    if len(mean) == 3 else
                    f"with your dataset's own per-channel mean/std (Normalize(mean={fmt(mean)}, std={fmt(std)}) from "
                    f"this batch)")
-        if max(hi) > RAW_MAX:
+        if RAW_MAX < max(hi) <= PIXELS_MIN:
+            # too large for normalized data, too small for 8-bit pixels: a spectrogram's magnitudes, raw measurements
+            why = f"values span {rng}, far beyond the few units of a normalized input"
+            fix = ("Standardize per channel with your data's own mean and std (for spectrograms or other non-pixel "
+                   "data, often after a log scale: torch.log1p(x)), so inputs are centred near 0 with unit spread.")
+        elif max(hi) > RAW_MAX:
             why = f"values span {rng}: raw 0-255 pixels"
             fix = (f"Scale to [0, 1] (divide by 255, or torchvision's ToTensor()) and then normalize per channel, "
                    f"{example}.")
