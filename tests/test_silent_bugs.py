@@ -96,6 +96,21 @@ def _loop(model, g_opts, steps=3, mc=False):
     return g
 
 
+class _ShortSelf(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.fc = nn.Linear(8, 8)
+
+    def forward(s, x):  # noqa: N805 (the first parameter is not called self)
+        return F.dropout(s.fc(x), 0.2)
+
+
+def test_dropout_in_a_forward_whose_first_parameter_is_not_called_self_is_found():
+    g = _loop(nn.Sequential(_ShortSelf()), {})
+    f = only(g, "dropout-in-eval")
+    assert f.where == "0" and "training=self.training" in f.hint
+
+
 def test_dropout_in_a_helper_called_from_forward_is_found_in_global_mode_too():
     model = nn.Sequential(Block("helper"))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -660,3 +675,22 @@ def test_loss_constant_raises_in_raise_mode_before_the_step():
     with guard(model, live=False, mode="raise"):
         with pytest.raises(GuardError, match="loss-constant"):
             nn.CrossEntropyLoss()(model(torch.randn(8, 4)), torch.zeros(8, dtype=torch.long))
+
+
+def test_an_optimizer_over_an_input_image_is_no_copy_of_the_model():
+    """Style transfer with the feature net left trainable (older tutorial): param-not-in-optimizer says so; no
+    'optimizer built over another copy of the model', since the optimizer holds a plain image tensor."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    image = torch.rand(1, 3, 16, 16, requires_grad=True)
+    opt = torch.optim.Adam([image], lr=0.01)
+    target = torch.rand(1, 4, 14, 14)
+    with guard(net, opt, live=False) as g:
+        for _ in range(30):
+            loss = F.mse_loss(net(image), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "params-not-updating" not in kinds(g), g.findings
+    f = only(g, "param-not-in-optimizer")  # (and input-not-normalized: [0, 1] images into a conv)
+    assert "requires_grad=False" in f.hint

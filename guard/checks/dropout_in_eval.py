@@ -46,8 +46,13 @@ def _caller(frame, with_frame: bool = False) -> Tuple[Optional[object], ...]:
     for _ in range(_MAX_UP):
         if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
             break  # left the forward (torch's Module.__call__)
-        me = f.f_locals.get("self")
-        if isinstance(me, nn.Module):
+        co = f.f_code
+        # a method's first parameter, whatever its name (`def forward(s, x)`); a plain function taking a module first
+        # (`def block(lin, x, p)`) is a helper, not that module's method
+        first = co.co_varnames[0] if co.co_argcount else None
+        me = f.f_locals.get(first) if first else None
+        if isinstance(me, nn.Module) and (first == "self" or getattr(getattr(type(me), co.co_name, None),
+                                                                     "__code__", None) is co):
             return (call, me, f) if with_frame else (call, me)
         f = f.f_back
     return (call, None, None) if with_frame else (call, None)

@@ -23,6 +23,7 @@ import weakref
 from typing import Dict
 
 import torch
+from torch import nn
 
 from ._params import module_prefixes
 from .base import Check
@@ -140,11 +141,17 @@ class ParamsNotUpdating(Check):
                            "parameters": len(params)})
 
     def _other_copy(self) -> None:
-        held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        tensors = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]]
+        held = {id(p) for p in tensors}
+        # A copy holds parameters shaped like the model's; an optimizer over plain tensors (the input image of style
+        # transfer, a feature net left trainable but meant to stay fixed) is no copy: param-not-in-optimizer says it.
+        shapes = {tuple(p.shape) for p in tensors if isinstance(p, nn.Parameter)}
         for model in self.g.models:
             named = list(model.named_parameters())
             with_grad = [n for n, p in named if p.requires_grad and p.grad is not None]
             if not with_grad or any(id(p) in held for _, p in named):
+                continue
+            if not any(tuple(p.shape) in shapes for _, p in named):
                 continue
             opts = self.g.optimizers
             n_held = sum(len(grp["params"]) for o in opts for grp in o.param_groups)
