@@ -15,6 +15,7 @@ from ._weak import WeakIdMap
 
 MAX_MODULES = 5000
 REPLACED = 16  # steps of other optimizers without one of the primary: the primary was replaced
+SUCCEEDS = 2  # steps of an optimizer of all the primary's parameters without the primary: its successor
 #: ... or this many in a row, each without a call of a model the primary trains: its model is done (models
 #: trained one after another under a global guard), where a GAN's critic steps still call the generator
 FINISHED = 8  # above the 5 critic steps per generator step of WGAN (which need not call the generator)
@@ -128,6 +129,7 @@ class Watched:
         #: the optimizer whose step ends the guard's step (the first given, else the first seen stepping)
         self.primary: Optional[weakref.ref] = optimizers[0] if optimizers else None
         self._opt_watch = WeakIdMap()  # optimizer -> whether it steps the watched models
+        self._successors: Dict[int, Tuple[Any, Any, bool]] = {}  # id(optimizer) -> (it, primary, steps all of its)
         self.idle = 0  # steps of other optimizers since the primary's last one
         for r in optimizers:
             if r() is not None:
@@ -202,12 +204,25 @@ class Watched:
         self.quiet = 0 if self.primary_called else self.quiet + 1
         self.primary_called = False
         done = self.quiet >= FINISHED
-        if self.idle < REPLACED and not done:
+        # One that steps every parameter the primary steps, twice without it, is its successor (re-created to
+        # resume, or for the next round): two optimizers of one set of parameters do not take turns.
+        if self.idle < REPLACED and not done and not (self.idle >= SUCCEEDS and self._succeeds(optimizer)):
             return 0, done
         n, self.idle = self.idle, 0
         self.primary = weakref.ref(optimizer)
         self.primary_stepped()
         return n, done
+
+    def _succeeds(self, optimizer: torch.optim.Optimizer) -> bool:
+        primary = self.primary() if self.primary is not None else None
+        if primary is None:
+            return False
+        hit = self._successors.get(id(optimizer))
+        if hit is None or hit[0]() is not optimizer or hit[1]() is not primary:
+            mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            covers = all(id(p) in mine for g in primary.param_groups for p in g["params"])
+            hit = self._successors[id(optimizer)] = (weakref.ref(optimizer), weakref.ref(primary), covers)
+        return hit[2]
 
     def primary_stepped(self) -> None:
         """The primary optimizer stepped (or changed): watch again whether its models are called."""

@@ -11,7 +11,7 @@ import sys
 import threading
 from threading import get_ident as _thread_id
 from time import perf_counter as _clock
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -96,9 +96,13 @@ class Wiring:
                 opt = oref()
                 if opt is not None:
                     inst.optimizer_hooks(opt, self._hook_step_pre, self._hook_step_post)
-        # Without a given optimizer, any optimizer stepping may be ours (global hooks, filtered).
+        # Without a given optimizer, any optimizer stepping may be ours (global hooks, filtered). With one, another
+        # optimizer built later over the watched models (re-created to resume, or each round) must be seen too:
+        # global hooks that leave the given ones to their own.
         if not self._optimizers:
             inst.optimizer_hooks(None, self._hook_step_pre, self._hook_step_post)
+        elif self._models:
+            inst.optimizer_hooks(None, *self._other_optimizer_hooks())
         inst.patch("torch.autograd.backward", self._mw_backward)
         inst.patch("torch.compile", self.compile.mw_compile)
         inst.patch("torch.nn.Module.compile", self.compile.mw_module_compile)
@@ -319,6 +323,22 @@ class Wiring:
         finally:
             self.meter.own += _clock() - t0
 
+    def _other_optimizer_hooks(self) -> Tuple[Callable, Callable]:
+        """Step hooks for optimizers not given to guard (the given ones have their own)."""
+        given = {id(o): r for r in self._optimizers if (o := r()) is not None}
+
+        def mine(opt: torch.optim.Optimizer) -> bool:
+            r = given.get(id(opt))
+            return r is not None and r() is opt
+
+        def pre(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+            return None if mine(opt) else self._hook_step_pre(opt, args, kwargs)
+
+        def post(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            if not mine(opt):
+                self._hook_step_post(opt, args, kwargs)
+        return pre, post
+
     def _watches_optimizer(self, opt: torch.optim.Optimizer) -> bool:
         known, became = self.watched.watch_optimizer(opt)
         if became is not None:
@@ -420,7 +440,9 @@ class Wiring:
                 n, done = self.watched.takes_over(opt)
                 if n:
                     why = ("whose models are no longer called (the next model trains)" if done else
-                           "which was replaced")
+                           "which was replaced" if n >= _watched.REPLACED else
+                           "which it replaces (it steps all of that one's parameters: re-created to resume, or for "
+                           "the next round)")
                     self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the "
                                 f"optimizer guard counted steps by, {why}: its steps count from now on"
                                 + (f" (findings of steps {self.step}-{self.step + n - 1} carry step {self.step})"

@@ -206,7 +206,30 @@ def test_an_optimizer_replaced_mid_run_takes_over_the_step_count():
             nan_step(model, opt, step, bad_step=40)
     assert g.step == 60
     assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 40)]
-    assert any("SGD has stepped 16 times" in n for n in g.notices)
+    # SGD steps every parameter Adam stepped: its successor, counted after two steps without Adam
+    assert any("SGD has stepped 2 times" in n and "which it replaces" in n for n in g.notices), g.notices
+
+
+@pytest.mark.parametrize("keep_old", [True, False])
+def test_an_optimizer_recreated_over_the_same_model_is_followed_under_a_model_guard(keep_old):
+    """guard(model, opt), then a new optimizer over the same model (resume: state loaded; or a new round): its steps
+    are the steps (guard hooked the given optimizer only, so they went unseen and the count stood still)."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    old = []
+    with guard(model, opt, live=False) as g:
+        for step in range(4):
+            nan_step(model, opt, step, bad_step=-1)
+        opt2 = torch.optim.Adam(model.parameters(), lr=1e-3)
+        opt2.load_state_dict(opt.state_dict())
+        if keep_old:
+            old.append(opt)
+        del opt
+        for step in range(4, 16):
+            nan_step(model, opt2, step, bad_step=10)
+    assert g.step == 16
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 10)]
 
 
 def test_a_critic_stepping_five_times_per_generator_step_does_not_take_over():
