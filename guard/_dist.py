@@ -41,3 +41,13 @@ def rank_report_path(path: str) -> str:
         return path
     root, ext = os.path.splitext(os.fspath(path))
     return f"{root}.rank{info[0]}{ext}"
+
+
+def remember_rank(call, args: tuple, kwargs: dict):
+    """Installer middleware around ``torch.distributed.destroy_process_group``: read the rank while the group
+    still lives, so that a report written at exit still carries it (``report.rank1.json``)."""
+    try:
+        rank_info()
+    except Exception:
+        pass
+    return call(*args, **kwargs)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import hooks as _hooks
+from ._dist import remember_rank
 from ._frames import user_source
 from .callstack import pop_call, push_call
 from . import watched as _watched
@@ -104,6 +105,8 @@ class Wiring:
         elif self._models:
             inst.optimizer_hooks(None, *self._other_optimizer_hooks())
         inst.patch("torch.autograd.backward", self._mw_backward)
+        if torch.distributed.is_available():
+            inst.patch("torch.distributed.destroy_process_group", remember_rank)
         inst.patch("torch.compile", self.compile.mw_compile)
         inst.patch("torch.nn.Module.compile", self.compile.mw_module_compile)
         _hooks.eager_frames()

@@ -248,3 +248,18 @@ def test_live_all_prints_every_ranks_summary(tmp_path):
     assert len(_summaries(r.stderr)) == 2, r.stderr
     assert "auto.rank0.json" in r.stderr and "auto.rank1.json" in r.stderr
     assert "nonfinite-input" in r.stderr  # rank 1's finding, printed live as asked
+
+
+def test_healthy_spawned_ranks_that_destroy_their_group_still_write_rank_dumps(tmp_path):
+    """No finding on any rank, so nothing read the rank while the group lived: the patched
+    destroy_process_group() reads it before the group goes (the dumps were guard-report.pid<N>.json)."""
+    (tmp_path / "plain.py").write_text(PLAIN.replace('x[0, 0] = float("nan")', "pass"))
+    env = _env()
+    env.update(TORCH_GUARD="1", TORCH_GUARD_REPORT=str(tmp_path / "auto.json"), TORCH_GUARD_LIVE="1")
+    r = subprocess.run([sys.executable, "plain.py", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.glob("auto*.json")) == ["auto.rank0.json", "auto.rank1.json"]
+    assert len(_summaries(r.stderr)) == 1, r.stderr
+    r1 = _load(tmp_path / "auto.rank1.json")
+    assert (r1["environment"]["rank"], r1["environment"]["world_size"]) == (1, 2) and r1["findings"] == []
