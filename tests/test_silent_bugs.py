@@ -269,6 +269,24 @@ def test_small_batches_of_data_in_random_order_are_not_taken_for_sorting():
     assert f.step == 0 and 50 < f.details["batches"] <= 64 and 0.5 <= f.details["chance_single_class"] < 1
 
 
+def test_sorted_labels_found_when_they_come_last_after_categorical_and_continuous_features():
+    """Tabular (cat, cont, y) batches: the label is the tensor the loss takes as its target, wherever it sits."""
+    torch.manual_seed(0)
+    x, y = _sorted()
+    cat = torch.randint(0, 5, (len(y),))
+    model = nn.Linear(6, 4)
+    emb = nn.Embedding(5, 6)
+    opt = torch.optim.SGD(list(model.parameters()) + list(emb.parameters()), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for c, cont, target in DataLoader(TensorDataset(cat, x, y), batch_size=8):
+            loss = F.cross_entropy(model(cont + emb(c)), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "unshuffled-labels")
+    assert f.step == 0 and "shuffle=True" in f.hint
+
+
 @pytest.mark.parametrize("form", ["dataclass", "batch-encoding"])
 def test_sorted_labels_found_in_a_dataclass_or_batchencoding_batch(form):
     import dataclasses

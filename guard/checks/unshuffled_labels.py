@@ -84,21 +84,29 @@ def _tail(k: int, n: int, q: float) -> float:
     return min(1.0, sum(math.comb(n, i) * q ** i * (1 - q) ** (n - i) for i in range(k, n + 1)))
 
 
-def _labels(batch: Any) -> Optional[torch.Tensor]:
+def _labels(batch: Any) -> List[torch.Tensor]:
+    """The batch's tensors that may be its labels, most likely first (the loss's target tells which one is)."""
     if isinstance(batch, Mapping):  # a dict, or HF's BatchEncoding (a UserDict) from tokenizer.pad/collators
         for k in _LABEL_KEYS:
             t = batch.get(k)
             if isinstance(t, torch.Tensor):
-                return t
-        return None
+                return [t]
+        return []
     if isinstance(batch, (list, tuple)):
-        return batch[1] if len(batch) >= 2 and isinstance(batch[1], torch.Tensor) else None
+        # (x, y) first; then the last (fastai's and wide-and-deep's (cat, cont, y)), then the others
+        order = [1, len(batch) - 1] + list(range(2, len(batch) - 1)) if len(batch) >= 2 else []
+        out: List[torch.Tensor] = []
+        for i in order:
+            t = batch[i]
+            if isinstance(t, torch.Tensor) and all(t is not o for o in out):
+                out.append(t)
+        return out
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):  # a collate_fn's Batch(x=..., y=...)
         for k in _LABEL_KEYS:
             t = getattr(batch, k, None)
             if isinstance(t, torch.Tensor):
-                return t
-    return None
+                return [t]
+    return []
 
 
 def _name_of(loader: Any, depth: int = 3) -> Optional[str]:
@@ -159,32 +167,31 @@ class UnshuffledLabels(Check):
         if st.seen > MAX_BATCHES:
             st.done = True
             return
-        y = _labels(result)
-        if (not isinstance(y, torch.Tensor) or y.dim() != 1 or y.dtype not in _INT or y.numel() < 2
-                or y.device.type != "cpu"):
-            self._pending = None
-            return
-        lo, hi = torch.aminmax(y)
-        lo, hi = int(lo), int(hi)
-        self._pending = (st, lo == hi, lo, hi, y, [False])
+        cands = [y for y in _labels(result) if y.dim() == 1 and y.dtype in _INT and y.numel() >= 2
+                 and y.device.type == "cpu"]
+        self._pending = (st, cands, [None]) if cands else None
 
     def _target(self, args: tuple, kwargs: dict) -> None:
-        """A classification loss of this batch: are the batch's labels its target? (Sequence lengths or ids
-        in the label's place never are: a length-sorted CTC or packed-sequence loader is no sorted dataset.)"""
+        """A classification loss of this batch: which of the batch's candidate labels is its target? (Sequence
+        lengths or ids in the label's place never are: a length-sorted CTC or packed-sequence loader is no sorted
+        dataset.)"""
         pending = self._pending
-        if pending is None or pending[5][0]:
+        if pending is None or pending[2][0] is not None:
             return
         t = args[1] if len(args) > 1 else kwargs.get("target")
-        y = pending[4]
-        if not isinstance(t, torch.Tensor) or t.numel() != y.numel():
+        if not isinstance(t, torch.Tensor):
             return
-        if t.device.type == "cpu":  # on an accelerator the target is a copy: its size is what can be told
-            try:
-                if not torch.equal(t.detach().reshape(-1).to(y.dtype), y):
-                    return
-            except Exception:
-                return
-        pending[5][0] = True
+        for i, y in enumerate(pending[1]):
+            if t.numel() != y.numel():
+                continue
+            if t.device.type == "cpu":  # on an accelerator the target is a copy: its size is what can be told
+                try:
+                    if not torch.equal(t.detach().reshape(-1).to(y.dtype), y):
+                        continue
+                except Exception:
+                    continue
+            pending[2][0] = i
+            return
 
     def on_cross_entropy(self, args: tuple, kwargs: dict) -> None:
         self._target(args, kwargs)
@@ -193,11 +200,14 @@ class UnshuffledLabels(Check):
 
     def on_backward(self, tensors, kwargs):
         pending, self._pending = self._pending, None
-        if pending is None or not pending[5][0]:
+        if pending is None or pending[2][0] is None:
             return  # no classification loss took these labels as its target
-        st, single, lo, hi = pending[:4]
+        st, y = pending[0], pending[1][pending[2][0]]
         if st.done:
             return
+        lo, hi = torch.aminmax(y)
+        lo, hi = int(lo), int(hi)
+        single = lo == hi
         if st.counted == 0:
             st.since = self.g.step
         st.counted += 1
@@ -208,9 +218,9 @@ class UnshuffledLabels(Check):
             st.single += 1
             if lo not in st.classes:
                 st.classes.append(lo)
-            hist[lo] = hist.get(lo, 0) + pending[4].numel()
+            hist[lo] = hist.get(lo, 0) + y.numel()
         else:
-            labels, counts = torch.unique(pending[4], return_counts=True)
+            labels, counts = torch.unique(y, return_counts=True)
             for label, c in zip(labels.tolist(), counts.tolist()):
                 hist[label] = hist.get(label, 0) + c
         if (st.counted >= MIN_BATCHES and st.single >= FRACTION * st.counted and len(st.classes) >= 2
