@@ -561,3 +561,25 @@ def test_an_unassigned_tensor_conversion_is_named_in_the_dtype_fix():
     (f,) = _explained(g)
     assert "float64 parameters" in f.message and "a bare `x.double()` changes nothing" in f.hint
     assert "x = x.double()" in _notes(ei.value)
+
+
+def test_an_earlier_steps_graph_reached_through_a_carried_hidden_state_is_told_to_detach_it():
+    """TBPTT without detach, 'fixed' with retain_graph=True: the second backward runs through step 0's graph,
+    whose saved LSTM weight optimizer.step() changed. The fix is detaching the state, not an out-of-place op."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(4, 8, batch_first=True)
+    opt = torch.optim.SGD(rnn.parameters(), 0.1)
+    state = None
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+        with guard(rnn, opt, live=False) as g:
+            for _ in range(3):
+                y, state = rnn(torch.randn(2, 5, 4), state)
+                loss = y.pow(2).mean()
+                opt.zero_grad()
+                loss.backward(retain_graph=True)
+                opt.step()
+    f = [f for f in g.findings if f.kind == "explained-error"]
+    assert len(f) == 1 and f[0].step == 1 and f[0].where == "LSTM"
+    assert "saved by step 0's forward" in f[0].message and "state.detach()" in f[0].hint
+    assert "retain_graph=True" in f[0].hint and "out-of-place" not in f[0].hint
+    assert any("state.detach()" in n for n in info.value.__notes__)

@@ -169,7 +169,8 @@ class ExplainErrors(Check):
         try:
             fn = t.grad_fn  # PyTorch's message names the op that made the tensor: kept for ours
             made = f"output {t.output_nr} of {type(fn).__name__}" if fn is not None else None
-            return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)), made)
+            return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)), made, self.g.step,
+                    isinstance(t, nn.Parameter))
         except Exception:  # e.g. no version counter: keep PyTorch's own handling for this tensor
             return t.detach()
 
@@ -177,11 +178,13 @@ class ExplainErrors(Check):
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is not tuple:
             return packed
-        t, version, path, made = packed
+        t, version, path, made, step, param = packed
         now = t._version
         if now != version:
             self._inplace = {"module": path, "shape": list(t.shape), "dtype": str(t.dtype),
                              "saved_version": version, "version": now, "step": self.g.step}
+            if param and step < self.g.step:
+                self._inplace["saved_at_step"] = step  # a weight an update changed since: an earlier step's graph
             by = f"saved by module `{path}`" if path else "saved outside any module call"
             which = f", which is {made}" if made else ""
             raise RuntimeError(
@@ -330,6 +333,15 @@ class ExplainErrors(Check):
                 cause = "a tensor saved for backward was modified in place before backward() needed it"
             fix = ("Make the later in-place op out-of-place (x = x + y instead of x += y, x.add_() -> x.add(), "
                    "nn.ReLU(inplace=False), no x[idx] = ... on it), or .clone() the tensor before changing it.")
+            if info and "saved_at_step" in info:
+                # A weight saved by an earlier step's forward, updated by optimizer.step() since: this backward runs
+                # through that step's graph (a hidden state carried over without detach, kept with retain_graph).
+                cause += (f": it is a weight of `{path}` saved by step {info['saved_at_step']}'s forward and updated "
+                          f"by optimizer.step() since, so this backward() runs through the graph of an earlier step "
+                          f"(a tensor carried across steps without .detach(): an RNN's hidden state, a running sum)")
+                fix = ("Detach what is carried from one step to the next (truncated BPTT: state = state.detach(), "
+                       "or tuple(s.detach() for s in state) for an LSTM) and drop retain_graph=True, so each "
+                       "backward() ends at its own step's start.")
             return path or "backward", cause, fix, details
         if isinstance(exc, RuntimeError) and "a leaf Variable that requires grad is being used in an in-place" in text:
             cause = ("an in-place operation on a leaf tensor that requires grad (a parameter: p.div_(...), "
