@@ -564,3 +564,22 @@ def test_nan_a_loss_module_takes_on_purpose_is_not_blamed_when_its_batch_is_mask
     [f] = [f for f in g.findings if f.kind.startswith("nonfinite")]
     assert (f.kind, f.where, f.step) == ("nonfinite-output", "MaskedMSE", 3)
     assert "takes on purpose (args[1]" in f.message
+
+
+def test_a_loss_over_an_empty_selection_is_told_it_is_a_mean_over_zero_elements():
+    """FixMatch-style: cross_entropy over the rows passing a confidence mask, and no row passes."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            logits = model(torch.randn(8, 4))
+            mask = logits.softmax(1).amax(1) > 0.99
+            loss = F.cross_entropy(logits[mask], logits.argmax(1)[mask])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "nonfinite-loss")
+    assert f.step == 0 and "mask.any()" in f.hint and "zero elements" in f.hint

@@ -489,7 +489,10 @@ class NonFinite(Check):
                         self.emit("nonfinite-loss", "loss",
                                   "the loss passed to backward() is NaN/Inf although the model's outputs were finite",
                                   "The loss computation itself overflows or divides by zero (log(0), sqrt(<0), x/0): "
-                                  "clamp its inputs (e.g. torch.log(p.clamp_min(1e-8))) or use a stable built-in loss.",
+                                  "clamp its inputs (e.g. torch.log(p.clamp_min(1e-8))) or use a stable built-in loss. "
+                                  "A mean over zero elements is NaN too, built-in losses included: a selection that "
+                                  "can be empty (F.cross_entropy(logits[mask], y[mask]) when no row passes the mask) "
+                                  "needs `if mask.any():`, or (per_row * mask).sum() / mask.sum().clamp_min(1).",
                                   step=step, source=source)
                 return
         for flag, gn, step, source in grads:
