@@ -27,7 +27,7 @@ Nothing per module call.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -50,7 +50,8 @@ def _follow(fn: Any, path: Tuple[int, ...]) -> bool:
         return False
 
 
-def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[int, ...]]] = None) -> Optional[List[torch.Tensor]]:
+def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[int, ...]]] = None,
+            held: Optional[Callable[[], Optional[set]]] = None) -> Optional[List[torch.Tensor]]:
     """Leaf tensors the graph behind `roots` accumulates into; None as soon as one is an nn.Parameter.
 
     `paths` keeps the `next_functions` indices from the first root's node to the parameter found by earlier
@@ -62,6 +63,7 @@ def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[int, ...]]] = 
         for path in paths:
             if _follow(first, path):
                 return None
+    held_ids: List[Optional[set]] = []  # worked out at the first parameter met (the walk is off the usual path)
     found: List[torch.Tensor] = []
     stack: List[Any] = []
     for t in roots:
@@ -96,7 +98,10 @@ def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[int, ...]]] = 
                 continue
             var = getattr(child, "variable", None)
             if var is not None:
-                if isinstance(var, nn.Parameter):
+                # a parameter no optimizer holds (a prompt left out of the optimizer) is a leaf like any other
+                if isinstance(var, nn.Parameter) and not held_ids and held is not None:
+                    held_ids.append(held())
+                if isinstance(var, nn.Parameter) and (not held_ids or held_ids[0] is None or id(var) in held_ids[0]):
                     if paths is not None and first is not None and len(paths) < MAX_PATHS:
                         path, at = [k], id(node)
                         while at in parent:
@@ -140,11 +145,17 @@ class LossDisconnected(Check):
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or ()) if isinstance(t, torch.Tensor)]
         if not ts:
             return
-        leaves = _leaves(ts, self._paths)
+        # The walk (not the path followed on later steps) stops only at a parameter an optimizer seen so far holds.
+        def held() -> Optional[set]:
+            opts = list(self.g.optimizers)
+            return {id(p) for o in opts + self.g.watched.stepping_optimizers() for grp in o.param_groups
+                    for p in grp["params"]} if opts else None
+
+        leaves = _leaves(ts, self._paths, held)
         if leaves is None:
             return
-        descr = [f"{'the loss itself' if any(l is t for t in ts) else 'a tensor'} {list(l.shape)} "
-                 f"({'a leaf made with requires_grad=True' if l.grad_fn is None else type(l.grad_fn).__name__})"
+        descr = [f"{'the loss itself' if any(l is t for t in ts) else 'a parameter' if isinstance(l, nn.Parameter) else 'a tensor'} "
+                 f"{list(l.shape)} ({'held by no optimizer' if isinstance(l, nn.Parameter) else 'a leaf made with requires_grad=True' if l.grad_fn is None else type(l.grad_fn).__name__})"
                  for l in leaves]
         self._pending.append(([(weakref.ref(l), l._version) for l in leaves], descr, self.g.root_source, self.g.step,
                               list(ts[0].shape)))
@@ -177,6 +188,9 @@ class LossDisconnected(Check):
             reaches = ("only itself: it is a new leaf tensor made with requires_grad=True (such as "
                        "torch.tensor(loss.item(), requires_grad=True), or a loss computed under torch.no_grad() and "
                        "then given requires_grad_()), cut off from the model")
+        elif all(d.startswith("a parameter") for d in descr):
+            reaches = (f"only {len(descr)} parameter(s) that no optimizer holds: {'; '.join(descr[:4])}"
+                       + (" ..." if len(descr) > 4 else "") + " (left out when the optimizer was built)")
         elif copies:
             reaches = (f"only {len(descr)} leaf tensor(s) shaped like {opt}'s parameters: {'; '.join(descr[:4])}"
                        + (" ..." if len(descr) > 4 else "") + " (copies used in the parameters' place, such as a "
@@ -193,7 +207,11 @@ class LossDisconnected(Check):
                 ".numpy() or .data on the way, no torch.tensor(..., requires_grad=True) around the loss, and no "
                 "torch.no_grad() (or @torch.no_grad() on the function computing it) followed by "
                 "loss.requires_grad_(); use loss.item() only for logging.")
-        if copies:
+        if all(d.startswith("a parameter") for d in descr):
+            hint = ("Hand them to the optimizer: torch.optim.X([*params_to_train], ...) or "
+                    "optimizer.add_param_group({'params': [...]}); an optimizer over frozen parameters only trains "
+                    "nothing.")
+        elif copies:
             hint = ("Build the optimizer over the tensors the forward uses (torch.optim.Adam(params.values()) for a "
                     "functional_call params dict), or pass the module's own parameters (dict(model.named_parameters())) "
                     "to functional_call.")
