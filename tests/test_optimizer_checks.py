@@ -986,3 +986,20 @@ def test_models_of_earlier_rounds_kept_alive_are_not_parameters_in_no_optimizer(
                 opt.step()
             kept.append(m)
     assert g.findings == [] and g.internal_errors == []
+
+
+def test_a_weight_rebound_to_a_new_parameter_every_step_is_in_no_optimizer():
+    """`emb.weight = nn.Parameter(F.normalize(...))` each batch (renormalize by re-binding): the optimizer holds the
+    first weight, the live one gets gradients nothing applies (the parameter list was cached and went stale)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+    with guard(m, opt, live=False) as g:
+        for _ in range(40):
+            m[0].weight = nn.Parameter(F.normalize(m[0].weight.detach(), dim=1))
+            loss = m(torch.randint(0, 20, (16,))).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert len(f) == 1 and f[0].where == "0" and f[0].details["names"] == ["0.weight"]

@@ -47,7 +47,9 @@ class OptimizerParams(Check):
         "param-not-in-optimizer": ("warning", "trainable parameters that get gradients are in no optimizer"),
     }
     description = "requires_grad=False parameters handed to an optimizer; trainable ones that are in none"
-    patches = {"module_init": "torch.nn.Module.__init__"}  # (shared with module-not-registered: one wrapper)
+    patches = {"module_init": "torch.nn.Module.__init__",  # (shared with module-not-registered: one wrapper)
+               # `m.weight = nn.Parameter(...)` (a head's weight replaced, or re-bound every step to renormalize)
+               "register_parameter": "torch.nn.Module.register_parameter"}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -161,6 +163,9 @@ class OptimizerParams(Check):
 
     def on_module_init(self, args, kwargs):
         self._plist = None  # a module built since (a new head to assign): list the parameters again
+
+    def on_register_parameter(self, args, kwargs):
+        self._plist = None  # a parameter assigned since: list the parameters again
 
     def _missing(self, missing: List[str], step: int, source, later: bool = False) -> None:
         named = self.g.named_parameters()
