@@ -532,6 +532,47 @@ def test_a_prompt_parameter_left_out_of_an_optimizer_over_a_frozen_backbone_is_d
     assert g.findings == [] and g.internal_errors == []
 
 
+@pytest.mark.parametrize("analysis", ["temperature-scaling", "saliency", "saliency-kept"])
+def test_analysis_backwards_between_epochs_are_no_disconnected_loss(analysis):
+    """Temperature scaling (log T fitted by its own Adam in a helper) and input saliency with the model frozen:
+    their backwards reach a plain tensor only, on purpose (it was an error at the next training step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    kept = []
+
+    def temperature():
+        with torch.no_grad():
+            logits = model(x)
+        log_t = torch.zeros(1, requires_grad=True)
+        t_opt = torch.optim.Adam([log_t], lr=0.05)
+        for _ in range(5):
+            loss = F.cross_entropy(logits / log_t.exp(), y)
+            t_opt.zero_grad()
+            loss.backward()
+            t_opt.step()
+
+    def saliency():
+        model.requires_grad_(False)
+        xs = x[:4].clone().requires_grad_(True)
+        model(xs).gather(1, y[:4, None]).sum().backward()
+        model.requires_grad_(True)
+        if analysis == "saliency-kept":
+            kept.append(xs)  # still alive at the next training step
+        return xs.grad.abs()
+
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            for i in range(0, 64, 16):
+                loss = F.cross_entropy(model(x[i:i + 16]), y[i:i + 16])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            temperature() if analysis == "temperature-scaling" else saliency()
+    assert g.findings == [] and g.internal_errors == []
+
+
 def test_numpy_round_trip_names_the_tensor_it_reaches_in_global_mode():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -154,6 +154,9 @@ class LossDisconnected(Check):
         leaves = _leaves(ts, self._paths, held)
         if leaves is None:
             return
+        if leaves and not any(isinstance(l, nn.Parameter) for l in leaves) and \
+                not any(p.requires_grad for m in self.g.roots for p in m.parameters()):
+            return  # the models are frozen on purpose for this backward: a saliency map, an attack on the input
         descr = [f"{'the loss itself' if any(l is t for t in ts) else 'a parameter' if isinstance(l, nn.Parameter) else 'a tensor'} "
                  f"{list(l.shape)} ({'held by no optimizer' if isinstance(l, nn.Parameter) else 'a leaf made with requires_grad=True' if l.grad_fn is None else type(l.grad_fn).__name__})"
                  for l in leaves]
@@ -169,6 +172,8 @@ class LossDisconnected(Check):
         held = {id(p) for o in opts for grp in o.param_groups for p in grp["params"]}
         for refs, descr, src, step, shape in pending:
             live = [(l, v) for r, v in refs if (l := r()) is not None]
+            if refs and not live:
+                continue  # its leaves are gone by the step: a helper's own backward (temperature scaling), not the loop's
             if any(id(l) in held or l._version != v for l, v in live):
                 # it trains a plain tensor an optimizer holds (style transfer), or one that an optimizer guard does
                 # not see (given one optimizer, guard hooks that one only) updated in place since that backward
