@@ -296,3 +296,37 @@ def test_a_batch_of_one_image_says_how_many_values_each_channel_still_has():
     (f,) = g.findings
     assert f.severity == "info" and f.kind == "batchnorm-single-sample" and f.where == "input"
     assert "(input (1, 8, 8, 8), 64 values per channel)" in f.message and "very noisy" not in f.message
+
+
+def test_a_loader_feeding_part_of_the_model_in_eval_under_no_grad_is_no_training_loader():
+    """k-NN evaluation: features from `model.backbone(x)` in eval mode under no_grad over a loader with a last
+    batch of one. The next training forward (its own batches) used to be taken for that loader's."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU())
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.head(self.backbone(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(256, 16), torch.randint(0, 4, (256,))
+    feature_loader = DataLoader(TensorDataset(torch.randn(65, 16)), batch_size=32)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            for i in range(0, 256, 32):
+                loss = F.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                feats = [model.backbone(b) for (b,) in feature_loader]
+            model.train()
+    assert len(feats) == 3 and g.findings == [] and g.internal_errors == []

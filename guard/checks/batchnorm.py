@@ -85,7 +85,13 @@ class BatchNormBatch(Check):
         is_bn = self._bn.get(type(module))  # by type: one dict lookup per module call
         if is_bn is None:
             is_bn = self._bn[type(module)] = issubclass(type(module), _BatchNorm)
-        if not is_bn or not _training(module):
+        if not is_bn:
+            return
+        if not _training(module):
+            if self._pending and not is_root and not torch.is_grad_enabled():
+                # the loader just iterated feeds a BatchNorm in eval mode (features extracted from part of the model,
+                # `model.backbone(x)`, for a k-NN evaluation): its short last batch is no training batch
+                self._pending = []
             return
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
