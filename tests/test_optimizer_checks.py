@@ -1003,3 +1003,29 @@ def test_a_weight_rebound_to_a_new_parameter_every_step_is_in_no_optimizer():
             opt.step()
     f = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
     assert len(f) == 1 and f[0].where == "0" and f[0].details["names"] == ["0.weight"]
+
+
+def test_an_lr_range_test_diverging_on_purpose_is_no_gradient_explosion():
+    """torch-lr-finder/fastai: the learning rate grows by one factor each step until the loss diverges, then the
+    model and optimizer are restored. While the rate grows geometrically, no gradient spike is an explosion."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=1.3)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    start = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
+    with guard(model, opt, live=False) as g:
+        norms = []
+        for _ in range(45):
+            loss = F.mse_loss(model(x), y)
+            if not torch.isfinite(loss) or loss.item() > 1e6:
+                break
+            opt.zero_grad()
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+            opt.step()
+            sched.step()
+        model.load_state_dict(start[0])
+        opt.load_state_dict(start[1])
+    assert max(norms) > 50 * norms[0]  # it did diverge
+    assert "grad-explosion" not in kinds(g), g.findings

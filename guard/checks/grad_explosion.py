@@ -44,6 +44,10 @@ HIGH = 2.0  # and the least ratio to the largest norm in the window
 LOG_HIGH = math.log(HIGH)
 
 
+RAMP_STEPS = 6  # steps in a row whose learning rate grew by one same factor: an LR range test
+RAMP_MIN = 1.02  # the least growth factor per step of such a test (fastai and torch-lr-finder: ~1.05-1.3)
+
+
 class _State:
     __slots__ = ("window", "top", "where", "burst")
 
@@ -61,6 +65,27 @@ class _State:
             self.top = max(w)  # the largest left the window
         elif lv > self.top:
             self.top = lv
+
+
+class _Ramp:
+    """Whether an optimizer's learning rate is growing geometrically (an LR range test: it diverges on purpose)."""
+    __slots__ = ("last", "factor", "run")
+
+    def __init__(self) -> None:
+        self.last: Optional[float] = None
+        self.factor = 0.0
+        self.run = 0
+
+    def note(self, lr: float) -> bool:
+        # One same factor (to 1e-4): a linear warm-up's factors t / (t - 1) differ by more from step to step.
+        last, self.last = self.last, lr
+        if last is None or last <= 0 or lr <= last * RAMP_MIN:
+            self.run = 0
+            return False
+        f = lr / last
+        self.run = self.run + 1 if self.run and abs(f - self.factor) <= 1e-4 * self.factor else 1
+        self.factor = f
+        return self.run >= RAMP_STEPS
 
 
 def _bar(logs) -> tuple:
@@ -92,12 +117,20 @@ class GradExplosion(Check):
     def __init__(self, guard):
         super().__init__(guard)
         self._state = WeakIdMap()  # optimizer -> _State
+        self._ramps = WeakIdMap()  # optimizer -> _Ramp
 
     def on_step_pre(self, optimizer):
         if not self.sampling:
             return
         if self.g.is_primary(optimizer):
             self._note_lr(optimizer)
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        if isinstance(lr, float):
+            ramp = self._ramps.data.get(id(optimizer))
+            if ramp is None:
+                ramp = self._ramps[optimizer] = _Ramp()
+            if ramp.note(lr):
+                return  # an LR range test: the divergence it looks for is no explosion (nor a norm to keep)
         gn = self.g.grad_norms(optimizer)
         totals = list(gn.totals.values())
         if not totals:
