@@ -1029,3 +1029,34 @@ def test_an_lr_range_test_diverging_on_purpose_is_no_gradient_explosion():
         opt.load_state_dict(start[1])
     assert max(norms) > 50 * norms[0]  # it did diverge
     assert "grad-explosion" not in kinds(g), g.findings
+
+
+@pytest.mark.parametrize("in_optimizer", [True, False])
+def test_a_head_whose_loss_term_is_weighted_by_zero(in_optimizer):
+    """Multi-task loss with w_b = 0.0: head b's gradients are computed as exactly 0 every step. In an AdamW group
+    with weight decay it shrinks without signal (found); left out of the optimizer on purpose, it misses nothing."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 16)
+            self.a, self.b = nn.Linear(16, 1), nn.Linear(16, 1)
+
+    net = Net()
+    params = net.parameters() if in_optimizer else [p for n, p in net.named_parameters() if not n.startswith("b.")]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    with guard(net, opt, live=False) as g:
+        for _ in range(24):
+            h = torch.relu(net.body(torch.randn(32, 8)))
+            loss = net.a(h).pow(2).mean() + 0.0 * net.b(h).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if in_optimizer:
+        f = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
+        assert len(f) == 1 and f[0].where == "b" and "computed as exactly 0" in f[0].message
+        assert "weighted by 0" in f[0].hint
+    else:
+        assert g.findings == [], g.findings
+    assert g.internal_errors == []

@@ -107,6 +107,14 @@ class OptimizerParams(Check):
         missing = [n for n, (v, gref, gv) in versions.items() if n in still and n in named and named[n]._version == v
                    and (named[n].grad is not gref() or named[n].grad._version != gv)]
         if missing:
+            # Gradients computed as exactly 0 (a head whose loss term is weighted by 0, left out of the optimizer
+            # on purpose) carry no signal to miss. Read once, when reporting.
+            with torch.no_grad():
+                grads = [named[n].grad.detach() for n in missing]
+                norms = torch.stack([(g.coalesce().values() if g.is_sparse else g).float().norm().cpu()
+                                     for g in grads]).tolist()
+            missing = [n for n, v in zip(missing, norms) if v != 0.0]
+        if missing:
             self._told.update(missing)
             self._missing(missing, step, source, later=self._looked_before)
         self._looked_before = True

@@ -41,7 +41,7 @@ STEPS = 3  # consecutive steps with a zero gradient before reporting (not one un
 
 class _Track:
     __slots__ = ("ref", "first_step", "last_step", "count", "first_norm", "last_norm", "group", "why", "wd",
-                 "reported", "unreached")
+                 "reported", "unreached", "in_graph")
 
     def __init__(self, p: torch.Tensor, step: int, group: int, why: str, wd: float):
         self.ref = weakref.ref(p)
@@ -50,6 +50,7 @@ class _Track:
         self.last_norm: Optional[float] = None
         self.group, self.why, self.wd, self.reported = group, why, wd, False
         self.unreached = False  # seen outside a backward graph of its step at least once
+        self.in_graph = False  # reached by backward, its whole layer's gradients computed as exactly 0
 
 
 def _norms(ts: List[_Track]) -> Tuple[float, float, float]:
@@ -246,9 +247,10 @@ class WeightDecayWithoutGrad(Check):
             return  # the healthy step: no run to start or break, nothing hooked or reported changes
         pnorm = dict(zip(sids, values[n:]))
         live: Dict[int, _Track] = {}
+        whole = self._whole_layers(cands, zeros) if any(id(cands[k][0]) in reached for k in zeros) else set()
         for k in zeros:
             p, _, gi, why, wd = cands[k]
-            if id(p) in reached:
+            if id(p) in reached and id(p) not in whole:
                 continue
             t = tracks.get(id(p))
             if t is None or t.ref() is not p or t.last_step != step - 1:
@@ -259,6 +261,8 @@ class WeightDecayWithoutGrad(Check):
             t.count += 1
             if id(p) in checked:
                 t.unreached = True
+            elif id(p) in whole:
+                t.unreached = t.in_graph = True  # no signal either: the whole layer's gradient is computed as 0
             t.group, t.why, t.wd = gi, why, wd
             pval = pnorm.get(id(p))
             if pval is not None:
@@ -280,6 +284,20 @@ class WeightDecayWithoutGrad(Check):
                 self.g.update_details("weight-decay-without-grad", where, norm_now=now, norm_change_pct=change,
                                       zero_grad_steps=max(t.count for t in ts), measured_at_step=step)
                 self.g.seen_again("weight-decay-without-grad", where)
+
+    def _whole_layers(self, cands, zeros: List[int]) -> set:
+        """Ids of zero-gradient parameters whose layer's gradients are all exactly zero: a loss term weighted by 0,
+        or every unit after the layer dead. A lone zero among a layer's gradients is a cancellation (an L1 loss's
+        output bias when residual signs balance), and so is a lone bias."""
+        zero_ids = {id(cands[k][0]) for k in zeros}
+        layers: Dict[str, List[torch.Tensor]] = {}
+        for p, *_ in cands:
+            layers.setdefault(self.g.param_name(p).rpartition(".")[0], []).append(p)
+        out = set()
+        for ps in layers.values():
+            if all(id(p) in zero_ids for p in ps) and (len(ps) >= 2 or ps[0].numel() > 1):
+                out.update(id(p) for p in ps)
+        return out
 
     def _report(self, opt, due: List[_Track], source: Optional[str]) -> None:
         names: Dict[int, str] = {}
@@ -321,6 +339,13 @@ class WeightDecayWithoutGrad(Check):
                     f"output will be near 0. Remove these parameters from the optimizer for this phase, put "
                     f"them in their own group with weight_decay=0, or let their grads be None "
                     f"(zero_grad(set_to_none=True), which optimizers skip).")
+            if all(t.in_graph for t in ts):
+                what += (" (backward reaches them, but their gradients are computed as exactly 0: a loss term "
+                         "weighted by 0, or every unit after them dead)")
+                hint = (f"Weight decay pulls {where} toward 0 while its gradient is exactly 0. If its loss term is "
+                        f"weighted by 0 on purpose, leave the term out of the loss (its grads then stay None, which "
+                        f"optimizers skip) or put {where} in a group with weight_decay=0; if its units are dead, "
+                        f"look at the activation after it.")
         else:
             what = (f"{where}: {len(ts)} parameter(s) in {opt_name} param_groups[{gi}] got all-zero gradients "
                     f"for {count} steps, yet {opt_name}'s momentum from earlier steps keeps moving them: their "
