@@ -269,6 +269,15 @@ def test_small_batches_of_data_in_random_order_are_not_taken_for_sorting():
     assert f.step == 0 and 50 < f.details["batches"] <= 64 and 0.5 <= f.details["chance_single_class"] < 1
 
 
+def test_a_small_sorted_dataset_with_some_two_class_batches_is_found():
+    """128 samples of 4 classes (17/30/34/47) sorted, batch 16: 5 of 8 batches hold one class, the others two:
+    impossible by chance, although not three quarters single-class."""
+    y = torch.cat([torch.full((n,), c) for c, n in enumerate((17, 30, 34, 47))])
+    g = _fit(DataLoader(TensorDataset(torch.randn(128, 6), y), batch_size=16))
+    f = only(g, "unshuffled-labels")
+    assert f.step == 0 and "shuffle=True" in f.hint
+
+
 def test_sorted_labels_found_when_they_come_last_after_categorical_and_continuous_features():
     """Tabular (cat, cont, y) batches: the label is the tensor the loss takes as its target, wherever it sits."""
     torch.manual_seed(0)

@@ -46,7 +46,7 @@ from .._frames import user_frame
 from .base import Check
 
 MIN_BATCHES = 4
-FRACTION = 0.75
+FRACTION = 0.5  # of the batches so far: the chance test below tells sorting from luck
 MAX_BATCHES = 400
 ALPHA = 1e-3  # chance of that many single-class batches from data in random order, below which it is sorting
 _LABEL_KEYS = ("label", "labels", "target", "targets", "y")
