@@ -217,3 +217,18 @@ def test_running_stats_mismatch_next_to_another_difference_explains_both():
     f = explain_state_dict(NetNoStats(), sd)
     assert "track_running_stats=False" in f.message and "fc.weight: checkpoint [10, 4] vs model [4, 4]" in f.message
     assert "different architecture" not in f.hint
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_whole_checkpoint_passed_for_its_state_dict_is_told_to_pass_its_model_entry(strict):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpoint = {"epoch": 3, "model": model.state_dict(), "opt": opt.state_dict()}
+    with guard(model, opt, live=False) as g:
+        try:
+            model.load_state_dict(checkpoint, strict=strict)
+        except RuntimeError:
+            assert strict
+    f = [f for f in g.findings if f.kind == "state-dict-mismatch"]
+    assert len(f) == 1 and "checkpoint['model']" in f[0].hint and "'model' entry holds the model's keys" in f[0].message
+    assert f[0].details["nested_state_dict"] == "model"

@@ -207,7 +207,16 @@ def analyse(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
             details["unexpected_groups"] = _group(unexpected, got)
             parts.append(f"{len(unexpected)} checkpoint key(s) are unexpected: "
                          f"{_fmt_groups(details['unexpected_groups'])}")
-        if renames:
+        # the whole checkpoint passed (torch.save({"epoch": ..., "model": model.state_dict(), ...})): one of its
+        # values is the state_dict the model expects
+        nested = next((k for k, v in state_dict.items() if isinstance(v, Mapping) and exp & set(v.keys())), None)
+        if nested is not None:
+            details["nested_state_dict"] = nested
+            parts.append(f"the checkpoint's {nested!r} entry holds the model's keys: the whole checkpoint was passed "
+                         f"instead of its state_dict")
+            hints.append(f"Pass the model's part: model.load_state_dict(checkpoint[{nested!r}]) (the file also holds "
+                         f"{', '.join(repr(k) for k in list(state_dict)[:4] if k != nested)}).")
+        elif renames:
             details["renamed"] = [list(r) for r in renames]
             old, new = renames[0]
             hints.append(f"The module looks renamed ({old} -> {new}): state_dict = {{('{new}.' + k[{len(old) + 1}:] "
