@@ -130,6 +130,7 @@ class Watched:
         self.primary: Optional[weakref.ref] = optimizers[0] if optimizers else None
         self._opt_watch = WeakIdMap()  # optimizer -> whether it steps the watched models
         self._successors: Dict[int, Tuple[Any, Any, bool]] = {}  # id(optimizer) -> (it, primary, steps all of its)
+        self.former: Optional[Any] = None  # weak reference to the optimizer that counted steps before the primary
         self.idle = 0  # steps of other optimizers since the primary's last one
         for r in optimizers:
             if r() is not None:
@@ -192,26 +193,34 @@ class Watched:
     def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
         return self.primary is not None and self.primary() is optimizer
 
-    def takes_over(self, optimizer: torch.optim.Optimizer) -> Tuple[int, bool]:
+    def takes_over(self, optimizer: torch.optim.Optimizer) -> Tuple[int, str]:
         """A watched optimizer other than the primary stepped. It becomes the primary when the primary has not
         stepped during `REPLACED` steps of others (it was replaced, as Adam by SGD mid-run, but is still
         referenced), or during `FINISHED` steps of others in a row that called none of its models (its
         model's training is over: the next model trains). A GAN's optimizers alternate and never get there.
 
-        Returns (the steps made without the primary, counting this one; whether its model is done), (0, _)
-        when `optimizer` does not take over."""
+        The optimizer that counted before steps again (a probe's own optimizer trained meanwhile): it takes
+        the count back at once.
+
+        Returns (the steps made without the primary, counting this one; why: "done", "replaced", "successor"
+        or "back"), (0, "") when `optimizer` does not take over."""
         self.idle += 1
         self.quiet = 0 if self.primary_called else self.quiet + 1
         self.primary_called = False
         done = self.quiet >= FINISHED
         # One that steps every parameter the primary steps, twice without it, is its successor (re-created to
         # resume, or for the next round): two optimizers of one set of parameters do not take turns.
-        if self.idle < REPLACED and not done and not (self.idle >= SUCCEEDS and self._succeeds(optimizer)):
-            return 0, done
-        n, self.idle = self.idle, 0
+        former = self.former() if self.former is not None else None
+        back = former is optimizer  # the optimizer that counted before (a probe's own trained meanwhile) steps again
+        succeeds = not back and not done and self.idle < REPLACED and self.idle >= SUCCEEDS and self._succeeds(optimizer)
+        if not back and self.idle < REPLACED and not done and not succeeds:
+            return 0, ""
+        why = "back" if back else "done" if done else "successor" if succeeds else "replaced"
+        n, self.idle = (1 if back else self.idle), 0
+        self.former = self.primary
         self.primary = weakref.ref(optimizer)
         self.primary_stepped()
-        return n, done
+        return n, why
 
     def _succeeds(self, optimizer: torch.optim.Optimizer) -> bool:
         primary = self.primary() if self.primary is not None else None

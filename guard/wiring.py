@@ -440,16 +440,21 @@ class Wiring:
                 self._own_step()
                 self._end_step(t0)
             else:
-                n, done = self.watched.takes_over(opt)
+                n, why = self.watched.takes_over(opt)
                 if n:
-                    why = ("whose models are no longer called (the next model trains)" if done else
-                           "which was replaced" if n >= _watched.REPLACED else
-                           "which it replaces (it steps all of that one's parameters: re-created to resume, or for "
-                           "the next round)")
-                    self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the "
-                                f"optimizer guard counted steps by, {why}: its steps count from now on"
-                                + (f" (findings of steps {self.step}-{self.step + n - 1} carry step {self.step})"
-                                   if n > 1 else "") + ".")
+                    if why == "back":
+                        self.notice(f"guard: {type(opt).__name__}, whose steps guard counted before, steps again: "
+                                    f"its steps count again (the other optimizer's steps in between were counted "
+                                    f"as steps too).")
+                    else:
+                        why = {"done": "whose models are no longer called (the next model trains)",
+                               "replaced": "which was replaced",
+                               "successor": "which it replaces (it steps all of that one's parameters: re-created to "
+                                            "resume, or for the next round)"}[why]
+                        self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the "
+                                    f"optimizer guard counted steps by, {why}: its steps count from now on"
+                                    + (f" (findings of steps {self.step}-{self.step + n - 1} carry step {self.step})"
+                                       if n > 1 else "") + ".")
                     self._resolve()
                     self.step += n - 1  # the steps it made meanwhile count too: numbers follow the loop again
                     self._end_step(t0)

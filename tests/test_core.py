@@ -232,6 +232,32 @@ def test_an_optimizer_recreated_over_the_same_model_is_followed_under_a_model_gu
     assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 10)]
 
 
+def test_the_optimizer_that_counted_before_takes_the_count_back_when_it_steps_again():
+    """A linear probe trained mid-run with its own optimizer on the model's features (a global guard): after 16 of
+    its steps it counts the steps; when training resumes, the model's optimizer counts again at once."""
+    torch.manual_seed(0)
+    model = mlp()
+    probe = nn.Linear(model(torch.randn(1, 4)).shape[1], 2)
+    with guard(live=False) as g:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        popt = torch.optim.SGD(probe.parameters(), lr=0.01)
+        for step in range(10):
+            nan_step(model, opt, step, bad_step=-1)
+        for _ in range(20):
+            with torch.no_grad():
+                feats = model(torch.randn(8, 4))
+            loss = probe(feats).pow(2).mean()
+            popt.zero_grad()
+            loss.backward()
+            popt.step()
+        before = g.step
+        for step in range(10):
+            nan_step(model, opt, step, bad_step=-1)
+    assert any("SGD has stepped 16 times" in n for n in g.notices), g.notices
+    assert any("steps again: its steps count again" in n for n in g.notices), g.notices
+    assert g.step - before == 10 and g.findings == []
+
+
 def test_a_critic_stepping_five_times_per_generator_step_does_not_take_over():
     torch.manual_seed(0)
     G, D = mlp(), mlp()
