@@ -411,12 +411,33 @@ _sigterm_installed = False
 _prev_excepthook: Any = None  # sys.excepthook before guard's, while guard's is installed
 
 
+_exiting = 0  # exit callbacks running now (a report being written)
+_kill_after_exit = False  # a fatal SIGTERM came while they ran: delivered once they are done
+
+
 def _run_exit_callbacks(reason: str) -> None:
     for obj in list(_exit_callbacks.values()):
+        run_exit_callback(obj, reason)
+
+
+def run_exit_callback(obj: Any, reason: str) -> None:
+    """``obj.on_process_exit(reason)``, never raising. A fatal SIGTERM arriving meanwhile (``Pool.terminate()``
+    while a worker, leaving on its own, writes its report) waits for it to finish, then ends the process."""
+    global _exiting, _kill_after_exit
+    _exiting += 1
+    try:
+        obj.on_process_exit(reason)
+    except Exception:  # never let guard break interpreter shutdown
+        pass
+    finally:
+        _exiting -= 1
+    if not _exiting and _kill_after_exit:
+        _kill_after_exit = False
         try:
-            obj.on_process_exit(reason)
-        except Exception:  # never let guard break interpreter shutdown
+            signal.signal(signal.SIGTERM, _prev_sigterm if _prev_sigterm is not None else signal.SIG_DFL)
+        except (ValueError, OSError, TypeError):
             pass
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _on_uncaught(exc_type: Any, exc: Any, tb: Any) -> None:
@@ -459,8 +480,12 @@ def _sigterm_once(signum: int, frame: Any, passed: List[bool]) -> None:
     A program's own SIGTERM handler (graceful shutdown: a few more steps, a checkpoint) runs after the write,
     and the guards keep watching until the process really exits.
     """
+    global _kill_after_exit
     prev = _prev_sigterm
     fatal = not callable(prev) and prev != signal.SIG_IGN  # SIG_DFL (or unknown): the process ends now
+    if fatal and _exiting:
+        _kill_after_exit = True  # a report is being written below this handler: let it finish first
+        return
     held: List[Any] = []
     chld = getattr(signal, "SIGCHLD", None)
     old_chld = None
@@ -514,7 +539,9 @@ def _watch_process_exit(obj: Any) -> _Handle:
             _exit_callbacks.pop(key, None)
             if not len(_exit_callbacks) and sys.excepthook is _on_uncaught:
                 sys.excepthook, _prev_excepthook = _prev_excepthook or sys.__excepthook__, None
-            if not len(_exit_callbacks) and _sigterm_installed:
+            # (not while an exit callback runs: the process is leaving, and a SIGTERM now, Pool.terminate() on a
+            # worker that is writing its report, must wait for the report, not kill it half-written)
+            if not len(_exit_callbacks) and _sigterm_installed and not _exiting:
                 try:
                     if signal.getsignal(signal.SIGTERM) is _on_sigterm:
                         signal.signal(signal.SIGTERM, _prev_sigterm)

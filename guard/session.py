@@ -257,7 +257,7 @@ class Guard(Wiring):
         self.dispatch("start")
         self.started_at = time.time()
         # forked children leave through os._exit (no atexit): multiprocessing's own exit runs this
-        multiprocessing.util.Finalize(None, self.on_process_exit, args=("exit",), exitpriority=100)
+        multiprocessing.util.Finalize(None, _hooks.run_exit_callback, args=(self, "exit"), exitpriority=100)
 
     def __enter__(self) -> "Guard":
         # Re-entered while its own `with` block runs (`with g:` inside `with g:`, a decorated function calling

@@ -158,6 +158,44 @@ def test_each_process_that_saw_something_writes_its_own_dump(tmp_path, method):
     assert merged.returncode == 0, merged.stderr
 
 
+POOL = """\
+import multiprocessing as mp
+import torch
+from torch import nn
+
+def trial(k):
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    x = torch.randn(4, 3)
+    x[0, 0] = float("nan")
+    for _ in range(3):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return k
+
+if __name__ == "__main__":
+    with mp.get_context("fork").Pool(2) as pool:   # __exit__ terminates the workers (SIGTERM)
+        pool.map(trial, range(4))
+"""
+
+
+def test_pool_workers_terminated_by_the_with_block_still_write_their_dumps(tmp_path):
+    """`with Pool() as pool:` ends with terminate(): a SIGTERM that can reach a worker while it leaves on its own and
+    writes its report. The close used to restore the default SIGTERM before the write, which the signal then
+    killed: 0, 1 or 2 dumps at random, and `--fail-on error` passed."""
+    (tmp_path / "run.py").write_text(POOL)
+    for attempt in range(4):
+        for p in tmp_path.glob("guard-report*.json"):
+            p.unlink()
+        r = _run(["run.py"], tmp_path, TORCH_GUARD="record")
+        assert r.returncode == 0, r.stderr
+        dumps = [_load(p) for p in tmp_path.glob("guard-report.pid*.json")]
+        assert len(dumps) == 2, (attempt, r.stderr[-2000:])
+        assert all(("nonfinite-input", "input") in _kinds(d) for d in dumps)
+
+
 def test_processes_that_saw_nothing_write_nothing(tmp_path):
     (tmp_path / "run.py").write_text(textwrap.dedent("""\
         import multiprocessing as mp
