@@ -1047,7 +1047,7 @@ def test_a_head_whose_loss_term_is_weighted_by_zero(in_optimizer):
     params = net.parameters() if in_optimizer else [p for n, p in net.named_parameters() if not n.startswith("b.")]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     with guard(net, opt, live=False) as g:
-        for _ in range(24):
+        for _ in range(60):
             h = torch.relu(net.body(torch.randn(32, 8)))
             loss = net.a(h).pow(2).mean() + 0.0 * net.b(h).pow(2).mean()
             opt.zero_grad()
@@ -1060,3 +1060,28 @@ def test_a_head_whose_loss_term_is_weighted_by_zero(in_optimizer):
     else:
         assert g.findings == [], g.findings
     assert g.internal_errors == []
+
+
+def test_a_detection_box_head_without_positives_for_a_while_is_training():
+    """Background-only batches give the box branch exactly-zero gradients (a sum over no positive anchor): for the
+    first 12 steps, then in 1 batch of 5. Weight decay runs meanwhile; that is training, not a head without signal."""
+    torch.manual_seed(0)
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.cls, self.box = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(16, 4)
+
+    m = Head()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    with guard(m, opt, live=False) as g:
+        for step in range(80):
+            f = torch.relu(m.body(torch.randn(16, 8)))
+            y, target = torch.randint(0, 3, (16,)), torch.randn(16, 4)
+            pos = (y > 0) & torch.tensor(not (step < 12 or step % 5 == 0))
+            box = m.box(f)
+            loss = F.cross_entropy(m.cls(f), y) + F.smooth_l1_loss(box[pos], target[pos], reduction="sum") / max(1, int(pos.sum()))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "weight-decay-without-grad" not in [f.kind for f in g.findings], g.findings

@@ -37,6 +37,10 @@ from .base import Check
 from .._weak import WeakIdMap
 
 STEPS = 3  # consecutive steps with a zero gradient before reporting (not one unlucky batch)
+# A layer in the graph whose gradients are computed as exactly 0 is reported only when they have been zero from the
+# optimizer's first step on, for this many steps: a head whose loss term is weighted by 0. A detection head's box
+# branch on background-only batches (zero for a few steps between batches with positives) is training.
+IN_GRAPH_STEPS = 50
 
 
 class _Track:
@@ -89,6 +93,7 @@ class WeightDecayWithoutGrad(Check):
         # per optimizer: (key, candidates, ids of the parameters with a gradient, that list of parameters)
         self._cands = WeakIdMap()
         self._hooked: Dict[int, Any] = {}  # id(param) -> handle of our post-accumulate-grad hook on it
+        self._first_seen = WeakIdMap()  # optimizer -> the first step this check saw it at
         self._walked = False  # a backward since the last round was looked at
         self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
 
@@ -120,6 +125,8 @@ class WeightDecayWithoutGrad(Check):
 
     def on_step_pre(self, optimizer):
         self._stepped = True
+        if id(optimizer) not in self._first_seen.data:
+            self._first_seen[optimizer] = self.g.step
         if not self.sampling:
             return
         gn = self.g.grad_norms(optimizer)
@@ -274,8 +281,10 @@ class WeightDecayWithoutGrad(Check):
         self._suspects = {i for o, tr in self._tracks.items() for i in tr}
         self.follow(bool(self._suspects))  # sampled by every=N or a budget: see a run's steps one by one
         self._hook_suspects()
+        first = self._first_seen.get(opt, 0)
         due = [t for t in live.values() if not t.reported and t.unreached and t.count >= STEPS
-               and t.first_norm is not None and t.last_norm != t.first_norm]
+               and t.first_norm is not None and t.last_norm != t.first_norm
+               and (not t.in_graph or (t.count >= IN_GRAPH_STEPS and t.first_step <= first))]
         if due:
             self._report(opt, due, source)
         for (oid, where), ts in list(self._reported.items()):
