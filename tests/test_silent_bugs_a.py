@@ -511,24 +511,21 @@ def test_a_prompt_parameter_left_out_of_an_optimizer_over_a_frozen_backbone_is_d
     torch.manual_seed(0)
     backbone = nn.Linear(4, 2).requires_grad_(False)
     prompt = nn.Parameter(torch.zeros(4))
-    opt = torch.optim.SGD(backbone.parameters(), lr=0.1)
-    with guard(backbone, opt, live=False) as g:
-        for _ in range(3):
-            loss = F.cross_entropy(backbone(torch.randn(8, 4) + prompt), torch.randint(0, 2, (8,)))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+
+    def fit(opt):
+        with guard(backbone, opt, live=False) as g:
+            for _ in range(3):
+                loss = F.cross_entropy(backbone(torch.randn(8, 4) + prompt), torch.randint(0, 2, (8,)))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return g
+
+    g = fit(torch.optim.SGD(backbone.parameters(), lr=0.1))
     f = only(g, "loss-disconnected")[0]
     assert f.step == 0 and "parameter(s) that no optimizer holds" in f.message and "[4]" in f.message
     assert "add_param_group" in f.hint
-    # the healthy twin: the prompt in the optimizer
-    opt = torch.optim.SGD([prompt], lr=0.1)
-    with guard(backbone, opt, live=False) as g:
-        for _ in range(3):
-            loss = F.cross_entropy(backbone(torch.randn(8, 4) + prompt), torch.randint(0, 2, (8,)))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    g = fit(torch.optim.SGD([prompt], lr=0.1))  # the healthy twin: the prompt in the optimizer
     assert g.findings == [] and g.internal_errors == []
 
 
