@@ -40,7 +40,7 @@ STEPS = 3  # consecutive steps with a zero gradient before reporting (not one un
 # A layer in the graph whose gradients are computed as exactly 0 is reported only when they have been zero from the
 # optimizer's first step on, for this many steps: a head whose loss term is weighted by 0. A detection head's box
 # branch on background-only batches (zero for a few steps between batches with positives) is training.
-IN_GRAPH_STEPS = 50
+IN_GRAPH_STEPS = 30
 
 
 class _Track:
