@@ -139,6 +139,15 @@ class LossDisconnected(Check):
         self._done = False
         self._paths: List[Tuple[int, ...]] = []  # known paths from a loss's node to a parameter (`_leaves`)
 
+    def _held(self, *extra: Any) -> set:
+        """Ids of the parameters of every optimizer seen, watched or not (an attack's own over its delta)."""
+        opts = list(self.g.optimizers) + list(extra) + self.g.watched.stepping_optimizers()
+        return {id(p) for o in opts for grp in o.param_groups for p in grp["params"]}
+
+    def _walk_held(self) -> Optional[set]:
+        """`_held()` for a graph walk; None (any parameter counts) before guard knows an optimizer."""
+        return self._held() if self.g.optimizers else None
+
     def on_backward(self, tensors, kwargs):
         if self._done or not self.g.sampling or len(self._pending) >= 8:
             return
@@ -146,12 +155,7 @@ class LossDisconnected(Check):
         if not ts:
             return
         # The walk (not the path followed on later steps) stops only at a parameter an optimizer seen so far holds.
-        def held() -> Optional[set]:
-            opts = list(self.g.optimizers)
-            return {id(p) for o in opts + self.g.watched.stepping_optimizers() for grp in o.param_groups
-                    for p in grp["params"]} if opts else None
-
-        leaves = _leaves(ts, self._paths, held)
+        leaves = _leaves(ts, self._paths, self._walk_held)
         if leaves is None:
             return
         if leaves and not any(isinstance(l, nn.Parameter) for l in leaves) and \
@@ -167,9 +171,7 @@ class LossDisconnected(Check):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        # any optimizer counts, watched or not: an attack's own optimizer over its delta (PGD with Adam([delta]))
-        opts = list(self.g.optimizers) + [optimizer] + self.g.watched.stepping_optimizers()
-        held = {id(p) for o in opts for grp in o.param_groups for p in grp["params"]}
+        held = self._held(optimizer)
         for refs, descr, src, step, shape in pending:
             live = [(l, v) for r, v in refs if (l := r()) is not None]
             if refs and not live:
