@@ -583,3 +583,118 @@ def test_a_loss_over_an_empty_selection_is_told_it_is_a_mean_over_zero_elements(
             opt.step()
     f = only(g, "nonfinite-loss")
     assert f.step == 0 and "mask.any()" in f.hint and "zero elements" in f.hint
+
+
+class _Pointer(nn.Module):
+    """A pointer layer: candidates masked whole on some rows give NaN rows (softmax over all -inf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x, valid):
+        scores = self.q(x) @ x.transpose(0, 1)
+        return scores.masked_fill(~valid, float("-inf")).softmax(-1)
+
+
+def _pointer_batch(step):
+    x = torch.randn(6, 4)
+    valid = torch.rand(6, 6) > 0.3
+    valid[step % 6] = False  # one row has no candidate: a NaN row
+    return x, valid
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_nan_rows_of_the_output_handled_before_the_loss_are_no_finding(scope):
+    torch.manual_seed(0)
+    model = _Pointer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(*((model, opt) if scope == "model" else ()), live=False) as g:
+        for step in range(6):
+            x, valid = _pointer_batch(step)
+            p = torch.nan_to_num(model(x, valid), nan=0.0)
+            loss = -(p.diagonal() + 1e-6).log().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_an_output_handled_before_is_still_the_origin_when_its_nan_reaches_the_loss():
+    torch.manual_seed(0)
+    model = _Pointer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for step in range(4):
+            x, valid = _pointer_batch(step)
+            p = model(x, valid)
+            if step < 3:
+                p = torch.nan_to_num(p, nan=0.0)  # ... and at step 3 the NaN rows go on to the loss
+            loss = -(p.diagonal() + 1e-6).log().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "nonfinite-output")
+    assert (f.where, f.step) == ("_Pointer", 3)
+    assert "made NaN/Inf on earlier steps too, which were handled after it" in f.message
+
+
+def test_minus_inf_seen_in_an_evaluation_is_not_learnt_as_a_mask():
+    """log(softmax(z)) underflows to -inf on a wide evaluation batch (no loss): a later training step whose
+    -inf makes the loss NaN names the model's output, not "-inf masks" and NaN gradients."""
+    class LogSoftmaxByHand(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Linear(10, 5)
+
+        def forward(self, x):
+            return torch.log(torch.softmax(self.f(x), -1))
+
+    torch.manual_seed(0)
+    model = LogSoftmaxByHand()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for step in range(3):
+            with torch.no_grad():
+                model(torch.randn(8, 10) * 1e4)  # -inf in the output, nothing else
+            x = torch.randn(8, 10) * (1e4 if step == 2 else 1.0)
+            loss = nn.functional.nll_loss(model(x), torch.randint(0, 5, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = g.findings[0]
+    assert (f.kind, f.where, f.step) == ("nonfinite-output", "LogSoftmaxByHand", 2)
+
+
+class _WhereLoss(nn.Module):
+    """Imputes NaN features itself; the loss masks NaN targets with a single torch.where (the trap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.f(torch.nan_to_num(x))
+
+
+@pytest.mark.parametrize("nan_features", [True, False])
+def test_nan_gradients_through_a_where_over_nan_targets_are_explained(nan_features):
+    torch.manual_seed(0)
+    model = _WhereLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        if nan_features:
+            x[2, 1] = float("nan")
+        y[5] = float("nan")  # a missing target
+        valid = ~torch.isnan(y)
+        loss = torch.where(valid, (model(x) - y) ** 2, torch.zeros_like(y)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert [f.kind for f in g.findings] == ["nonfinite-grad"]  # not the handled input: no nonfinite-input
+    f = g.findings[0]
+    assert f.where == "f.weight" and "torch.where(mask, f(x), 0)" in f.hint
+    assert "overflowed" not in f.hint
+    if nan_features:
+        assert f.details["taken_input"] == ["args[0]"] and "kept out of its outputs" in f.message

@@ -35,13 +35,14 @@ _FEW = 16  # CPU sums read one by one up to this many (more: one stack)
 class _Call:
     """One module call's screened inputs and outputs, by flag index."""
 
-    __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module")
+    __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module", "graded")
 
     def __init__(self, path: str, mtype: str, is_root: bool, source: Optional[str], step: int, module: Any,
                  inputs: List[Tuple[str, int]], outputs: List[Tuple[str, int]]):
         self.path, self.type, self.is_root, self.source, self.step = path, mtype, is_root, source, step
         self.inputs, self.outputs = inputs, outputs
         self.module = weakref.ref(module)
+        self.graded = torch.is_grad_enabled()  # a training forward (not an evaluation under no_grad)
 
 
 # Modules whose output cannot become NaN/Inf from finite inputs (and parameter-free containers):
@@ -109,6 +110,7 @@ class NonFinite(Check):
         self._screened: Deque[int] = deque(maxlen=8)  # the last steps whose gradients were staged
         self._maskers: set = set()  # (module path, argument): where -inf masks were seen on healthy steps
         self._takers: set = set()  # (root path, argument): NaN/Inf inputs a model took and handled on healthy steps
+        self._handled: set = set()  # (module path, output): NaN/Inf outputs handled downstream on healthy steps
         self._bad_grad_steps: set = set()
         self._passthrough: Dict[type, bool] = {}
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
@@ -424,16 +426,20 @@ class NonFinite(Check):
             return
         calls, losses, grads, refs = window
         known: set = set()  # flags of -inf masks seen before (not an origin)
+        held = {f for f, _, _ in losses} | {f for f, _, _, _ in grads}  # the loss and gradient flags
         if masks:
             # -inf alone is a mask value (an additive attention mask from generate_square_subsequent_mask,
             # logits masked with masked_fill(mask, -inf)), not NaN/Inf trouble, on a step where nothing
             # else is bad: the tensors (module and argument) that carry it are then known as masks. On a
             # bad step, -inf counts again unless it comes from a known mask: an overflow to -inf (a
             # hand-written log-softmax) is the origin, a mask that was always there is not.
-            held = {f for f, _, _ in losses} | {f for f, _, _, _ in grads}
             sites = [((call.path, name), i) for call in calls for name, i in call.inputs + call.outputs if i in masks]
             if all(i in masks and i not in held for i in bad):
-                self._maskers.update(site for site, _ in sites)
+                if held:
+                    # Learnt from training forwards only: a finite loss and gradients show the -inf was masked on
+                    # purpose. An evaluation pass (no loss) proves nothing: log(softmax(z)) underflowing to -inf.
+                    self._maskers.update((call.path, name) for call in calls if call.graded
+                                         for name, i in call.inputs + call.outputs if i in masks)
                 return
             known = {i for site, i in sites if site in self._maskers}
             bad = {i for i in bad if i not in known}
@@ -443,6 +449,14 @@ class NonFinite(Check):
             # the model handles it on purpose (imputes missing features, masks targets marked NaN as missing).
             # Dirty data that matters makes an output or the loss NaN, and is then the origin reported.
             self._takers.update((c.path, name) for c in calls if c.is_root for name, i in c.inputs if i in bad)
+            return
+        if held and not bad & held:
+            # NaN/Inf in the forward only, with this step's loss and gradients finite: what the modules made was
+            # handled downstream on purpose (rows masked whole, softmax'd to NaN and replaced by nan_to_num or
+            # masked_fill before the loss; outputs the loss does not use). Dirty values that matter reach the
+            # loss or the gradients, and are then reported from their origin.
+            self._takers.update((c.path, name) for c in calls if c.is_root for name, i in c.inputs if i in bad)
+            self._handled.update((c.path, name) for c in calls for name, i in c.outputs if i in bad)
             return
         # ... and on a bad step such an input (where NaN was taken on healthy steps) is not the dirty data: the
         # module taking it made the NaN (a masked loss whose batch was masked whole divides 0 by 0)
@@ -463,6 +477,17 @@ class NonFinite(Check):
             if not call.is_root:
                 continue
             if not upstream and any(i in bad and i not in produced and i not in taken for _, i in call.inputs):
+                if (not any(i in bad for _, i in call.outputs) and not any(f in bad for f, _, _ in losses)
+                        and any(f in bad for f, _, _, _ in grads)):
+                    # The model kept its NaN input out of its outputs and the loss is finite, yet the gradients
+                    # are NaN: the input is taken on purpose (imputed, masked), and a backward through the NaN
+                    # (torch.where over it) made the NaN gradients, not the data reaching the loss.
+                    args = [name for name, i in call.inputs if i in bad]
+                    self._takers.update((call.path, name) for name in args)
+                    for flag, gn, step, source in grads:
+                        if flag in bad:
+                            self._report_grads(gn, step, source, taken_input=(call.path, args))
+                            return
                 self._report_input(call, bad, refs)
                 return
             upstream = upstream or any(i in bad for c in calls[done:k + 1] for _, i in c.outputs)
@@ -544,6 +569,9 @@ class NonFinite(Check):
         why = (f"its parameters {', '.join(bad_params[:5])} are non-finite" if bad_params
                else f"its inputs held only the NaN/Inf it takes on purpose ({', '.join(taken)}: it handled them on "
                     f"the healthy steps before)" if taken else "its inputs were finite")
+        if any((call.path, name) in self._handled for name, i in call.outputs if i in bad):
+            why += ("; it made NaN/Inf on earlier steps too, which were handled after it (the loss and gradients "
+                    "stayed finite), but on this step they reached the loss or the gradients")
         hint = _output_hint(call.type, bool(bad_params))
         where, what = call.path, f"{call.path} ({call.type})"
         if masked and not bad_params:
@@ -594,14 +622,34 @@ class NonFinite(Check):
                         found.append((f"{mname}.{pname}" if mname else pname, v, owner))
         return sorted(found, key=lambda e: -e[1])
 
-    def _report_grads(self, gn, step: int, source: Optional[str], masked: bool = False) -> None:
+    def _report_grads(self, gn, step: int, source: Optional[str], masked: bool = False,
+                      taken_input: Optional[Tuple[str, List[str]]] = None) -> None:
         values = gn.per_param()
         names = [n for n, v in zip(gn.names, values) if v != v or v in (float("inf"), float("-inf"))]
         if not names:
             return
-        hint = ("The backward pass overflowed (e.g. sqrt/log/pow at 0, division by a tiny value, or an exploding "
-                "loss): clip with torch.nn.utils.clip_grad_norm_, lower the learning rate, or use AMP's GradScaler "
-                "which skips such steps.")
+        nan = any(v != v for v in values)
+        extra = ""
+        if taken_input is not None:
+            extra = (f" while the loss and {taken_input[0]}'s outputs were finite: its input held NaN/Inf "
+                     f"({', '.join(taken_input[1])}) that it kept out of its outputs")
+            hint = ("A backward through NaN/Inf makes NaN even where the forward masked it: torch.where(mask, f(x), 0) "
+                    "(or masked_fill, or indexing after f) over NaN entries still multiplies NaN by 0 in f's "
+                    "backward. Replace the NaN before computing with it: f(torch.where(mask, x, 0)) (a second where "
+                    "on the input), or torch.nan_to_num(x) first; the same holds for NaN targets in a masked loss.")
+        elif nan:
+            # the forward and the loss were finite (else their origin was reported): NaN made by the backward
+            hint = ("The forward and the loss were finite: NaN made by the backward comes from 0 * inf there. "
+                    "torch.where(mask, f(x), 0) or a masked loss over NaN/Inf values (targets marked missing with "
+                    "NaN, log or sqrt of the masked entries) still back-propagates NaN from the masked branch: "
+                    "replace them first (f(torch.where(mask, x, safe)), torch.nan_to_num(y)). sqrt or a norm at "
+                    "exactly 0 has an infinite derivative (add an eps), and so does logsumexp over a row that is "
+                    "all -inf. An overflow of the backward itself (an exploding loss) is rare in float32: clip "
+                    "gradients (torch.nn.utils.clip_grad_norm_) if their norms grew before.")
+        else:
+            hint = ("The backward pass overflowed (e.g. sqrt/log/pow at 0, division by a tiny value, or an exploding "
+                    "loss): clip with torch.nn.utils.clip_grad_norm_, lower the learning rate, or use AMP's GradScaler "
+                    "which skips such steps.")
         if masked:
             # the forward was finite apart from -inf masks: the backward of an expression over them made the NaN
             hint = ("The model's outputs held -inf (a mask) and the loss was finite: a torch.where(mask, f(x), 0) "
@@ -610,9 +658,10 @@ class NonFinite(Check):
         self.emit("nonfinite-grad", names[0],
                   f"{len(names)} parameter gradient(s) are NaN/Inf: {', '.join(names[:5])}"
                   + (" ..." if len(names) > 5 else "")
-                  + (" while the loss was finite and the model's outputs held -inf masks but no NaN" if masked else ""),
+                  + (" while the loss was finite and the model's outputs held -inf masks but no NaN" if masked else extra),
                   hint, step=step, source=source,
-                  details={"parameters": names[:20], "count": len(names), **({"masked_outputs": True} if masked else {})})
+                  details={"parameters": names[:20], "count": len(names), **({"masked_outputs": True} if masked else {}),
+                           **({"taken_input": taken_input[1]} if taken_input is not None else {})})
 
     def _report_params(self, group: List[torch.Tensor], step: int, source: Optional[str], caused: bool) -> bool:
         bad = [self.g.param_name(p) for p in group if not bool(torch.isfinite(p.detach()).all())]
