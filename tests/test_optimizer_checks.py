@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from demos import amp_skipped, finetune_optimizer, grad_explosion, nan_grad, weight_decay_no_grad
+from demos import amp_skipped, diverging_lr, finetune_optimizer, grad_explosion, nan_grad, weight_decay_no_grad
 from guard import guard
 from guard.checks._params import module_prefixes
 
@@ -411,6 +411,22 @@ def test_gradient_spike_names_the_largest_parameters():
 
 def test_clipped_twin_is_clean():
     g = grad_explosion.train(fixed=True, live=False, checks="all")
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_a_steady_divergence_is_found_before_it_overflows():
+    """No step jumps 2x above the window's largest norm, yet the norms climb 1000x: a learning rate too high."""
+    g = diverging_lr.train(live=False)
+    assert kinds(g) == ["grad-explosion"]  # 60 steps: found while everything is still finite
+    f = g.findings[0]
+    assert f.details["diverging"] is True and f.details["ratio"] >= 1000 and 20 <= f.step <= 40
+    assert "diverging" in f.message and "learning rate is too high" in f.hint
+    steps = [e["step"] for e in g.record.timeline if e.get("grad_norm", 0) > 1e10]
+    assert steps and steps[0] > f.step  # told long before the norms reach 1e10
+
+
+def test_the_divergence_twin_at_a_lower_rate_is_clean():
+    g = diverging_lr.train(fixed=True, steps=180, live=False, checks="all")
     assert g.findings == [] and g.internal_errors == []
 
 

@@ -44,18 +44,24 @@ HIGH = 2.0  # and the least ratio to the largest norm in the window
 LOG_HIGH = math.log(HIGH)
 
 
+DIVERGE = 1000.0  # a total this many times the window's median, after a steady climb, is a divergence
+CLIMB = 10  # ... the last CLIMB totals of which at least CLIMB_HIGHS were each the window's new largest
+CLIMB_HIGHS = 7
+
 RAMP_STEPS = 6  # steps in a row whose learning rate grew by one same factor: an LR range test
 RAMP_MIN = 1.02  # the least growth factor per step of such a test (fastai and torch-lr-finder: ~1.05-1.3)
 
 
 class _State:
-    __slots__ = ("window", "top", "where", "burst")
+    __slots__ = ("window", "top", "where", "burst", "highs", "diverged")
 
     def __init__(self) -> None:
         self.window: deque = deque(maxlen=WINDOW)  # log norms
         self.top = -math.inf  # max(window), kept as values come and go (not recomputed every step)
         self.where: Optional[str] = None
         self.burst = False
+        self.highs: deque = deque(maxlen=CLIMB)  # whether each recent total was the window's new largest
+        self.diverged = False
 
     def push(self, lv: float) -> None:
         w = self.window
@@ -178,22 +184,40 @@ class GradExplosion(Check):
                         self._report(opt, st, gn, v, med, ratio, step, source)
                     return  # an explosion does not raise the bar for the next one
             st.burst = False
+            # A steady climb (1.5x a step) never jumps HIGH x above the window's largest: a run that diverges
+            # slowly is told by its new highs, once far above the window's median.
+            high = lv > st.top
+            st.highs.append(high)
+            if high and not st.diverged and sum(st.highs) >= CLIMB_HIGHS:
+                med = math.exp(median(st.window))
+                if v >= DIVERGE * med:
+                    st.diverged = True
+                    self._report(opt, st, gn, v, med, DIVERGE, step, source, climbing=sum(st.highs))
         st.push(lv)
 
     def _report(self, opt, st: _State, gn, v: float, med: float, ratio: float, step: int,
-                source: Optional[str]) -> None:
+                source: Optional[str], climbing: int = 0) -> None:
         values = gn.per_param()
         ranked = sorted(zip(gn.names, values), key=lambda nv: -nv[1] if math.isfinite(nv[1]) else 0.0)[:5]
         where = st.where or (ranked[0][0] if ranked else "loss")
         st.where = where
         largest = ", ".join(f"{n} ({x:.3g})" for n, x in ranked)
-        self.emit("grad-explosion", where,
-                  f"total gradient norm {v:.3g} is {v / med:.0f}x its running median {med:.3g} "
-                  f"(last {len(st.window)} steps; this run's norms vary up to about {ratio:.0f}x); "
-                  f"largest: {largest}",
-                  f"The update is about to jump far: lower the learning rate (or lengthen its warm-up), and clip "
-                  f"gradients before optimizer.step(): torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                  f"max_norm={_nice(3 * med)}) (a few times the usual norm here).",
-                  step=step, source=source,
+        if climbing:
+            message = (f"total gradient norm {v:.3g} is {v / med:.0f}x its running median {med:.3g} after climbing "
+                       f"steadily ({climbing} of the last {CLIMB} steps set a new high): training is diverging; "
+                       f"largest: {largest}")
+            hint = (f"Each update overshoots and the next gradient is larger: the learning rate is too high for this "
+                    f"model (or momentum with it). Lower it (try a tenth), add a warm-up, and clip gradients before "
+                    f"optimizer.step(): torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm="
+                    f"{_nice(3 * med)}).")
+        else:
+            message = (f"total gradient norm {v:.3g} is {v / med:.0f}x its running median {med:.3g} "
+                       f"(last {len(st.window)} steps; this run's norms vary up to about {ratio:.0f}x); "
+                       f"largest: {largest}")
+            hint = (f"The update is about to jump far: lower the learning rate (or lengthen its warm-up), and clip "
+                    f"gradients before optimizer.step(): torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                    f"max_norm={_nice(3 * med)}) (a few times the usual norm here).")
+        self.emit("grad-explosion", where, message, hint, step=step, source=source,
                   details={"optimizer": type(opt).__name__, "total_norm": v, "running_median": med,
-                           "ratio": v / med, "threshold_ratio": ratio, "largest": [{"name": n, "norm": x} for n, x in ranked]})
+                           "ratio": v / med, "threshold_ratio": ratio, "largest": [{"name": n, "norm": x} for n, x in ranked],
+                           **({"diverging": True} if climbing else {})})
