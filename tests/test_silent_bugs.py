@@ -721,3 +721,54 @@ def test_an_optimizer_over_an_input_image_is_no_copy_of_the_model():
     assert "params-not-updating" not in kinds(g), g.findings
     f = only(g, "param-not-in-optimizer")  # (and input-not-normalized: [0, 1] images into a conv)
     assert "requires_grad=False" in f.hint
+
+
+class _FunctionalDropoutBlock(nn.Module):
+    """Dropout as HF's BART/OPT/Whisper write it: F.dropout(x, p, training=self.training), no nn.Dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.p = nn.Linear(8, 32), nn.Linear(32, 3), 0.3
+
+    def forward(self, x):
+        return self.l2(nn.functional.dropout(torch.relu(self.l1(x)), p=self.p, training=self.training))
+
+
+def _functional_dropout_run(bug):
+    torch.manual_seed(0)
+    m = _FunctionalDropoutBlock()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    with guard(m, opt, live=False, checks="all") as g:
+        for step in range(12):
+            if step == 3:
+                if bug == "train-mode-eval":
+                    with torch.no_grad():
+                        m(x[:8])  # evaluation with the model still in training mode
+                else:
+                    m.eval()
+                    with torch.no_grad():
+                        m(x[:8])
+                    if bug != "eval-mode-train":
+                        m.train()
+            loss = nn.functional.cross_entropy(m(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("bug, kind, step", [("eval-mode-train", "train-in-eval-mode", 3),
+                                             ("train-mode-eval", "eval-in-train-mode", 3)])
+def test_functional_dropout_that_follows_the_module_mode_counts_for_the_mode_checks(bug, kind, step):
+    g = _functional_dropout_run(bug)
+    assert [(f.kind, f.where, f.step) for f in g.findings] == [(kind, "_FunctionalDropoutBlock", step)]
+    f = g.findings[0]
+    assert f.details["types"] == ["functional Dropout"]
+    assert "(F.dropout at " in f.details["modules"][0] and "test_silent_bugs.py:" in f.details["modules"][0]
+    assert "dropout" in f.message
+
+
+def test_functional_dropout_with_the_modes_switched_properly_is_clean():
+    g = _functional_dropout_run("none")
+    assert g.findings == [] and g.internal_errors == []

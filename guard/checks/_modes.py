@@ -1,8 +1,9 @@
 """Helpers shared by the train/eval mode checks: which modules' output depends on train/eval mode."""
 from __future__ import annotations
 
+import linecache
 import weakref
-from typing import List, Tuple
+from typing import Any, List, Optional, Tuple
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -20,3 +21,36 @@ def mode_sensitive(model: nn.Module) -> List[Tuple[str, weakref.ref]]:
             if getattr(m, "track_running_stats", True):
                 out.append((name or type(m).__name__, weakref.ref(m)))
     return out
+
+
+#: the functional dropouts, patched for the mode checks (shared with dropout-in-eval: one wrapper each)
+F_DROPOUT_PATCHES = {"f_dropout": "torch.nn.functional.dropout", "f_dropout1d": "torch.nn.functional.dropout1d",
+                     "f_dropout2d": "torch.nn.functional.dropout2d", "f_dropout3d": "torch.nn.functional.dropout3d"}
+
+
+def dropout_mode(args: tuple, kwargs: dict) -> Optional[bool]:
+    """The ``training`` a functional dropout call passed (its default, True, when none), or None for ``p == 0``."""
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    try:
+        if not float(p) > 0:
+            return None
+    except (TypeError, ValueError):
+        return None
+    return bool(args[2] if len(args) > 2 else kwargs.get("training", True))
+
+
+def dropout_site(frame: Any) -> Optional[Tuple[nn.Module, str, bool]]:
+    """(the module whose forward called F.dropout, its source line, whether that line passes the module's mode:
+    ``training=self.training``), looked up from the patched function's frame; None from torch's own code
+    (``nn.Dropout``) or outside any module's forward."""
+    from .dropout_in_eval import _caller  # the same frame walk as the F.dropout check's
+    from .._frames import short_path
+
+    call, module = _caller(frame)
+    if call is None or module is None:
+        return None
+    line = linecache.getline(call.f_code.co_filename, call.f_lineno).split("#")[0]
+    fn = call.f_code.co_filename
+    at = fn.rfind("site-packages")  # a library's model (transformers/models/bart/...): from its package on
+    shown = fn[at + len("site-packages") + 1:] if at >= 0 else short_path(fn)
+    return (module, f"{shown}:{call.f_lineno}", ".training" in line)

@@ -4,7 +4,9 @@ BatchNorm in training mode normalises with the evaluation batch's statistics and
 overwrites its running statistics with them; dropout makes metrics noisy. The
 check looks only at root model calls: when grad mode is off and the model has
 Dropout (``p > 0``) or BatchNorm (tracking running stats) modules in training
-mode, that is an evaluation forward in train mode.
+mode, that is an evaluation forward in train mode. So is a functional dropout that follows the module's
+mode (``F.dropout(x, p, training=self.training)``, HF's BART/OPT/Whisper: no ``nn.Dropout`` to find), seen
+running in training mode under ``no_grad`` through the ``F.dropout`` patch.
 
 Threshold (to leave deliberate uses alone): it fires only for a model that is
 also trained under the guard, i.e. that has had a grad-enabled forward (before or
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._modes import mode_sensitive
+from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
 from .base import Check
 from .._weak import WeakIdSet
 
@@ -73,6 +75,7 @@ class EvalInTrainMode(Check):
         "eval-in-train-mode": ("warning", "no_grad forward while dropout/BatchNorm are in training mode"),
     }
     description = "no_grad/inference_mode forward while dropout/BatchNorm modules are in training mode"
+    patches = dict(F_DROPOUT_PATCHES)
 
     def watches(self, module) -> bool:
         return False  # judged per model call: root calls
@@ -84,10 +87,24 @@ class EvalInTrainMode(Check):
         # model -> (step, source, names, types, count, inference) of its first train-mode no_grad forward
         self._pending: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
         self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        # (module, line) of the first functional dropout of the root call under way that ran in training mode
+        # under no_grad, passing the module's mode (F.dropout(x, p, training=self.training): BART, OPT, Whisper)
+        self._fdrop: Optional[tuple] = None
+
+    def _f_dropout(self, args: tuple, kwargs: dict) -> None:
+        # Every dropout call of a training forward comes here (nn.Dropout's too): one test for the usual ones.
+        if (args[2] if len(args) > 2 else kwargs.get("training")) is True and self._fdrop is None \
+                and not torch.is_grad_enabled() and (args[1] if len(args) > 1 else kwargs.get("p", 0.5)):
+            site = dropout_site(sys._getframe())
+            if site is not None and site[2]:
+                self._fdrop = site[:2]
+
+    on_f_dropout = on_f_dropout1d = on_f_dropout2d = on_f_dropout3d = _f_dropout
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root:
             return
+        fdrop, self._fdrop = self._fdrop, None
         if torch.is_grad_enabled():
             if id(module) not in self._trained.data:
                 self._trained.add(module)
@@ -102,17 +119,21 @@ class EvalInTrainMode(Check):
         mods = self._mods.get(module)
         if mods is None:
             mods = self._mods[module] = mode_sensitive(module)
-        if not mods:
+        if not mods and fdrop is None:
             return
-        training = [(n, m) for n, r in mods if (m := r()) is not None and m.training
+        training = [(n, type(m).__name__) for n, r in mods if (m := r()) is not None and m.training
                     and not getattr(m, OPT_OUT, False) and not _recalibrating(m)]
+        if not training and fdrop is not None and not getattr(fdrop[0], OPT_OUT, False):
+            owner, line = fdrop
+            training = [(f"{self.g.known_path(owner) or type(owner).__name__} (F.dropout at {line})",
+                         "functional Dropout")]
         if not training:
             return
         if _called_by_torch():
             return  # e.g. torch.optim.swa_utils.update_bn recomputes BatchNorm statistics in train mode on purpose
         if self._optimizer_in_eval():
             return  # schedule-free: BatchNorm statistics recomputed at the averaged weights (optimizer.eval())
-        info = (self.g.step, self.g.root_source, [n for n, _ in training], [type(m).__name__ for _, m in training],
+        info = (self.g.step, self.g.root_source, [n for n, _ in training], [t for _, t in training],
                 torch.is_inference_mode_enabled())
         if module in self._trained:
             self._emit(module, path, *info)

@@ -7,7 +7,10 @@ an error, with less regularisation and stale statistics.
 
 What counts: the last grad-enabled call of a root model before an optimizer step
 was made with the root in eval mode (``model.training`` False) while it holds
-Dropout (``p > 0``) or BatchNorm (tracking running statistics) modules in eval mode.
+Dropout (``p > 0``) or BatchNorm (tracking running statistics) modules in eval mode, or its
+forward ran a functional dropout that follows the module's mode (``F.dropout(x, p,
+training=self.training)``, HF's BART/OPT/Whisper: no ``nn.Dropout`` to find), seen switched off through
+the ``F.dropout`` patch.
 Frozen BatchNorm on purpose (``bn.eval()`` on the BatchNorm layers while the model
 trains) leaves the root in training mode and stays silent, as do models without
 dropout/BatchNorm, and a frozen backbone kept in eval mode while the trained parts
@@ -21,6 +24,7 @@ optimizer step, nothing unless that call was in eval mode. Nothing per module ca
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import List, Optional, Tuple
 
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 
 from .base import Check
-from ._modes import mode_sensitive
+from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
 from .._weak import WeakIdMap, WeakIdSet
 
 MAX_NAMED = 4
@@ -39,7 +43,7 @@ class TrainInEvalMode(Check):
     name = "train-in-eval-mode"
     kinds = {"train-in-eval-mode": ("warning", "optimizer steps while dropout/BatchNorm modules are in eval mode")}
     description = "optimizer steps with dropout/BatchNorm in eval mode (model.eval() for validation, no model.train() after)"
-    patches = {"module_train": "torch.nn.Module.train"}
+    patches = {"module_train": "torch.nn.Module.train", **F_DROPOUT_PATCHES}
 
     def watches(self, module) -> bool:
         return False  # root model calls only
@@ -54,6 +58,21 @@ class TrainInEvalMode(Check):
         self._eval_calls = WeakIdMap()  # model -> line of its last grad-enabled call in eval mode
         self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._again = WeakIdMap()  # reported models trained in eval mode again this step -> their path
+        # A functional dropout (F.dropout(x, p, training=self.training): BART, OPT, Whisper) switched off by
+        # eval mode in a grad-enabled forward: (module, line) of the first of the root call under way, then
+        # per model whose grad-enabled call in eval mode made it
+        self._fdrop: Optional[tuple] = None
+        self._fdrops = WeakIdMap()
+
+    def _f_dropout(self, args: tuple, kwargs: dict) -> None:
+        # Every dropout call of a training forward comes here (nn.Dropout's too): one test for the usual ones.
+        if (args[2] if len(args) > 2 else kwargs.get("training")) is False and self._fdrop is None \
+                and torch.is_grad_enabled() and (args[1] if len(args) > 1 else kwargs.get("p", 0.5)):
+            site = dropout_site(sys._getframe())
+            if site is not None and site[2]:
+                self._fdrop = site[:2]
+
+    on_f_dropout = on_f_dropout1d = on_f_dropout2d = on_f_dropout3d = _f_dropout
 
     def on_module_train(self, args, kwargs):
         if not args:
@@ -66,6 +85,7 @@ class TrainInEvalMode(Check):
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root:
             return
+        fdrop, self._fdrop = self._fdrop, None
         if id(module) not in self._roots.data:
             self._roots.add(module)
             if not module.training and module not in self._eval_at:
@@ -77,6 +97,8 @@ class TrainInEvalMode(Check):
                 self._eval_calls.pop(module)
         elif module not in self._reported:
             self._eval_calls[module] = self.g.root_source
+            if fdrop is not None:
+                self._fdrops[module] = fdrop
         else:
             self._again[module] = path  # still trained in eval mode: the finding lasts (counted at the step)
 
@@ -100,7 +122,11 @@ class TrainInEvalMode(Check):
             mods = self._mods.get(model)
             if mods is None:
                 mods = self._mods[model] = mode_sensitive(model)
-            off = [(n, m) for n, r in mods if (m := r()) is not None and not m.training]
+            off = [(n, type(m).__name__) for n, r in mods if (m := r()) is not None and not m.training]
+            fdrop = self._fdrops.pop(model, None) if self._fdrops.data else None
+            if not off and fdrop is not None:
+                owner, line = fdrop
+                off = [(f"{self.g.known_path(owner) or type(owner).__name__} (F.dropout at {line})", "functional Dropout")]
             if off:
                 self._emit(model, off, call_src)
 
@@ -110,15 +136,16 @@ class TrainInEvalMode(Check):
         ids = {id(p) for grp in optimizer.param_groups for p in grp["params"]}
         return [m for m in model.modules() if any(p is not None and id(p) in ids for p in m._parameters.values())]
 
-    def _emit(self, model: nn.Module, off: List[Tuple[str, nn.Module]], call_src: Optional[str]) -> None:
+    def _emit(self, model: nn.Module, off: List[Tuple[str, str]], call_src: Optional[str]) -> None:
+        """`off`: (path, type name) of the modules acting as in evaluation."""
         self._reported.add(model)
         path = self.g.path_of(model)
         step = self.g.step
         since, eval_src = self._eval_at.get(model, (None, None))
-        shown = ", ".join(f"{n} ({type(m).__name__})" for n, m in off[:MAX_NAMED])
+        shown = ", ".join(f"{n} ({t})" for n, t in off[:MAX_NAMED])
         more = f" and {len(off) - MAX_NAMED} more" if len(off) > MAX_NAMED else ""
         effects = []
-        types = [type(m).__name__ for _, m in off]
+        types = [t for _, t in off]
         if any("Dropout" in t for t in types):
             effects.append("dropout is off (no regularisation)")
         if any("Norm" in t for t in types):
