@@ -1,4 +1,5 @@
 """input-not-normalized: raw 0-255 pixels, or [0, 1] images into a conv net; first steps only, once."""
+import pytest
 import os
 
 import torch
@@ -123,3 +124,29 @@ def test_values_too_large_for_normalized_data_but_no_pixels_are_not_called_pixel
     assert len(f) == 1
     assert "0-255" not in f[0].message and "far beyond" in f[0].message
     assert "255" not in f[0].hint and "log1p" in f[0].hint
+
+
+class _ByKeyword(nn.Module):
+    """Images passed by keyword, as Hugging Face models take them (`model(pixel_values=x)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+
+    def forward(self, pixel_values):
+        return self.fc(self.conv(pixel_values).mean((2, 3)))
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_images_passed_by_keyword_are_looked_at_under_either_guard(scope):
+    torch.manual_seed(0)
+    model = _ByKeyword()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with guard(*((model, opt) if scope == "model" else ()), live=False) as g:
+        for _ in range(2):
+            loss = model(pixel_values=torch.randint(0, 256, (4, 3, 8, 8)).float()).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(f.kind, f.where, f.step) for f in g.findings] == [("input-not-normalized", "input", 0)]
+    assert "raw 0-255 pixels" in g.findings[0].message

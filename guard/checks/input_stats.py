@@ -75,7 +75,9 @@ class InputStats(Check):
         self._off = False
         self._first: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
-    def on_forward_pre(self, module, path, args, kwargs, is_root):
+    # After the call, not before it: a global guard's pre-hooks (torch's module-wide ones) get no keyword
+    # arguments, and HF models take their images as `pixel_values=`.
+    def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root or self._off:
             return
         if self.g.step >= STEPS:
