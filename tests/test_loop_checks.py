@@ -164,6 +164,58 @@ def test_loss_graph_clean_patterns():
     assert g.findings == []
 
 
+def test_graphs_freed_only_by_the_cyclic_collector_are_not_retained():
+    """A SAC actor's squashed Gaussian (TanhTransform(cache_size=1)) keeps each step's action in a reference
+    cycle: its graph waits for Python's cyclic garbage collector, nothing in the loop holds it."""
+    import gc
+
+    from torch.distributions import Normal, TanhTransform, TransformedDistribution
+
+    torch.manual_seed(0)
+    actor = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2))
+    critic = nn.Linear(3, 1)
+    aopt, copt = torch.optim.Adam(actor.parameters(), 1e-3), torch.optim.Adam(critic.parameters(), 1e-3)
+    gc.disable()  # the cycles stay until guard collects them, whatever this process's collection thresholds
+    try:
+        with guard([actor, critic], [aopt, copt], live=False, checks="all") as g:
+            for _ in range(40):
+                o, a, y = torch.randn(8, 2), torch.rand(8, 1) * 2 - 1, torch.randn(8, 1)
+                critic_loss = F.mse_loss(critic(torch.cat([o, a], 1)), y)
+                copt.zero_grad()
+                critic_loss.backward()
+                copt.step()
+                mu, log_std = actor(o).chunk(2, -1)
+                dist = TransformedDistribution(Normal(mu, log_std.clamp(-5, 2).exp()), [TanhTransform(cache_size=1)])
+                act = dist.rsample()
+                actor_loss = (0.1 * dist.log_prob(act).sum(-1, keepdim=True) - critic(torch.cat([o, act], 1))).mean()
+                aopt.zero_grad()
+                actor_loss.backward()
+                aopt.step()
+    finally:
+        gc.enable()
+    assert [f for f in g.findings if f.kind == "loss-graph-retained"] == [] and g.internal_errors == []
+
+
+def test_a_total_kept_in_a_reference_cycle_is_still_retained():
+    class Meter:
+        def __init__(self):
+            self.me, self.total = self, 0.0  # a cycle, but the loop still holds the meter
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    meter = Meter()
+    with guard(model, opt, live=False) as g:
+        for _ in range(12):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            meter.total += loss
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"]
+    assert f and f[0].where == "meter.total"
+
+
 def test_loss_graph_clean_gan_with_detach():
     G, D = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6)), nn.Sequential(nn.Linear(6, 8), nn.ReLU(),
                                                                                     nn.Linear(8, 1))

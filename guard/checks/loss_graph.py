@@ -20,6 +20,7 @@ were freed by ``backward()``, so ``tracemalloc`` does not see it).
 """
 from __future__ import annotations
 
+import gc
 import io
 import linecache
 import os
@@ -40,6 +41,7 @@ KEY = "guard.loss_graph"
 OLD = 2        # a mark this many steps old (or more) belongs to a step that is over
 MIN_AGE = 5    # report once the oldest live mark is at least this old ...
 MIN_STEPS = 3  # ... and marks of at least this many past steps are alive
+MAX_AGE = 1024  # the longest wait between looks when graphs in reference cycles were freed by a collection
 MAX_MARKS = 256
 DEEP_EVERY = 8  # steps whose whole graph is marked (one walk of its nodes); the others mark the loss only
 DEEP_BUDGET = 20_000  # graph nodes visited by one such walk
@@ -212,6 +214,7 @@ class LossGraph(Check):
         self._deep_step = -1  # the last step whose graph was walked and marked
         self._deep_next = False  # walk the next backward's graph whatever its step (woken by a budget)
         self._done = False
+        self._min_age = MIN_AGE  # doubled each time a garbage collection freed the old graphs (`_collected`)
 
     def on_wake(self):
         """Sampled by a budget, the steps it sees are not every DEEP_EVERY-th: walk the next graph whole."""
@@ -228,10 +231,11 @@ class LossGraph(Check):
                 if s <= step - OLD:
                     old.add(s)
         self._marks = alive
-        if len(old) >= MIN_STEPS and step - min(old) >= MIN_AGE:
-            self._done = True
-            self._report(step, old)
-            return
+        if len(old) >= MIN_STEPS and step - min(old) >= self._min_age:
+            if self._collected(step):
+                self._done = True
+                self._report(step, old)
+                return
         mark, _ = self._mark_for(step)
         deep = (step % DEEP_EVERY == 0 or self._deep_next) and self._deep_step != step
         if deep:
@@ -248,6 +252,18 @@ class LossGraph(Check):
                 self._mark_deep(fn, mark)
         if len(self._marks) > MAX_MARKS:
             self._marks = self._marks[-MAX_MARKS:]
+
+    def _collected(self, step: int) -> bool:
+        """Whether old marks outlive a garbage collection. Graphs in reference cycles wait for Python's cyclic
+        collector, nothing holds them (``TanhTransform(cache_size=1)``'s cache: a SAC actor's action): a
+        collection frees them, and the next look waits twice as long (a few ms per look, rarer and rarer)."""
+        gc.collect()
+        old = [s for s, r in self._marks if r() is not None and s <= step - OLD]
+        if len(old) >= MIN_STEPS and step - min(old) >= self._min_age:
+            return True
+        self._marks = [(s, r) for s, r in self._marks if r() is not None]
+        self._min_age = min(self._min_age * 2, MAX_AGE)
+        return False
 
     def _mark_for(self, step: int) -> Tuple[_Mark, bool]:
         """The one mark of `step` (shared by all its marked nodes), and whether it is new."""
@@ -352,7 +368,7 @@ class LossGraph(Check):
                     continue
             if found and walker.budget.left <= 0:
                 break
-        found.sort(key=lambda h: -len(h[2]))
+        found.sort(key=lambda h: (-len(h[2]), len(h[0])))  # ties: the shortest name (not `meter.me.me.total`)
         return found
 
     def _report(self, step: int, old: Set[int]) -> None:
