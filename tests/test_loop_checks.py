@@ -1,4 +1,5 @@
 """Training-loop pitfalls: retained loss graphs, eval without no_grad, eval in train mode, missing zero_grad."""
+import contextlib
 import inspect
 import os
 import sys
@@ -1288,3 +1289,39 @@ def test_a_model_guard_without_optimizer_counts_every_backward_as_a_step():
     assert g.step == 6
     f = [f for f in g.findings if f.kind == "nonfinite-input"]
     assert len(f) == 1 and f[0].step == 3
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_target_network_updated_in_place_with_autograd_on_is_a_growing_graph(fixed):
+    """Polyak averaging written without torch.no_grad() on a frozen target: its weights join the graph (and guard
+    itself must not make torch warn about reading .grad of the non-leaf weights)."""
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    q = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    target = copy.deepcopy(q).requires_grad_(False)
+    opt = torch.optim.Adam(q.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with guard([q, target], opt, live=False, checks="all") as g:
+            for _ in range(40):
+                o, a, r, o2 = torch.randn(8, 4), torch.randint(0, 2, (8,)), torch.randn(8), torch.randn(8, 4)
+                with torch.no_grad():
+                    y = r + 0.99 * target(o2).max(1).values
+                loss = F.smooth_l1_loss(q(o).gather(1, a[:, None]).squeeze(1), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                with (torch.no_grad() if fixed else contextlib.nullcontext()):
+                    for p, tp in zip(q.parameters(), target.parameters()):
+                        tp.mul_(0.995).add_(0.005 * p)
+    assert [str(w.message) for w in caught if "guard" in w.filename] == []
+    assert g.internal_errors == []
+    if fixed:
+        assert g.findings == []
+        return
+    assert [(f.kind, f.where) for f in g.findings] == [("loss-graph-retained", "target")]
+    f = g.findings[0]
+    assert f.details["parameters_with_history"] is True and f.details["count"] == 4 and f.step == 16
+    assert "torch.no_grad()" in f.hint and "lerp_" in f.hint

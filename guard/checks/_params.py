@@ -1,7 +1,8 @@
-"""Helpers shared by the optimizer checks: naming groups of parameters by their module prefix."""
+"""Helpers shared by the parameter checks: naming groups of parameters by their module prefix, listing them."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 
 def module_prefixes(names: Iterable[str], all_names: Sequence[str], limit: int = 10) -> List[str]:
@@ -38,3 +39,25 @@ def module_prefixes(names: Iterable[str], all_names: Sequence[str], limit: int =
         if len(out) >= limit:
             break
     return out
+
+
+class WatchedParams:
+    """The watched models' parameters, listed once per set of models (``Module.parameters()`` walks every
+    module in Python: ~3 us a module, too much for a periodic look on a large model). Weak references: a
+    model dropped under a global guard is not kept alive by the list. `forget()` lists them again."""
+
+    def __init__(self, guard: Any):
+        self.g = guard
+        self._plist: Optional[Tuple[tuple, list, list]] = None  # (ids of the roots, refs to them, refs to params)
+
+    def forget(self) -> None:
+        self._plist = None
+
+    def __call__(self) -> list:
+        roots = self.g.roots
+        key = tuple(map(id, roots))
+        plist = self._plist
+        if plist is None or plist[0] != key or any(r() is not m for r, m in zip(plist[1], roots)):
+            self._plist = plist = (key, [weakref.ref(m) for m in roots],
+                                   [weakref.ref(p) for _, p in self.g.named_parameters()])
+        return [p for r in plist[2] if (p := r()) is not None]

@@ -580,7 +580,7 @@ class ExplainErrors(Check):
         try:
             for n, p in self.g.named_parameters():
                 tensors.append((n, p))
-                if p.grad is not None:
+                if p.is_leaf and p.grad is not None:
                     tensors.append((n + ".grad", p.grad))
             for o in self.g.optimizers:
                 for p, st in o.state.items():

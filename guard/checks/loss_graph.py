@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from .._frames import short_path
+from ._params import WatchedParams, module_prefixes
 from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, user_frames, walk
 from .base import Check
 
@@ -41,6 +42,7 @@ KEY = "guard.loss_graph"
 OLD = 2        # a mark this many steps old (or more) belongs to a step that is over
 MIN_AGE = 5    # report once the oldest live mark is at least this old ...
 MIN_STEPS = 3  # ... and marks of at least this many past steps are alive
+PARAM_LOOK = 16  # steps between looks for parameters that carry autograd history
 MAX_AGE = 1024  # the longest wait between looks when graphs in reference cycles were freed by a collection
 MAX_MARKS = 256
 DEEP_EVERY = 8  # steps whose whole graph is marked (one walk of its nodes); the others mark the loss only
@@ -215,15 +217,48 @@ class LossGraph(Check):
         self._deep_next = False  # walk the next backward's graph whatever its step (woken by a budget)
         self._done = False
         self._min_age = MIN_AGE  # doubled each time a garbage collection freed the old graphs (`_collected`)
+        self._params = WatchedParams(guard)
+        self._param_look = 0  # the step of the next look for parameters with autograd history
+        self._params_told = False
+
+    def _param_history(self, step: int) -> None:
+        """Parameters with a grad_fn: a frozen weight (a target or EMA network) updated in place with autograd on
+        (``tp.mul_(1 - tau).add_(tau * p)`` outside ``torch.no_grad()``) joins the graph, which grows at every
+        update and is never freed. Trainable leaves cannot get there (torch refuses in-place ops on them)."""
+        held = [p for p in self._params() if p.grad_fn is not None]
+        if not held:
+            return
+        self._params_told = True
+        self._param_look = 1 << 62
+        ids = {id(p) for p in held}
+        named = self.g.named_parameters()
+        names = [n for n, p in named if id(p) in ids]
+        prefixes = module_prefixes(names, [n for n, _ in named], limit=6)
+        nodes, _ = graph_size(held[:1], limit=20_000)
+        op = type(held[0].grad_fn).__name__
+        shown = ", ".join(prefixes[:5]) + (", ..." if len(prefixes) > 5 else "")
+        message = (f"{len(held)} parameter(s) carry autograd history ({shown}; {names[0]}'s grad_fn is {op}, "
+                   f"{nodes} graph nodes behind it): weights that need no gradient were updated in place with "
+                   f"autograd on (a target or EMA network's `tp.mul_(1 - tau).add_(tau * p)` or `tp.copy_(p)` "
+                   f"outside torch.no_grad()), so every update adds to a graph that is never freed")
+        hint = ("Update target/EMA weights without autograd: `with torch.no_grad(): tp.lerp_(p, tau)` (or "
+                "`tp.mul_(1 - tau).add_(p, alpha=tau)` inside torch.no_grad(), or on .data); "
+                "torch.optim.swa_utils.AveragedModel does it for you.")
+        self.emit("loss-graph-retained", prefixes[0] if prefixes else names[0], message, hint, step=step,
+                  source=self.g.source(), details={"parameters": names[:20], "count": len(held), "grad_fn": op,
+                                                   "graph_nodes": nodes, "parameters_with_history": True})
 
     def on_wake(self):
         """Sampled by a budget, the steps it sees are not every DEEP_EVERY-th: walk the next graph whole."""
         self._deep_next = True
 
     def on_backward(self, tensors, kwargs):
+        step = self.g.step
+        if step >= self._param_look:
+            self._param_look = step + PARAM_LOOK if not self._params_told else 1 << 62
+            self._param_history(step)
         if self._done:
             return
-        step = self.g.step
         alive, old = [], set()
         for s, r in self._marks:
             if r() is not None:

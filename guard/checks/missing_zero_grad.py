@@ -192,6 +192,8 @@ class MissingZeroGrad(Check):
             return []
         out = []
         for _, p in self.g.named_parameters()[:64]:
+            if not p.is_leaf:
+                continue  # a frozen weight updated in place with autograd on: no .grad to read (torch warns)
             g = p.grad
             if g is None or g.layout is not torch.strided or g.is_meta or not p.requires_grad:
                 continue

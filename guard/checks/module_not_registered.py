@@ -192,7 +192,7 @@ class ModuleNotRegistered(Check):
                 continue
             keep = []
             for c in cands:
-                trained = [p for r in c.params if (p := r()) is not None and p.grad is not None]
+                trained = [p for r in c.params if (p := r()) is not None and p.is_leaf and p.grad is not None]
                 if not trained:
                     keep.append(c)
                     continue

@@ -24,7 +24,7 @@ from typing import List
 
 import torch
 
-from ._params import module_prefixes
+from ._params import WatchedParams, module_prefixes
 from .base import Check
 from .._weak import WeakIdMap
 
@@ -59,7 +59,7 @@ class OptimizerParams(Check):
         self._looked = 0  # step of the last look at the missing parameters
         self._told: set = set()  # names already reported as missing
         self._looked_before = False  # a look before the current one found nothing missing
-        self._plist = None  # (ids of the root models, weak references to them and to their parameters)
+        self._params = WatchedParams(guard)
 
     def on_step_pre(self, optimizer):
         groups = optimizer.param_groups
@@ -151,29 +151,17 @@ class OptimizerParams(Check):
         """(name, parameter) of the trainable parameters with a gradient that no watched optimizer holds; the
         parameters are looked at first, the (costlier) names only for those."""
         held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
-        loose = [p for p in self._params() if p.grad is not None and p.requires_grad and id(p) not in held]
+        loose = [p for p in self._params() if p.requires_grad and p.is_leaf and p.grad is not None and id(p) not in held]
         if not loose:
             return []
         ids = {id(p) for p in loose}
         return [(n, p) for n, p in self.g.named_parameters() if id(p) in ids]
 
-    def _params(self) -> list:
-        """The watched models' parameters, listed once per set of models (``Module.parameters()`` walks every
-        module in Python: ~3 us a module, too much for a look every 16 steps on a large model)."""
-        roots = self.g.roots
-        key = tuple(map(id, roots))
-        plist = self._plist
-        if plist is None or plist[0] != key or any(r() is not m for r, m in zip(plist[1], roots)):
-            # weak references: a model dropped under a global guard is not kept alive by this list
-            self._plist = plist = (key, [weakref.ref(m) for m in roots],
-                                   [weakref.ref(p) for _, p in self.g.named_parameters()])
-        return [p for r in plist[2] if (p := r()) is not None]
-
     def on_module_init(self, args, kwargs):
-        self._plist = None  # a module built since (a new head to assign): list the parameters again
+        self._params.forget()  # a module built since (a new head to assign): list the parameters again
 
     def on_register_parameter(self, args, kwargs):
-        self._plist = None  # a parameter assigned since: list the parameters again
+        self._params.forget()  # a parameter assigned since: list the parameters again
 
     def _missing(self, missing: List[str], step: int, source, later: bool = False) -> None:
         named = self.g.named_parameters()

@@ -148,7 +148,7 @@ class ParamsNotUpdating(Check):
         shapes = {tuple(p.shape) for p in tensors if isinstance(p, nn.Parameter)}
         for model in self.g.models:
             named = list(model.named_parameters())
-            with_grad = [n for n, p in named if p.requires_grad and p.grad is not None]
+            with_grad = [n for n, p in named if p.requires_grad and p.is_leaf and p.grad is not None]
             if not with_grad or any(id(p) in held for _, p in named):
                 continue
             if not any(tuple(p.shape) in shapes for _, p in named):
