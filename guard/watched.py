@@ -57,18 +57,20 @@ def unwrapped_optimizer(opt: torch.optim.Optimizer) -> Optional[torch.optim.Opti
 
 def held_optimizers(obj: Any) -> Optional[List[torch.optim.Optimizer]]:
     """The optimizers inside a holder that is no Optimizer itself (a ``MultipleOptimizer`` with ``.optimizers``,
-    a plain ``Lookahead`` class with ``.optimizer``): its ``step()`` calls theirs, whose hooks guard watches.
-    None for anything else."""
+    a plain ``Lookahead`` class with ``.optimizer``, apex's ``LARC`` with ``.optim``, or the one optimizer in any
+    other attribute): its ``step()`` calls theirs, whose hooks guard watches. None for anything else."""
     if isinstance(obj, torch.optim.Optimizer) or not callable(getattr(obj, "step", None)):
         return None
     many = getattr(obj, "optimizers", None)
     if isinstance(many, (list, tuple)) and many and all(isinstance(o, torch.optim.Optimizer) for o in many):
         return list(many)
-    for name in ("optimizer", "base_optimizer", "_optimizer", "inner_optimizer"):
+    for name in ("optimizer", "base_optimizer", "_optimizer", "inner_optimizer", "optim"):
         inner = getattr(obj, name, None)
         if isinstance(inner, torch.optim.Optimizer):
             return [inner]
-    return None
+    # any other attribute holding exactly one optimizer (apex's LARC keeps it in `.optim`)
+    found = [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, torch.optim.Optimizer)]
+    return found if len(found) == 1 else None
 
 
 def unheld(optimizer: Any) -> Any:

@@ -448,7 +448,8 @@ class Wiring:
                                     f"as steps too).")
                     else:
                         why = {"done": "whose models are no longer called (the next model trains)",
-                               "replaced": "which was replaced",
+                               "replaced": "which was replaced or steps far less often (a policy updated once per "
+                                           "20 critic updates)",
                                "successor": "which it replaces (it steps all of that one's parameters: re-created to "
                                             "resume, or for the next round)"}[why]
                         self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the "

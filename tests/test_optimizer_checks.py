@@ -908,7 +908,24 @@ class MultipleOptimizer:
             o.step()
 
 
-@pytest.mark.parametrize("holder", ["lookahead", "multiple"])
+class LARC:
+    """apex.parallel.LARC, trimmed: a plain class keeping the optimizer in `.optim` (SwAV, VISSL)."""
+
+    def __init__(self, optimizer, trust_coefficient=0.02):
+        self.optim, self.trust_coefficient = optimizer, trust_coefficient
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    def zero_grad(self):
+        self.optim.zero_grad()
+
+    def step(self):
+        self.optim.step()
+
+
+@pytest.mark.parametrize("holder", ["lookahead", "multiple", "larc"])
 def test_an_optimizer_holder_that_is_no_optimizer_is_watched_through_what_it_holds(holder):
     """guard(model, holder) takes a holder's optimizers (`.optimizer`, `.optimizers`) instead of refusing it:
     the healthy loop is silent, the same loop without zero_grad() is reported at the inner optimizer."""
@@ -917,6 +934,8 @@ def test_an_optimizer_holder_that_is_no_optimizer_is_watched_through_what_it_hol
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         if holder == "lookahead":
             opt = PlainLookahead(torch.optim.SGD(model.parameters(), lr=0.05))
+        elif holder == "larc":
+            opt = LARC(torch.optim.SGD(model.parameters(), lr=0.05))
         else:
             opt = MultipleOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.05),
                                     torch.optim.AdamW(model[2].parameters(), lr=1e-3))
