@@ -229,6 +229,26 @@ def test_a_float64_weight_among_float32_ones_is_named():
     assert "holds parameters of different dtypes (weight: float64, bias: float32)" in _notes(ei.value)
 
 
+@pytest.mark.parametrize("form", ["module", "functional", "global"])
+def test_float64_class_weights_of_a_loss_are_named_not_the_model(form):
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    counts = np.array([5.0, 3.0, 2.0])
+    cw = torch.from_numpy(counts.sum() / (3 * counts))  # float64, as NumPy makes it
+    crit = nn.CrossEntropyLoss(weight=cw)
+    loss_fn = crit if form != "functional" else (lambda out, y: nn.functional.cross_entropy(out, y, weight=cw))
+    with pytest.raises(RuntimeError) as ei:
+        with guard(*((model,) if form != "global" else ()), checks=["explain"], live=False) as g:
+            loss_fn(model(torch.randn(6, 4)), torch.randint(0, 3, (6,))).backward()
+    note = _notes(ei.value)
+    assert "the weight= tensor given to cross_entropy is float64 while its input is float32" in note
+    assert "weight=w.float()" in note and "x = x.float()" not in note
+    (f,) = _explained(g)
+    assert f.where == "loss" and f.details["weight_dtype"] == "float64"
+
+
 class _Raises(nn.Module):
     def __init__(self, text):
         super().__init__()

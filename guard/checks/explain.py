@@ -52,6 +52,8 @@ _TYPE_RE = re.compile(r"Input type \(([\w.]+)\) and (?:bias|weight) type \(([\w.
 _DTYPE_WORDS = {"double": "float64", "float": "float32", "half": "float16", "bfloat16": "bfloat16"}
 _PAIRED_LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
                             "binary_cross_entropy_with_logits"})
+_WEIGHTED_LOSSES = frozenset({"cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                              "multi_margin_loss", "multilabel_soft_margin_loss"})
 _SIZE_TEXTS = ("must match the size of tensor", "must be the same as input size", "that is different to the input size")
 _TOP_TENSORS = 5
 TAG_STEPS = 2  # steps whose saved tensors are tagged with the module that saved them
@@ -489,6 +491,9 @@ class ExplainErrors(Check):
                 return None
         elif not any(t in text for t in _DTYPE_TEXTS):
             return None
+        hit = self._loss_weight_dtype(exc)
+        if hit is not None:
+            return hit
         path, mod, args = self._innermost(exc)
         inputs = {f"args[{i}]": str(a.dtype).replace("torch.", "") for i, a in enumerate(args)
                   if isinstance(a, torch.Tensor) and a.is_floating_point()}
@@ -519,6 +524,34 @@ class ExplainErrors(Check):
                "new tensor: a bare `x.double()` changes nothing, assign it (x = x.double()); only nn.Module's "
                "conversions work in place.")
         return where, cause, fix, {"param_dtypes": params, "input_dtypes": inputs, "error_dtypes": said}
+
+    def _loss_weight_dtype(self, exc: BaseException) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+        """A loss's class weights (``weight=``, ``pos_weight=``) of another dtype than its input: float64 weights
+        from NumPy class counts, in ``nn.CrossEntropyLoss(weight=cw)`` or ``F.cross_entropy(..., weight=cw)``."""
+        tb = exc.__traceback__
+        found = None
+        while tb is not None:  # the innermost torch loss function's own arguments
+            code = tb.tb_frame.f_code
+            if code.co_name in _WEIGHTED_LOSSES and is_skipped(code.co_filename):
+                local = tb.tb_frame.f_locals
+                x = local.get("input")
+                for arg in ("weight", "pos_weight"):
+                    w = local.get(arg)
+                    if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and w.is_floating_point()
+                            and x.is_floating_point() and w.dtype != x.dtype):
+                        found = (code.co_name, arg, str(w.dtype).replace("torch.", ""),
+                                 str(x.dtype).replace("torch.", ""))
+            tb = tb.tb_next
+        if found is None:
+            return None
+        fn, arg, wd, xd = found
+        cause = (f"the {arg}= tensor given to {fn} is {wd} while its input is {xd}"
+                 + ("; class weights computed with NumPy are float64, and torch.from_numpy / torch.tensor keep that"
+                    if wd == "float64" else ""))
+        fix = (f"Make the weights the input's dtype: {arg}=w.float() (or torch.tensor(..., dtype=torch.float32)); "
+               f"for a loss module, build it with the converted tensor (nn.CrossEntropyLoss(weight=w.float())) or "
+               f"call criterion.to(logits.dtype).")
+        return "loss", cause, fix, {"loss": fn, "argument": arg, "weight_dtype": wd, "input_dtype": xd}
 
     def _loss_sizes(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """An element-wise loss (MSE, L1, BCE) whose input and target cannot be paired: class indices or a
