@@ -327,6 +327,33 @@ def test_missing_zero_grad_for_the_generator_of_a_gan():
     assert f.where == "Adam[1]" and f.step >= 1 and "weight" in f.message
 
 
+def test_missing_zero_grad_names_the_backward_that_added_onto_the_old_gradients():
+    """An actor-critic step: the critic's backward() runs first and reaches no actor parameter; the actor's, two
+    lines later, is the one that piles onto the actor's uncleared gradients."""
+    import inspect
+
+    torch.manual_seed(0)
+    actor = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+    critic = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+    aopt, copt = torch.optim.Adam(actor.parameters(), 1e-3), torch.optim.Adam(critic.parameters(), 1e-3)
+    with guard([actor, critic], [aopt, copt], live=False) as g:
+        for _ in range(4):
+            s, a, y = torch.randn(8, 2), torch.rand(8, 1), torch.randn(8, 1)
+            copt.zero_grad()
+            F.mse_loss(critic(torch.cat([s, a], 1)), y).backward()  # critic line
+            copt.step()
+            critic.requires_grad_(False)
+            (-critic(torch.cat([s, actor(s)], 1)).mean()).backward()  # actor line
+            aopt.step()  # the bug: aopt.zero_grad() is never called
+            critic.requires_grad_(True)
+    f = [f for f in g.findings if f.kind == "missing-zero-grad"][0]
+    lines = inspect.getsource(test_missing_zero_grad_names_the_backward_that_added_onto_the_old_gradients).splitlines()
+    first = inspect.getsourcelines(test_missing_zero_grad_names_the_backward_that_added_onto_the_old_gradients)[1]
+    actor_line = first + next(i for i, t in enumerate(lines) if t.endswith("# actor line"))
+    assert f.details["backward_source"].endswith(f"test_loop_checks.py:{actor_line}")
+    assert f"test_loop_checks.py:{actor_line}" in f.message
+
+
 def _accumulate(zero, micro=3, steps=5):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

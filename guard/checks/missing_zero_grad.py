@@ -38,7 +38,8 @@ from .._weak import WeakIdMap
 
 
 class _State:
-    __slots__ = ("gen", "zeroed", "armed", "cands", "norms", "verdict", "step_seen", "since", "backward_source")
+    __slots__ = ("gen", "zeroed", "armed", "cands", "norms", "verdict", "step_seen", "since", "backward_source",
+                 "versions", "added_by")
 
     def __init__(self) -> None:
         self.gen = 0
@@ -56,6 +57,9 @@ class _State:
         self.step_seen = False
         self.since = 0
         self.backward_source: Optional[str] = None
+        self.versions: List[int] = []  # the left-over gradients' version counters before the first backward
+        # the backward() that added onto them (an actor's, not the critic's that ran first and reached none)
+        self.added_by: Optional[str] = None
 
 
 class MissingZeroGrad(Check):
@@ -73,6 +77,8 @@ class MissingZeroGrad(Check):
         self._st = WeakIdMap()  # optimizer -> _State
         self._per_param_told: set = set()  # optimizer types told once for all their per-parameter instances
         self._armed = False  # some state may be armed (only a step arms one): backwards skip the scan otherwise
+        self._pending = False  # some state holds left-over gradients not yet judged: backwards note their line
+        self._last_backward: Optional[str] = None  # while pending: the line of the latest backward()
         # id(optimizer) -> [backward() calls, zero_grad() calls] while its step() runs: an L-BFGS closure
         # evaluated many times within one step
         self._during: dict = {}
@@ -141,6 +147,10 @@ class MissingZeroGrad(Check):
         if self._during:
             for counts in self._during.values():
                 counts[0] += 1
+        if self._pending:
+            self._note_added()
+            if self._pending:
+                self._last_backward = self.g.source()
         if not self._armed:
             return
         self._armed = False  # every armed state is evaluated (and disarmed) now
@@ -243,7 +253,9 @@ class MissingZeroGrad(Check):
             norms = [next(it) if g.layout is torch.strided else torch.linalg.vector_norm(g._values().float())
                      for g in grads]
         st.cands, st.norms, st.verdict = cands, norms, None
-        st.backward_source = self.g.source()
+        st.backward_source = self._last_backward = self.g.source()
+        st.versions, st.added_by = [g._version for g in grads], None
+        self._pending = True
         gen = st.gen
         oref = weakref.ref(opt)
 
@@ -281,15 +293,31 @@ class MissingZeroGrad(Check):
         if st.verdict is not None:
             self._judge(optimizer, st)
 
+    def _note_added(self) -> None:
+        """Before a backward: a left-over gradient whose version moved since the first backward was added onto by
+        the backward before this one (whose line is `_last_backward`)."""
+        pending = False
+        for st in self._st.values():
+            if not st.cands:
+                continue  # judged, or cleared by a zero_grad() since
+            pending = True
+            if st.added_by is None and any(
+                    (g := gref()) is not None and g._version != v for (_, gref), v in zip(st.cands, st.versions)):
+                st.added_by = self._last_backward
+        self._pending = pending
+
     def _judge(self, opt, st: _State) -> None:
+        if st.added_by is None:
+            self._note_added()  # the last backward before this step added onto them
         stale = []
         for (pref, gref), left in zip(st.cands, st.verdict or ()):
             p = pref()
             if left and p is not None and p.grad is not None and p.grad is gref():
                 stale.append(p)
         total = sum(1 for g in opt.param_groups for p in g["params"] if p.grad is not None)
-        since, bsrc = st.since, st.backward_source
+        since, bsrc = st.since, st.added_by or st.backward_source
         st.clear()
+        self._pending = any(other.cands for other in self._st.values())
         if stale:
             self._emit(opt, stale, total, since, bsrc)
 
