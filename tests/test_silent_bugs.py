@@ -507,6 +507,22 @@ def test_lr_zero_typo_names_the_group():
     assert f.where == "2" and f.step == 0 and f.details["group"] == 1 and "param group 1 of Adam" in f.message
 
 
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_a_group_a_lambdalr_holds_at_zero_for_a_while_is_a_delayed_start(comes_back):
+    """A backbone group whose LambdaLR factor is 0 for its first 30 steps (the head warms up first) is no
+    lr=0 bug; a factor that stays 0 is one."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.05)
+    later = (lambda s: 0.0 if s < 30 else 1.0) if comes_back else (lambda s: 0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [later, lambda s: 1.0])
+    g = _steps(model, opt, 45, sched=sched)
+    if comes_back:
+        assert g.findings == [] and g.internal_errors == []
+    else:
+        f = only(g, "params-not-updating")
+        assert f.where == "0" and f.details["group"] == 0 and "lr=0" in f.message
+
+
 def test_optimizer_over_another_copy_of_the_model():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)

@@ -20,7 +20,7 @@ drove it to 0), or an optimizer built over another copy of the model.
 from __future__ import annotations
 
 import weakref
-from typing import Dict
+from typing import Any, Dict
 
 import torch
 from torch import nn
@@ -41,6 +41,30 @@ class _Run:
     def __init__(self) -> None:
         self.count, self.since, self.source, self.reported = 0, 0, None, False
         self.lr = 0.0  # the learning rate when the run was reported (0, or a tiny one)
+
+
+#: future scheduler steps a LambdaLR's factors are looked at, for a group held at lr=0
+HORIZON = 20_000
+
+
+def _scheduled_back(opt: Any, i: int) -> bool:
+    """Whether a LambdaLR over `opt` gives group `i` a non-zero factor again within HORIZON steps: a group held at 0
+    for a while on purpose (a backbone that starts after the head's warm-up). Looked for among the optimizer's
+    referrers, once per report (a few ms). A MultiplicativeLR's factors multiply the current lr: 0 stays 0."""
+    import gc
+
+    for sched in gc.get_referrers(opt):
+        lambdas = getattr(sched, "lr_lambdas", None)
+        if (not isinstance(sched, torch.optim.lr_scheduler.LambdaLR) or getattr(sched, "optimizer", None) is not opt
+                or not isinstance(lambdas, list) or i >= len(lambdas)):
+            continue
+        fn, now = lambdas[i], getattr(sched, "last_epoch", 0)
+        try:
+            if any(fn(e) != 0 for e in range(now + 1, now + 1 + HORIZON)):
+                return True
+        except Exception:  # a factor that cannot be asked about the future: not known to come back
+            continue
+    return False
 
 
 def _lr(group) -> float:
@@ -98,6 +122,9 @@ class ParamsNotUpdating(Check):
             run.since, run.source = step, source
         run.count += 1
         if run.count >= STEPS and not run.reported:
+            if _lr(opt.param_groups[i]) == 0.0 and _scheduled_back(opt, i):
+                run.count = 0  # a LambdaLR holds the group at 0 on purpose for a while (a delayed start): look later
+                return
             run.reported = True
             self._report_lr(opt, i, run)
 
