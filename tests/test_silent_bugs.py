@@ -788,3 +788,22 @@ def test_functional_dropout_that_follows_the_module_mode_counts_for_the_mode_che
 def test_functional_dropout_with_the_modes_switched_properly_is_clean():
     g = _functional_dropout_run("none")
     assert g.findings == [] and g.internal_errors == []
+
+
+def test_gradients_shrunk_below_float32_squares_are_told_apart_from_exact_zeros():
+    """A scaling hook registered inside the loop: hooks pile up and the gradients shrink by 2x per step, until
+    their norms underflow (the values themselves are still ~1e-23, not 0)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    with guard(model, opt, live=False) as g:
+        for _ in range(90):
+            for p in model.parameters():
+                p.register_hook(lambda gr: gr * 0.5)  # the bug: one more hook every step
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "grads-all-zero")
+    assert f.details["underflow"] is True and "not all 0" in f.message and "register hooks once" in f.hint

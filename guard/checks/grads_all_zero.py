@@ -108,14 +108,34 @@ class GradsAllZero(Check):
         cause = next((f for f in self.g.findings if f.kind == "loss-constant"), None)
         because = (f" because the loss is constant ({cause.source or cause.where}: {cause.details.get('why', '')})"
                    if cause is not None else "")
+        # The norms are 0, but the gradients may not be: below ~1e-19 their squares underflow float32. Read once.
+        tiny = cause is None and _nonzero(opt)
+        what = ("has had a norm of 0 (its values are not all 0, but too small to square in float32: below ~1e-19)"
+                if tiny else "has been exactly zero")
+        hint = ("The gradients shrank geometrically to nothing: something scales them down at every step. A "
+                "gradient hook registered inside the loop (p.register_hook(lambda g: g * 0.5)) adds one more hook per "
+                "step, and they pile up; register hooks once, before the loop. Otherwise look for a loss scaled "
+                "by a factor that decays to 0, or saturated outputs." if tiny else
+                "The loss no longer depends on the parameters: look for detach()/.item()/argmax/round in the "
+                "loss path, a loss multiplied by 0 or a constant, cross_entropy over a single class, dead ReLUs "
+                "or saturated outputs.")
         self.emit("grads-all-zero", "loss",
-                  f"every gradient of the {n} parameter(s) {type(opt).__name__} updates has been exactly zero for "
+                  f"every gradient of the {n} parameter(s) {type(opt).__name__} updates {what} for "
                   f"{run.count} steps since step {run.since}{because}: training has stopped",
-                  (cause.hint if cause is not None else
-                   "The loss no longer depends on the parameters: look for detach()/.item()/argmax/round in the "
-                   "loss path, a loss multiplied by 0 or a constant, cross_entropy over a single class, dead ReLUs "
-                   "or saturated outputs."),
+                  (cause.hint if cause is not None else hint),
                   step=run.since, seen=self.g.step, source=run.source,
                   details={"optimizer": type(opt).__name__, "steps": run.count, "parameters": n,
                            "cause": cause.kind if cause is not None else None,
-                           "cause_source": cause.source if cause is not None else None})
+                           "cause_source": cause.source if cause is not None else None,
+                           **({"underflow": True} if tiny else {})})
+
+
+def _nonzero(opt) -> bool:
+    """Whether any gradient `opt` holds has a non-zero value (its norm underflowed)."""
+    with torch.no_grad():
+        for grp in opt.param_groups:
+            for p in grp["params"]:
+                g = p.grad if p.is_leaf else None
+                if g is not None and g.layout is torch.strided and not g.is_meta and bool((g != 0).any()):
+                    return True
+    return False
