@@ -249,6 +249,26 @@ def test_float64_class_weights_of_a_loss_are_named_not_the_model(form):
     assert f.where == "loss" and f.details["weight_dtype"] == "float64"
 
 
+def test_a_parameter_resized_after_the_optimizer_made_its_state_is_explained():
+    """What resize_token_embeddings does mid-run: the Parameter stays, its .data grows; Adam's moments do not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, opt, checks=["explain"], live=False) as g:
+            for step in range(3):
+                if step == 2:
+                    model[0].weight.data = torch.randn(13, 4)  # three tokens added
+                opt.zero_grad()
+                model(torch.randint(0, 10, (5, 3))).sum().backward()
+                opt.step()
+    note = _notes(ei.value)
+    assert "Adam's state for `0.weight` (exp_avg: [10, 4]) no longer matches the parameter ([13, 4])" in note
+    assert "build a new one after resizing" in note
+    (f,) = _explained(g)
+    assert f.where == "0.weight" and f.details["param_shape"] == [13, 4]
+
+
 class _Raises(nn.Module):
     def __init__(self, text):
         super().__init__()

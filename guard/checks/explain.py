@@ -54,6 +54,9 @@ _PAIRED_LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss
                             "binary_cross_entropy_with_logits"})
 _WEIGHTED_LOSSES = frozenset({"cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
                               "multi_margin_loss", "multilabel_soft_margin_loss"})
+#: optimizer states shaped like their parameter (Adafactor's factored row/column states are not)
+_FULL_STATES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+                          "sum", "exp_inf", "ax", "prev", "grad_avg", "mu", "eta"})
 _SIZE_TEXTS = ("must match the size of tensor", "must be the same as input size", "that is different to the input size")
 _TOP_TENSORS = 5
 TAG_STEPS = 2  # steps whose saved tensors are tagged with the module that saved them
@@ -446,7 +449,7 @@ class ExplainErrors(Check):
             return "loss", cause, fix, {"target_dtype": got}
         if isinstance(exc, (RuntimeError, ValueError)):
             hit = (self._dtype_mismatch(exc, text, module) or self._channels(text, module)
-                   or self._loss_sizes(exc, text))
+                   or self._stale_state(exc, text) or self._loss_sizes(exc, text))
             if hit is not None:
                 return hit
         if isinstance(exc, AttributeError):
@@ -552,6 +555,37 @@ class ExplainErrors(Check):
                f"for a loss module, build it with the converted tensor (nn.CrossEntropyLoss(weight=w.float())) or "
                f"call criterion.to(logits.dtype).")
         return "loss", cause, fix, {"loss": fn, "argument": arg, "weight_dtype": wd, "input_dtype": xd}
+
+    def _stale_state(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+        """A size mismatch inside ``optimizer.step()``: a parameter resized after the optimizer made its state
+        (``resize_token_embeddings`` swaps the embedding's ``.data`` for a larger one, keeping the Parameter)."""
+        if not any(t in text for t in _SIZE_TEXTS + ("size mismatch", "shape mismatch")):
+            return None
+        opt = None
+        tb = exc.__traceback__
+        while tb is not None:  # the optimizer whose step() raised
+            me = tb.tb_frame.f_locals.get("self")
+            if isinstance(me, torch.optim.Optimizer):
+                opt = me
+            tb = tb.tb_next
+        if opt is None:
+            return None
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key, v in opt.state.get(p, {}).items():
+                    if key in _FULL_STATES and isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape:
+                        name = self.g.param_name(p)
+                        oname = type(opt).__name__
+                        cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) no longer matches the "
+                                 f"parameter ({list(p.shape)}): it was resized after {oname} made its state "
+                                 f"(model.resize_token_embeddings(...) after training started, or its .data replaced "
+                                 f"by a tensor of another shape); the optimizer keeps the old-sized moments")
+                        fix = (f"Resize before building the optimizer, or build a new one after resizing; to keep the "
+                               f"other parameters' moments, drop the resized one's: del optimizer.state[param] (for "
+                               f"`{name}`) after resizing.")
+                        return name, cause, fix, {"optimizer": oname, "state": key, "state_shape": list(v.shape),
+                                                  "param_shape": list(p.shape)}
+        return None
 
     def _loss_sizes(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """An element-wise loss (MSE, L1, BCE) whose input and target cannot be paired: class indices or a
