@@ -953,6 +953,31 @@ def test_an_optimizer_holder_that_is_no_optimizer_is_watched_through_what_it_hol
     assert "missing-zero-grad" in kinds(run(zero=False))
 
 
+def test_a_target_network_given_gradients_is_told_to_compute_under_no_grad():
+    """DQN with the TD target computed outside no_grad and the target synced every 20 steps, both networks given to
+    guard: one param-not-in-optimizer about the target (not "the optimizer was built over another copy")."""
+    import copy
+
+    torch.manual_seed(0)
+    q = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    target = copy.deepcopy(q)
+    opt = torch.optim.Adam(q.parameters(), lr=1e-3)
+    with guard([q, target], opt, live=False) as g:
+        for step in range(60):
+            o, a, r, o2 = torch.randn(8, 4), torch.randint(0, 2, (8,)), torch.randn(8), torch.randn(8, 4)
+            y = r + 0.99 * target(o2).max(1).values  # the bug: no torch.no_grad()
+            loss = nn.functional.smooth_l1_loss(q(o).gather(1, a[:, None]).squeeze(1), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 20 == 0:
+                target.load_state_dict(q.state_dict())
+    assert kinds(g) == ["param-not-in-optimizer"]
+    f = g.findings[0]
+    assert f.where == "target" and f.step == 0 and f.details["synced_copy"] is True
+    assert "torch.no_grad()" in f.hint and "requires_grad_(False)" in f.hint
+
+
 def test_an_object_that_holds_no_optimizer_is_still_refused():
     from guard import ConfigError
 

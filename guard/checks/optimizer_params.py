@@ -59,6 +59,7 @@ class OptimizerParams(Check):
         self._looked = 0  # step of the last look at the missing parameters
         self._told: set = set()  # names already reported as missing
         self._looked_before = False  # a look before the current one found nothing missing
+        self._moved: dict = {}  # names missing at a look but changed in place by the confirmation -> that look's step
         self._params = WatchedParams(guard)
 
     def on_step_pre(self, optimizer):
@@ -106,6 +107,11 @@ class OptimizerParams(Check):
         # gets no more gradients: what is left of a finished run (an earlier round's model kept in a list).
         missing = [n for n, (v, gref, gv) in versions.items() if n in still and n in named and named[n]._version == v
                    and (named[n].grad is not gref() or named[n].grad._version != gv)]
+        # Moved in place, yet in no optimizer: overwritten now and then (a target network synced by load_state_dict)
+        # or trained elsewhere; if a later look finds them unmoved, that says which (and since when)
+        for n, (v, _, _) in versions.items():
+            if n in still and n in named and named[n]._version != v:
+                self._moved.setdefault(n, step)
         if missing:
             # Gradients computed as exactly 0 (a head whose loss term is weighted by 0, left out of the optimizer
             # on purpose) carry no signal to miss. Read once, when reporting.
@@ -168,6 +174,22 @@ class OptimizerParams(Check):
         prefixes = module_prefixes(missing, [n for n, _ in named], limit=11)
         shown, more = prefixes[:10], len(prefixes) > 10
         opts = ", ".join(type(o).__name__ for o in self.g.optimizers)
+        synced = [n for n in missing if n in self._moved]
+        if later and len(synced) == len(missing):
+            # Seen with gradients before, but overwritten in place meanwhile: a copy synced now and then (a target
+            # network's load_state_dict every N steps) that a forward outside no_grad gives gradients to.
+            step = min(self._moved[n] for n in synced)
+            message = (f"{len(missing)} parameter(s) get gradients but are in no optimizer ({opts}): {_listing(shown, more)}; "
+                       f"they have had gradients since step {step} and are only overwritten now and then (a target "
+                       f"network synced with load_state_dict or copy_), so the forward through them ran outside "
+                       f"torch.no_grad(): backward() computes gradients for them that nothing uses, and they pile up")
+            hint = ("Compute what they produce under torch.no_grad() (a DQN/SAC/TD3 target: with torch.no_grad(): "
+                    "y = r + gamma * target(next_obs).max(1).values), or freeze them: target.requires_grad_(False). "
+                    "If they are meant to train, add them to the optimizer.")
+            self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=source,
+                      details={"modules": shown, "parameters": len(missing), "names": missing[:20],
+                               "appeared_mid_run": False, "synced_copy": True})
+            return
         if later:
             # They had no gradient at the earlier looks: unfrozen mid-run (requires_grad_(True)) and never added.
             message = (f"{len(missing)} parameter(s) that had no gradient before get gradients since step {step} or a "

@@ -173,7 +173,12 @@ class ParamsNotUpdating(Check):
         # A copy holds parameters shaped like the model's; an optimizer over plain tensors (the input image of style
         # transfer, a feature net left trainable but meant to stay fixed) is no copy: param-not-in-optimizer says it.
         shapes = {tuple(p.shape) for p in tensors if isinstance(p, nn.Parameter)}
-        for model in self.g.models:
+        models = self.g.models
+        if any(id(p) in held for m in models for p in m.parameters()):
+            # the optimizer trains a watched model: another one it does not hold is a second network (a target
+            # network given gradients by a forward outside no_grad: param-not-in-optimizer says it), not a copy
+            return
+        for model in models:
             named = list(model.named_parameters())
             with_grad = [n for n, p in named if p.requires_grad and p.is_leaf and p.grad is not None]
             if not with_grad or any(id(p) in held for _, p in named):
