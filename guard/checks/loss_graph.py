@@ -452,7 +452,7 @@ class LossGraph(Check):
                         f"torch.no_grad()); a kept tensor with a grad_fn holds its step's whole graph alive, so "
                         f"memory and time grow each step.")
             where = base
-            self.emit("loss-graph-retained", where, message, hint, step=since, source=src, details=details)
+            self.emit("loss-graph-retained", where, message, hint, step=min(steps), source=src, details=details)
             return
         message = (f"the autograd graphs of {len(old)} earlier steps (since step {since}) are still alive; "
                    f"something keeps the loss tensors (e.g. `total_loss += loss` or `losses.append(loss)`), "
