@@ -978,6 +978,54 @@ def test_a_target_network_given_gradients_is_told_to_compute_under_no_grad():
     assert "torch.no_grad()" in f.hint and "requires_grad_(False)" in f.hint
 
 
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_target_network_guard_does_not_watch_given_gradients_is_found(fixed):
+    """guard(q, opt), the usual call: the DQN target made by deepcopy is not given, yet the TD target computed
+    outside no_grad gives its parameters gradients every step."""
+    import contextlib
+    import copy
+
+    torch.manual_seed(0)
+    q = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    target = copy.deepcopy(q)
+    opt = torch.optim.Adam(q.parameters(), lr=1e-3)
+    with guard(q, opt, live=False, checks="all") as g:
+        for step in range(30):
+            o, a, r, o2 = torch.randn(8, 4), torch.randint(0, 2, (8,)), torch.randn(8), torch.randn(8, 4)
+            with (torch.no_grad() if fixed else contextlib.nullcontext()):
+                y = r + 0.99 * target(o2).max(1).values
+            loss = nn.functional.smooth_l1_loss(q(o).gather(1, a[:, None]).squeeze(1), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if fixed:
+        assert g.findings == [] and g.internal_errors == []
+        return
+    assert kinds(g) == ["param-not-in-optimizer"]
+    f = g.findings[0]
+    assert f.where == "target" and f.details["outside_watched_models"] is True and f.details["owner"] == "target"
+    assert f.step == 1 and "torch.no_grad()" in f.hint and "which guard does not watch" in f.message
+
+
+def test_a_learnable_loss_weight_left_out_of_the_optimizer_is_named():
+    """Uncertainty weighting: `log_vars` is an nn.Parameter of no module, and the optimizer is built over the
+    model's parameters only: the task weights never learn."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    log_vars = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with guard(model, opt, live=False) as g:
+        for _ in range(12):
+            out, y = model(torch.randn(8, 4)), torch.randn(8, 2)
+            per_task = ((out - y) ** 2).mean(0)
+            loss = (torch.exp(-log_vars) * per_task + log_vars).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f and f[0].where == "log_vars" and f[0].details["names"] == ["log_vars"]
+
+
 def test_an_object_that_holds_no_optimizer_is_still_refused():
     from guard import ConfigError
 

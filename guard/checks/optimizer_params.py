@@ -20,10 +20,12 @@ Host-only work, once per optimizer / once per run; no device values are read.
 from __future__ import annotations
 
 import weakref
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch import nn
 
+from ._graphs import Budget, user_frames, walk
 from ._params import WatchedParams, module_prefixes
 from .base import Check
 from .._weak import WeakIdMap
@@ -34,6 +36,45 @@ from .._weak import WeakIdMap
 CONFIRM_STEPS = 8
 #: primary optimizer steps between later looks (a layer unfrozen mid-run is found within this many steps)
 RELOOK = 16
+
+
+#: the first step whose backward is walked for parameters outside the watched models (every optimizer has
+#: stepped by then), and the steps between later walks
+OUTSIDE_FIRST = 1
+OUTSIDE_EVERY = 64
+OUTSIDE_NODES = 20_000  # graph nodes one such walk visits at most
+
+
+def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str]]:
+    """Names for parameters outside the watched models, from the user's variables: a module holding them
+    (`target.0.weight`) or the variable bound to one (`log_vars`); the owner's name when one module holds them all."""
+    ids = {id(p): i for i, p in enumerate(params)}
+    names: List[Optional[str]] = [None] * len(params)
+    owners: set = set()
+    for fr in user_frames(12):
+        for scope in (fr.f_locals, fr.f_globals):
+            for var, value in list(scope.items()):
+                if var.startswith("__"):
+                    continue
+                if isinstance(value, nn.Parameter) and id(value) in ids and names[ids[id(value)]] is None:
+                    names[ids[id(value)]] = var
+                    owners.add(var)
+                elif isinstance(value, nn.Module):
+                    try:
+                        for pname, p in value.named_parameters():
+                            k = ids.get(id(p))
+                            if k is not None and names[k] is None:
+                                names[k] = f"{var}.{pname}"
+                                owners.add(var)
+                    except Exception:
+                        continue
+            if all(n is not None for n in names):
+                break
+        if all(n is not None for n in names):
+            break
+    out = [n if n is not None else f"parameter {list(p.shape)}" for n, p in zip(names, params)]
+    owner = next(iter(owners)) if len(owners) == 1 and all(n is not None for n in names) else None
+    return out, owner
 
 
 def _listing(prefixes: List[str], more: bool) -> str:
@@ -61,6 +102,80 @@ class OptimizerParams(Check):
         self._looked_before = False  # a look before the current one found nothing missing
         self._moved: dict = {}  # names missing at a look but changed in place by the confirmation -> that look's step
         self._params = WatchedParams(guard)
+        self._walk_at = OUTSIDE_FIRST  # the step of the next walk for parameters outside the watched models
+        # the parameters such a walk found: id -> (parameter ref, its version, its gradient's (ref, version)), step
+        self._outside: Optional[Tuple[Dict[int, tuple], int]] = None
+        self._outside_told: set = set()
+
+    def on_backward(self, tensors, kwargs):
+        if self.g.step < self._walk_at:
+            return  # the usual backward: one comparison
+        self._walk_at = self.g.step + OUTSIDE_EVERY
+        if self._outside is None and self.g.optimizers:
+            self._walk_outside(tensors)
+
+    def _walk_outside(self, tensors) -> None:
+        """The nn.Parameters this backward will give gradients to that belong to no watched model and that no
+        optimizer holds: a target or teacher network run outside torch.no_grad(), a loss module's or a bare
+        nn.Parameter left out of the optimizer. Confirmed CONFIRM_STEPS steps later (`_confirm_outside`)."""
+        roots = [t.grad_fn for t in ([tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ()))
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not roots:
+            return
+        watched = {id(p) for p in self._params()}
+        held = self._held()
+        found: Dict[int, tuple] = {}
+        for node in walk(roots, Budget(OUTSIDE_NODES)):
+            var = getattr(node, "variable", None)
+            if (isinstance(var, nn.Parameter) and var.requires_grad and id(var) not in watched
+                    and id(var) not in held and id(var) not in self._outside_told and len(found) < 256):
+                g = var.grad
+                found[id(var)] = (weakref.ref(var), var._version, (weakref.ref(g), g._version) if g is not None else None)
+        if found:
+            self._outside = (found, self.g.step)
+
+    def _held(self) -> set:
+        opts = list(self.g.optimizers) + self.g.watched.stepping_optimizers()
+        return {id(p) for o in opts for grp in o.param_groups for p in grp["params"]}
+
+    def _confirm_outside(self) -> None:
+        """Still in no optimizer, not changed in place (no one updates them), and their gradients still coming."""
+        found, step = self._outside
+        self._outside = None
+        held = self._held()
+        params = []
+        for pid, (pref, version, gstate) in found.items():
+            p = pref()
+            if p is None or pid in held or p._version != version or not p.is_leaf:
+                continue
+            g = p.grad
+            if g is None or (gstate is not None and g is gstate[0]() and g._version == gstate[1]):
+                continue  # no gradient since: that backward was a one-off
+            params.append(p)
+        if not params:
+            return
+        with torch.no_grad():
+            norms = torch.stack([(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).float().norm().cpu()
+                                 for p in params]).tolist()
+        params = [p for p, v in zip(params, norms) if v != 0.0]
+        if not params or any(f.kind in ("loss-disconnected", "module-not-registered") for f in self.g.findings):
+            return
+        self._outside_told.update(id(p) for p in params)
+        names, owner = _outside_names(params)
+        prefixes = module_prefixes(names, names, limit=11)
+        shown, more = prefixes[:10], len(prefixes) > 10
+        opts = ", ".join(type(o).__name__ for o in self.g.optimizers)
+        what = f"of {owner}, which guard does not watch, " if owner else "outside the watched models "
+        message = (f"{len(params)} parameter(s) {what}get gradients from the loss but are in no optimizer ({opts}): "
+                   f"{_listing(shown, more)}; backward() computes gradients for them that nothing uses, and they pile "
+                   f"up (zero_grad() of the optimizer does not clear them)")
+        hint = ("If it is a target or teacher network, compute its outputs under torch.no_grad() (with torch.no_grad(): "
+                "y = r + gamma * target(next_obs).max(1).values) or freeze it: target.requires_grad_(False). If they "
+                "should train (a loss module's weights, a learnable loss weight), add them to the optimizer: "
+                "optimizer.add_param_group({'params': [...]}).")
+        self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=self.g.source(),
+                  details={"modules": shown, "parameters": len(params), "names": names[:20], "appeared_mid_run": False,
+                           "outside_watched_models": True, **({"owner": owner} if owner else {})})
 
     def on_step_pre(self, optimizer):
         groups = optimizer.param_groups
@@ -68,6 +183,8 @@ class OptimizerParams(Check):
         if seen != len(groups):
             self._seen[optimizer] = len(groups)
             self._frozen(optimizer, groups[seen or 0:], added=seen is not None)
+        if self._outside is not None and self.g.step - self._outside[1] >= CONFIRM_STEPS and self.g.is_primary(optimizer):
+            self._confirm_outside()
         if self._missing_done and self.g.step - self._looked < RELOOK:
             return  # the usual step: two comparisons
         if not self.g.is_primary(optimizer):
