@@ -15,7 +15,12 @@
   the model is looked at again every `RELOOK` steps: layers unfrozen mid-run (``requires_grad_(True)``)
   without ``add_param_group`` get gradients that no optimizer applies (nor zeroes: they pile up).
 
-Host-only work, once per optimizer / once per run; no device values are read.
+  Parameters outside the watched models too: the backward of step 1 (and every `OUTSIDE_EVERY` steps) is
+  walked for ``nn.Parameter``s that belong to no watched model and no optimizer holds (a target network run
+  outside ``no_grad``, a bare ``log_vars``), confirmed `CONFIRM_STEPS` steps later like the others.
+
+Host-only work, once per optimizer / once per run (and one bounded graph walk every `OUTSIDE_EVERY` steps);
+no device values are read except, once, the norms of the gradients about to be reported.
 """
 from __future__ import annotations
 
