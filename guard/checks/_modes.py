@@ -1,11 +1,16 @@
-"""Helpers shared by the train/eval mode checks: which modules' output depends on train/eval mode."""
+"""Helpers shared by the train/eval mode checks: which modules' output depends on train/eval mode, and which
+module's forward called a functional dropout."""
 from __future__ import annotations
 
 import linecache
+import os
 import weakref
 from typing import Any, List, Optional, Tuple
 
+import torch
 from torch import nn
+
+from .._frames import short_path
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
@@ -43,10 +48,7 @@ def dropout_site(frame: Any) -> Optional[Tuple[nn.Module, str, bool]]:
     """(the module whose forward called F.dropout, its source line, whether that line passes the module's mode:
     ``training=self.training``), looked up from the patched function's frame; None from torch's own code
     (``nn.Dropout``) or outside any module's forward."""
-    from .dropout_in_eval import _caller  # the same frame walk as the F.dropout check's
-    from .._frames import short_path
-
-    call, module = _caller(frame)
+    call, module = forward_caller(frame)
     if call is None or module is None:
         return None
     line = linecache.getline(call.f_code.co_filename, call.f_lineno).split("#")[0]
@@ -54,3 +56,32 @@ def dropout_site(frame: Any) -> Optional[Tuple[nn.Module, str, bool]]:
     at = fn.rfind("site-packages")  # a library's model (transformers/models/bart/...): from its package on
     shown = fn[at + len("site-packages") + 1:] if at >= 0 else short_path(fn)
     return (module, f"{shown}:{call.f_lineno}", ".training" in line)
+
+
+_GUARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_MAX_UP = 4  # user frames searched for the module whose forward called (helpers called from forward)
+
+
+def forward_caller(frame: Any, with_frame: bool = False) -> Tuple[Optional[object], ...]:
+    """(frame that called the patched function, the module whose forward it runs in) or (None, None);
+    `with_frame` adds the frame of that module's method (a helper's caller)."""
+    f = frame
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_GUARD):
+        f = f.f_back
+    if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
+        return (None, None, None) if with_frame else (None, None)  # torch's own code: not the user's line
+    call = f
+    for _ in range(_MAX_UP):
+        if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
+            break  # left the forward (torch's Module.__call__)
+        co = f.f_code
+        # a method's first parameter, whatever its name (`def forward(s, x)`); a plain function taking a module first
+        # (`def block(lin, x, p)`) is a helper, not that module's method
+        first = co.co_varnames[0] if co.co_argcount else None
+        me = f.f_locals.get(first) if first else None
+        if isinstance(me, nn.Module) and (first == "self" or getattr(getattr(type(me), co.co_name, None),
+                                                                     "__code__", None) is co):
+            return (call, me, f) if with_frame else (call, me)
+        f = f.f_back
+    return (call, None, None) if with_frame else (call, None)

@@ -16,7 +16,6 @@ reported, nor is ``p == 0``. Nothing on the device.
 from __future__ import annotations
 
 import linecache
-import os
 import re
 import sys
 from typing import Optional, Tuple
@@ -25,37 +24,11 @@ import torch
 from torch import nn
 
 from .._frames import short_path as _short
+from ._modes import forward_caller
 from .base import Check
 
-_GUARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _grad_on = torch.is_grad_enabled
 _PASSES_MODE = re.compile(r"\btraining\b|\btrain(?:ing)?_?mode\b|\b(?:is_)?train\s*=")  # not `x_train`, `trainer`
-_MAX_UP = 4  # user frames searched for the module whose forward called (helpers called from forward)
-
-
-def _caller(frame, with_frame: bool = False) -> Tuple[Optional[object], ...]:
-    """(frame that called the patched function, the module whose forward it runs in) or (None, None);
-    `with_frame` adds the frame of that module's method (a helper's caller)."""
-    f = frame
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_GUARD):
-        f = f.f_back
-    if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
-        return (None, None, None) if with_frame else (None, None)  # torch's own code: not the user's line
-    call = f
-    for _ in range(_MAX_UP):
-        if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
-            break  # left the forward (torch's Module.__call__)
-        co = f.f_code
-        # a method's first parameter, whatever its name (`def forward(s, x)`); a plain function taking a module first
-        # (`def block(lin, x, p)`) is a helper, not that module's method
-        first = co.co_varnames[0] if co.co_argcount else None
-        me = f.f_locals.get(first) if first else None
-        if isinstance(me, nn.Module) and (first == "self" or getattr(getattr(type(me), co.co_name, None),
-                                                                     "__code__", None) is co):
-            return (call, me, f) if with_frame else (call, me)
-        f = f.f_back
-    return (call, None, None) if with_frame else (call, None)
 
 
 class DropoutInEval(Check):
@@ -107,7 +80,7 @@ class DropoutInEval(Check):
         or to F.dropout, asks for Monte Carlo dropout: left alone."""
         if torch.compiler.is_compiling():
             return
-        frame, module, owner = _caller(sys._getframe(1), with_frame=True)
+        frame, module, owner = forward_caller(sys._getframe(1), with_frame=True)
         if frame is None or module is None or owner is frame or module.training:
             return
         line = (frame.f_code.co_filename, frame.f_lineno, owner.f_code.co_filename, owner.f_lineno)
@@ -148,7 +121,7 @@ class DropoutInEval(Check):
         p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
         if isinstance(p, (int, float)) and p == 0:
             return
-        frame, module = _caller(sys._getframe(1))
+        frame, module = forward_caller(sys._getframe(1))
         if frame is None:
             return
         line = (frame.f_code.co_filename, frame.f_lineno)
