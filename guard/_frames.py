@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -134,3 +134,20 @@ def short_path(path: str) -> str:
     if len(_short_cache) < 10000:
         _short_cache[key] = hit
     return hit
+
+
+_CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function's frame (fast locals)
+
+
+def frame_locals(frame: Any) -> Dict[str, Any]:
+    """`frame`'s local variables, read without keeping them alive. Before Python 3.13 a function frame's
+    ``f_locals`` is a snapshot the frame keeps until it returns: read in a training loop, it would hold that
+    moment's objects (an optimizer replaced since, a loss and its graph) for the rest of the run. So the
+    snapshot is copied and emptied, unless something else holds it (the function's own ``locals()`` result)."""
+    d = frame.f_locals
+    if sys.version_info >= (3, 13) or not frame.f_code.co_flags & _CO_OPTIMIZED:  # 3.13+: a write-through view
+        return d
+    out = dict(d)
+    if sys.getrefcount(d) <= 3:  # the frame's own reference, `d` and getrefcount's argument
+        d.clear()  # the fast locals are untouched; the next read of f_locals fills it again
+    return out

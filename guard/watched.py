@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ._frames import frame_locals
 from ._modules import tree_stats
 from .record import Record
 from .tensors import first_tensor
@@ -95,11 +96,12 @@ def model_labels(models: List[Any], frame: Any) -> List[str]:
     names: List[Optional[str]] = [None] * len(models)
     if frame is not None:
         try:
-            scopes = [frame.f_locals]
-            owner = frame.f_locals.get("self")
+            local = frame_locals(frame)
+            scopes = [local]
+            owner = local.get("self")
             if owner is not None and hasattr(owner, "__dict__"):
                 scopes.append(vars(owner))
-            if frame.f_globals is not frame.f_locals:
+            if frame.f_globals is not local:
                 scopes.append(frame.f_globals)
             for i, m in enumerate(models):
                 for scope in scopes:

@@ -1116,3 +1116,54 @@ def test_a_producer_thread_iterating_a_dataloader_is_no_training_thread(mode):
             opt.step()
         t.join()
     assert g.notices == [] and g.findings == [] and g.internal_errors == []
+
+
+def test_a_finding_named_from_the_loop_s_variables_keeps_none_of_them_alive():
+    """Naming the loader of `unshuffled-labels` reads the training function's variables; before Python 3.13 that
+    left a snapshot of them on its frame: each task's replaced optimizer stayed alive, and the next one never
+    took the step count over (45 steps counted of 60)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    x, y = torch.randn(80, 8), torch.arange(2).repeat_interleave(40)  # sorted by label
+    model = nn.ModuleList([nn.Linear(8, 2) for _ in range(4)])
+    first = torch.optim.SGD(model[0].parameters(), lr=0.05)
+    refs = []
+
+    def train(opt):
+        for t in range(4):
+            if t:
+                opt = torch.optim.SGD(model[t].parameters(), lr=0.05)
+            refs.append(weakref.ref(opt))
+            loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+            for _ in range(3):
+                for xb, yb in loader:
+                    loss = torch.nn.functional.cross_entropy(model[t](xb), yb)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+            gc.collect()
+            if t >= 2:
+                assert refs[t - 1]() is None, f"task {t - 1}'s optimizer is still alive during task {t}"
+
+    with guard(model, first, live=False) as g:
+        train(first)
+    assert [f.kind for f in g.findings] == ["unshuffled-labels"] and g.step == 60
+
+
+def test_reading_a_frame_s_variables_leaves_the_function_s_own_locals_dict_alone():
+    import sys
+
+    from guard._frames import frame_locals
+
+    def held():
+        a = 1
+        mine = locals()  # the function keeps its own locals() dict (the frame's snapshot before 3.13)
+        seen = frame_locals(sys._getframe())
+        return seen["a"], mine.get("a")
+
+    def free():
+        b = 2
+        return frame_locals(sys._getframe())["b"], b
+
+    assert held() == (1, 1) and free() == (2, 2)

@@ -32,6 +32,7 @@ import torch
 
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._frames import frame_locals
 from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, user_frames, walk
 from .base import Check
 from .._weak import WeakIdMap
@@ -206,7 +207,7 @@ class EvalWithoutNoGrad(Check):
         """A variable in the user's frames whose graph reaches these forwards (e.g. `val_loss`), and its tensors."""
         budget = Budget(WALK_BUDGET)
         for fr in user_frames():
-            for name, value in list(fr.f_locals.items()):
+            for name, value in list(frame_locals(fr).items()):
                 try:
                     cands = list(graph_holders(name, value))
                 except Exception:

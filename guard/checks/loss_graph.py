@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from .._frames import short_path
+from .._frames import frame_locals, short_path
 from ._params import WatchedParams, module_prefixes
 from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, user_frames, walk
 from .base import Check
@@ -197,7 +197,7 @@ def _parent_of(name: str, frame: Any) -> Any:
     m = re.match(r"^(\w+)\.\w+(?:\[\.\.\.\])?$", name)  # `meter.sum`, `model.step_losses[...]`
     if not m:
         return None
-    return frame.f_locals.get(m.group(1), frame.f_globals.get(m.group(1)))
+    return frame_locals(frame).get(m.group(1), frame.f_globals.get(m.group(1)))
 
 
 class LossGraph(Check):
@@ -376,7 +376,7 @@ class LossGraph(Check):
         walker = _Walker(before, self._key)
         found = []
         frames = user_frames(MAX_FRAMES)
-        scopes = [(fr, fr.f_locals) for fr in frames]
+        scopes = [(fr, frame_locals(fr)) for fr in frames]
         seen_scopes = {id(d) for _, d in scopes}
         for fr in frames[:3]:
             if id(fr.f_globals) not in seen_scopes:

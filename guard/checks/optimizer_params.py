@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .._frames import frame_locals
 from ._graphs import Budget, user_frames, walk
 from ._params import WatchedParams, module_prefixes
 from .base import Check
@@ -57,7 +58,7 @@ def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str]
     names: List[Optional[str]] = [None] * len(params)
     owners: set = set()
     for fr in user_frames(12):
-        for scope in (fr.f_locals, fr.f_globals):
+        for scope in (frame_locals(fr), fr.f_globals):
             for var, value in list(scope.items()):
                 if var.startswith("__"):
                     continue

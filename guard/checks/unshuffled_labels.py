@@ -42,7 +42,7 @@ from typing import Any, List, Optional
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 
-from .._frames import user_frame
+from .._frames import frame_locals, user_frame
 from .base import Check
 
 MIN_BATCHES = 4
@@ -113,8 +113,8 @@ def _name_of(loader: Any, depth: int = 3) -> Optional[str]:
     f = user_frame(depth)
     if f is None:
         return None
-    for scope in (f.f_locals, f.f_globals):
-        for k, v in scope.items():
+    for scope in (frame_locals(f), f.f_globals):
+        for k, v in list(scope.items()):
             if v is loader and not k.startswith("_"):
                 return k
     return None
