@@ -566,6 +566,38 @@ def test_eval_without_no_grad_clean_patterns():
     assert g.findings == []
 
 
+class _ForceField(nn.Module):
+    """Forces as -dE/dx inside forward (SchNetPack, NequIP, MACE): validation has to run with grad on."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 16), nn.SiLU(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        x = x.requires_grad_(True)
+        energy = self.net(x).sum(1)
+        return energy, -torch.autograd.grad(energy.sum(), x, create_graph=self.training)[0]
+
+
+def test_a_force_field_validated_with_grad_on_is_no_evaluation_outside_no_grad():
+    torch.manual_seed(0)
+    model = _ForceField()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 3)
+    with guard(model, opt, live=False, checks="all") as g:
+        for _ in range(3):
+            model.train()
+            for i in range(0, 48, 16):
+                opt.zero_grad()
+                _, forces = model(x[i:i + 16].clone())
+                ((forces + x[i:i + 16]) ** 2).mean().backward()
+                opt.step()
+            model.eval()
+            for i in range(48, 64, 4):
+                model(x[i:i + 4].clone())  # the graph is consumed by autograd.grad inside forward
+    assert g.findings == [] and g.internal_errors == []
+
+
 def test_eval_without_no_grad_clean_gradient_penalty_via_autograd_grad():
     D = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.Adam(D.parameters(), 1e-3)

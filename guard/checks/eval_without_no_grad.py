@@ -116,7 +116,8 @@ class EvalWithoutNoGrad(Check):
         if not is_root or self._done or not torch.is_grad_enabled():
             return
         if self._backwards != self._backwards_at_call:
-            return  # back-propagated inside the call itself (Lightning manual optimization in training_step)
+            return  # back-propagated inside the call itself (Lightning manual optimization in training_step,
+            # a force field's autograd.grad of its energy)
         source = self.g.root_source
         site = (id(module), module.training, source)
         if self._streak.get(site, 0) >= TRUST:
@@ -158,6 +159,9 @@ class EvalWithoutNoGrad(Check):
 
     def on_autograd_grad(self, args, kwargs):
         self._backward_in_step = self._any_backward = True
+        # counted like a backward(): one inside the model's own call consumed its graph (forces = -dE/dx computed
+        # in forward by a force field, whose validation must run with grad on): that forward is not tagged
+        self._backwards += 1
 
     def on_step_end(self, step):
         if self._done:
