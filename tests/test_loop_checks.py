@@ -781,6 +781,33 @@ def test_global_guard_without_optimizer_catches_all_three():
     assert ev.where == "Sequential" and ev.message.startswith("3 forward passes of Sequential")
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_no_grad_pass_inside_each_training_step_is_no_evaluation(every):
+    """Two-pass scheduled sampling: a no_grad pass in training mode feeds the step's own forward (at every step,
+    or at every other one); an evaluation loop in training mode between epochs is still found."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randn(32, 8)
+    with guard(model, opt, live=False, checks="all") as g:
+        for step in range(12):
+            if step % every == 0:
+                with torch.no_grad():
+                    own = model(x)  # the model's own predictions, mixed into its input
+                x_in = torch.where(torch.rand_like(x) < 0.5, x, own)
+            else:
+                x_in = x
+            loss = F.mse_loss(model(x_in), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert g.findings == [] and g.internal_errors == []
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)  # evaluation at the end, still in training mode: the bug
+    assert [(f.kind, f.step) for f in g.findings] == [("eval-in-train-mode", 12)]
+
+
 def test_eval_in_train_mode_leaves_swa_update_bn_alone():
     from torch.optim.swa_utils import update_bn
 

@@ -30,7 +30,7 @@ import contextlib
 import os
 import sys
 import weakref
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from .base import Check
 from .._weak import WeakIdSet
 
 MAX_NAMED = 4
+RECUR = 3  # training steps after a call site's first no_grad forward in training mode within which it may come back
 OPT_OUT = "guard_train_mode_ok"
 
 
@@ -87,6 +88,10 @@ class EvalInTrainMode(Check):
         # model -> (step, source, names, types, count, inference) of its first train-mode no_grad forward
         self._pending: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
         self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        # call sites (id(model), line) of no_grad forwards in training mode, not yet judged: (model ref, path, the
+        # first one's info, the steps they ran at); and those found to run at training steps (`_decide`)
+        self._sites: Dict[Tuple[int, Optional[str]], tuple] = {}
+        self._recurring: set = set()
         # (module, line) of the first functional dropout of the root call under way that ran in training mode
         # under no_grad, passing the module's mode (F.dropout(x, p, training=self.training): BART, OPT, Whisper)
         self._fdrop: Optional[tuple] = None
@@ -105,6 +110,8 @@ class EvalInTrainMode(Check):
         if not is_root:
             return
         fdrop, self._fdrop = self._fdrop, None
+        if self._sites:
+            self._decide()
         if torch.is_grad_enabled():
             if id(module) not in self._trained.data:
                 self._trained.add(module)
@@ -135,10 +142,43 @@ class EvalInTrainMode(Check):
             return  # schedule-free: BatchNorm statistics recomputed at the averaged weights (optimizer.eval())
         info = (self.g.step, self.g.root_source, [n for n, _ in training], [t for _, t in training],
                 torch.is_inference_mode_enabled())
-        if module in self._trained:
-            self._emit(module, path, *info)
+        self._defer(module, path, info)
+
+    # A no_grad forward in training mode that comes back within a few training steps, from one line, is part of
+    # the training algorithm (two-pass scheduled sampling feeds its output to the step's own forward, sometimes
+    # only with some probability; pseudo-labels or consistency targets with dropout noise), not an evaluation:
+    # evaluation runs between epochs. So a call site is judged RECUR steps after its first such forward.
+    def _defer(self, module, path: str, info: tuple) -> None:
+        key = (id(module), info[1])
+        if key in self._recurring:
+            return
+        ent = self._sites.get(key)
+        if ent is None:
+            self._sites[key] = (weakref.ref(module), path, info, {info[0]})
         else:
-            self._pending[module] = info
+            ent[3].add(info[0])
+
+    def _decide(self, final: bool = False) -> None:
+        """Judge the call sites whose RECUR steps are over (at the end: all of them)."""
+        step = self.g.step
+        for key, (ref, path, info, steps) in list(self._sites.items()):
+            first = info[0]
+            if step <= first + RECUR and not final:
+                continue
+            del self._sites[key]
+            if any(first + k in steps for k in range(1, RECUR + 1)):
+                self._recurring.add(key)  # it runs at training steps: part of training
+                continue
+            module = ref()
+            if module is None or module in self._reported:
+                continue
+            if module in self._trained:
+                self._emit(module, path, *info)
+            elif not final:
+                self._pending[module] = info  # told at its first training forward
+
+    def on_exit(self):
+        self._decide(final=True)
 
     def _optimizer_in_eval(self) -> bool:
         """A watched optimizer switched to its evaluation weights (schedule-free's ``optimizer.eval()`` sets
