@@ -4,7 +4,9 @@ BatchNorm in training mode normalises with the evaluation batch's statistics and
 overwrites its running statistics with them; dropout makes metrics noisy. The
 check looks only at root model calls: when grad mode is off and the model has
 Dropout (``p > 0``) or BatchNorm (tracking running stats) modules in training
-mode, that is an evaluation forward in train mode. So is a functional dropout that follows the module's
+mode, that is an evaluation forward in train mode (judged `RECUR` training steps after a call site's
+first such forward: one that comes back at training steps is part of the training algorithm, such as two-pass
+scheduled sampling). So is a functional dropout that follows the module's
 mode (``F.dropout(x, p, training=self.training)``, HF's BART/OPT/Whisper: no ``nn.Dropout`` to find), seen
 running in training mode under ``no_grad`` through the ``F.dropout`` patch.
 
@@ -201,7 +203,7 @@ class EvalInTrainMode(Check):
             effects.append("BatchNorm normalises with this batch's statistics and overwrites its running "
                            "statistics with evaluation data")
         if any("Dropout" in t for t in types):
-            effects.append("dropout randomly zeroes activations, so the metrics are noisy")
+            effects.append("dropout randomly zeroes activations, so its outputs (metrics, or targets computed from them) are noisy")
         message = (f"{path} ran under {ctx} at {source} while {len(names)} module(s) are in training mode: "
                    f"{shown}{more}; {'; '.join(effects)}")
         hint = ("Call model.eval() before evaluating (and model.train() before training again). If the train "

@@ -240,7 +240,7 @@ class UnshuffledLabels(Check):
         self.emit("unshuffled-labels", where,
                   f"{name}{at} gives training batches that each hold one class: {st.single} of the first "
                   f"{st.counted} batches hold a single class (labels {st.lo}-{st.hi} seen so far; classes "
-                  f"{filled} each fill whole batches; in random order about {q * st.counted:.1f} would), with "
+                  f"{filled} each fill whole batches; shuffled, {_expected(q * st.counted)} would), with "
                   f"{st.desc}: the dataset is sorted by label, so each step "
                   f"trains on one class and the model follows the last class it saw",
                   "Shuffle the training data: DataLoader(dataset, batch_size=..., shuffle=True) (or a RandomSampler; "
@@ -250,3 +250,7 @@ class UnshuffledLabels(Check):
                            "classes_filling_batches": st.classes[:20], "label_range": [st.lo, st.hi],
                            "sampler": "SequentialSampler", "chance_single_class": q})
 
+
+def _expected(n: float) -> str:
+    """How many single-class batches shuffling would give, in words ("almost none" rather than "about 0.0")."""
+    return "almost none" if n < 0.5 else f"about {n:.1f}"
