@@ -269,6 +269,34 @@ def test_a_parameter_resized_after_the_optimizer_made_its_state_is_explained():
     assert f.where == "0.weight" and f.details["param_shape"] == [13, 4]
 
 
+@pytest.mark.parametrize("case", ["frozen", "force-term"])
+def test_backward_on_a_tensor_without_a_graph_is_explained(case):
+    """"element 0 of tensors does not require grad and does not have a grad_fn": the model frozen whole, or a
+    force loss made from torch.autograd.grad without create_graph=True."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    if case == "frozen":
+        model.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, opt, checks=["explain"], live=False) as g:
+            x = torch.randn(4, 3)
+            if case == "frozen":
+                loss = model(x).pow(2).mean()
+            else:
+                x.requires_grad_(True)
+                force = -torch.autograd.grad(model(x).sum(), x)[0]  # the bug: no create_graph=True
+                loss = force.pow(2).mean()
+            loss.backward()
+    note = _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "loss" and "got a tensor with no autograd graph" in note
+    if case == "frozen":
+        assert "every parameter of the model has requires_grad=False" in note and f.details["model_frozen"] is True
+    else:
+        assert "create_graph=True" in note and f.details["model_frozen"] is False
+
+
 class _Raises(nn.Module):
     def __init__(self, text):
         super().__init__()

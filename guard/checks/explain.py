@@ -326,6 +326,8 @@ class ExplainErrors(Check):
     def _classify(self, exc: BaseException, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         text = str(exc)
         low = text.lower()
+        if isinstance(exc, RuntimeError) and "does not require grad and does not have a grad_fn" in text:
+            return self._no_graph(exc)
         if isinstance(exc, RuntimeError) and "modified by an inplace operation" in text:
             info, self._inplace = self._inplace, None
             path = (info or {}).get("module")
@@ -555,6 +557,34 @@ class ExplainErrors(Check):
                f"for a loss module, build it with the converted tensor (nn.CrossEntropyLoss(weight=w.float())) or "
                f"call criterion.to(logits.dtype).")
         return "loss", cause, fix, {"loss": fn, "argument": arg, "weight_dtype": wd, "input_dtype": xd}
+
+    def _no_graph(self, exc: BaseException) -> Tuple[str, str, str, Dict[str, Any]]:
+        """``backward()`` (or ``autograd.grad``) on a tensor with no graph: which of the usual causes it is."""
+        frozen = bool(self.g.models) and not any(p.requires_grad for m in self.g.models for p in m.parameters())
+        grad_off = not torch.is_grad_enabled()  # still off where the exception left the user's code
+        fn = None
+        tb = exc.__traceback__
+        while tb is not None:  # autograd.grad's own frame: its create_graph
+            if tb.tb_frame.f_code.co_name == "grad" and is_skipped(tb.tb_frame.f_code.co_filename):
+                fn = "grad"
+            tb = tb.tb_next
+        if grad_off:
+            why = ("gradient recording is off where it ran (inside torch.no_grad(), torch.inference_mode() or a "
+                   "function decorated with them, such as an evaluation helper reused for training)")
+            fix = "Compute the loss with gradients on: move the training step out of torch.no_grad()/inference_mode."
+        elif frozen:
+            why = "every parameter of the model has requires_grad=False (frozen), so nothing in it needs a gradient"
+            fix = ("Unfreeze what should train (module.requires_grad_(True)), or, for a frozen feature extractor, train "
+                   "a head whose parameters require grad.")
+        else:
+            why = ("it was cut from the model's graph: computed from .detach(), .item(), .numpy(), .data or "
+                   "torch.tensor(...), under torch.no_grad() earlier, or from torch.autograd.grad(...) without "
+                   "create_graph=True (a force or gradient-penalty term then has no graph to back-propagate)")
+            fix = ("Keep the loss inside autograd: no .detach()/.item()/.numpy()/.data on the way to it, and "
+                   "torch.autograd.grad(..., create_graph=True) for terms built from gradients; do not wrap it in "
+                   "torch.tensor(..., requires_grad=True) (that trains nothing).")
+        cause = f"{'torch.autograd.grad' if fn else 'backward()'} got a tensor with no autograd graph: {why}"
+        return "loss", cause, fix, {"grad_enabled": not grad_off, "model_frozen": frozen}
 
     def _stale_state(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """A size mismatch inside ``optimizer.step()``: a parameter resized after the optimizer made its state
