@@ -345,6 +345,16 @@ def test_elementwise_loss_with_class_indices_or_a_narrow_one_hot(target, says, f
     assert f.where == "loss" and f.details["loss"] == "mse_loss" and f.details["input_shape"] == [16, 5]
 
 
+def test_a_prediction_with_a_trailing_one_against_a_regression_target_is_not_called_class_indices():
+    model = nn.Linear(24, 6)  # a forecaster of 6 horizons, its output unsqueezed to [B, H, 1]
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, live=False) as g:
+            nn.functional.mse_loss(model(torch.randn(32, 24)).unsqueeze(-1), torch.randn(32, 6))
+    note = _notes(ei.value)
+    assert "trailing dimension of 1" in note and "squeeze(-1)" in note and "class indices" not in note
+    assert _explained(g)[0].details["input_shape"] == [32, 6, 1]
+
+
 def test_batchnorm_single_sample_value_error_type_kept():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     with pytest.raises(ValueError) as ei:

@@ -634,7 +634,12 @@ class ExplainErrors(Check):
             return None
         xs, ts = list(x.shape), list(t.shape)
         details = {"loss": fn, "input_shape": xs, "target_shape": ts}
-        if len(xs) >= 2 and ts == xs[:-1]:
+        if len(xs) >= 2 and ts == xs[:-1] and xs[-1] == 1:
+            cause = (f"{fn}() got input {xs} and target {ts}: the prediction has a trailing dimension of 1 the target "
+                     f"lacks (a model whose last layer is Linear(..., 1))")
+            fix = ("Give both the same shape: pred.squeeze(-1) (or target.unsqueeze(-1)); inside a loss that would "
+                   "accept them, such shapes broadcast to every prediction-target pair instead.")
+        elif len(xs) >= 2 and ts == xs[:-1]:
             c = xs[-1]
             cause = (f"{fn}() got input {xs} and target {ts}: one target per sample for {c} outputs each, which "
                      f"looks like class indices; an element-wise loss needs one target per output")
