@@ -176,6 +176,26 @@ def test_a_module_without_gradient_is_still_caught_when_sampled(opts, pin):
     assert f.details["zero_grad_steps"] == 8  # the run went on to the last step, followed step by step
 
 
+def test_a_head_frozen_after_the_optimizer_was_built_is_told_it_is_frozen():
+    """Multi-head continual learning: the old head gets requires_grad_(False) between tasks, but stays in the
+    optimizer holding zero gradients (zero_grad(set_to_none=False)): weight decay and momentum still move it."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(4, 8), "h0": nn.Linear(8, 2), "h1": nn.Linear(8, 2)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(30):
+            head = "h0" if step < 10 else "h1"
+            if step == 10:
+                model["h0"].requires_grad_(False)
+            opt.zero_grad(set_to_none=False)
+            out = model[head](torch.relu(model["body"](torch.randn(8, 4))))
+            nn.functional.cross_entropy(out, torch.randint(0, 2, (8,))).backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
+    assert f and f[0].where == "h0" and f[0].details["frozen"] is True
+    assert "are frozen (requires_grad=False)" in f[0].message and "p.grad = None" in f[0].hint
+
+
 def test_none_grads_and_weight_decay_free_group_are_clean():
     g = weight_decay_no_grad.train(fixed=True, live=False, checks="all")
     assert g.findings == [] and g.internal_errors == []

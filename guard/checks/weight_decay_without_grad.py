@@ -362,9 +362,24 @@ class WeightDecayWithoutGrad(Check):
             hint = (f"Momentum/Adam state from earlier steps keeps updating {where} although it gets no gradient. "
                     f"Remove these parameters from the optimizer for this phase, or let their grads be None "
                     f"(zero_grad(set_to_none=True), which optimizers skip).")
+        frozen = [t for t in ts if (p := t.ref()) is not None and not p.requires_grad]
+        if frozen and len(frozen) == len(ts):
+            # frozen after the optimizer was built: their zero gradients are left over (zero_grad(set_to_none=False)),
+            # none is computed, and the optimizer still steps them
+            what = what.replace("got all-zero gradients", "are frozen (requires_grad=False) but still hold zero "
+                                                         "gradients (none computed)")
+            hint = (f"{where} was frozen after the optimizer was built: requires_grad=False stops its gradients, not "
+                    f"the optimizer, and the zero gradients left on it (zero_grad(set_to_none=False)) make every step "
+                    f"apply weight decay and momentum to it. Set its .grad to None once when freezing "
+                    f"(p.grad = None; optimizers skip such parameters), or rebuild the optimizer without it.")
+        elif change > 0 and momentum:
+            hint = hint.replace(f"Weight decay pulls {where} toward 0", f"Momentum from earlier steps keeps moving "
+                                                                        f"{where} (its norm grew) and weight decay "
+                                                                        f"pulls it toward 0")
         self.emit("weight-decay-without-grad", where, what, hint, step=since, seen=self.g.step, source=source,
                   details={"optimizer": opt_name, "group": gi, "weight_decay": wd,
                            "cause": "weight_decay" if decay else "momentum", "momentum": momentum, "lr": lr, "parameters": len(ts),
                            "zero_grad_steps": count, "norm_first": first, "norm_now": now,
+                           **({"frozen": True} if frozen and len(frozen) == len(ts) else {}),
                            "norm_change_pct": change,
                            "names": sorted(self.g.param_name(t.ref()) for t in ts if t.ref() is not None)[:20]})
