@@ -297,6 +297,26 @@ def test_backward_on_a_tensor_without_a_graph_is_explained(case):
         assert "create_graph=True" in note and f.details["model_frozen"] is False
 
 
+@pytest.mark.parametrize("case", ["negative-scale", "nan-loc"])
+def test_a_distribution_argument_out_of_its_range_is_explained(case):
+    """A DeepAR-style head whose sigma is the raw output (no softplus), or a NaN mean from upstream."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError) as ei:
+        with guard(model, checks=["explain"], live=False) as g:
+            out = model(torch.randn(8, 3) * 10)
+            loc = out[:, 0] * float("nan") if case == "nan-loc" else out[:, 0]
+            scale = out[:, 1].abs() + 1 if case == "nan-loc" else out[:, 1]
+            torch.distributions.Normal(loc, scale).log_prob(torch.zeros(8)).mean().backward()
+    note = _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "loss" and f.details["distribution"] == "Normal"
+    if case == "negative-scale":
+        assert "Normal's scale must satisfy GreaterThan" in note and "F.softplus(raw) + 1e-6" in note
+    else:
+        assert "Normal's loc holds NaN" in note and f.details["nan"] is True
+
+
 class _Raises(nn.Module):
     def __init__(self, text):
         super().__init__()

@@ -52,6 +52,32 @@ _TYPE_RE = re.compile(r"Input type \(([\w.]+)\) and (?:bias|weight) type \(([\w.
 _DTYPE_WORDS = {"double": "float64", "float": "float32", "half": "float16", "bfloat16": "bfloat16"}
 _PAIRED_LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
                             "binary_cross_entropy_with_logits"})
+_DIST_RE = re.compile(r"Expected parameter (\w+) \(Tensor of shape \(([^)]*)\)\) of distribution (\w+)\(.*?to satisfy "
+                      r"the constraint ([\w.]+)\(", re.S)
+#: what maps a network's raw output into each constraint's range
+_INTO_RANGE = {"GreaterThan": "F.softplus(raw) + 1e-6 (or raw.exp())", "Positive": "F.softplus(raw) + 1e-6 (or raw.exp())",
+               "GreaterThanEq": "F.softplus(raw)", "Interval": "torch.sigmoid(raw) (scaled to the interval)",
+               "HalfOpenInterval": "torch.sigmoid(raw) (scaled to the interval)", "Simplex": "raw.softmax(-1)",
+               "UnitInterval": "torch.sigmoid(raw)", "PositiveDefinite": "L @ L.mT + eps * I from a lower-triangular L",
+               "LowerCholesky": "torch.linalg.cholesky, or a tril with a softplus diagonal"}
+
+
+def _distribution_args(text: str, param: str, shape: str, dist: str, constraint: str) -> Tuple[str, str, str, Dict[str, Any]]:
+    """A torch.distributions argument outside its range (a scale that went negative, probabilities not summing
+    to 1), or NaN from upstream."""
+    nan = "nan" in text.split("invalid values", 1)[-1].lower()
+    if nan:
+        cause = (f"{dist}'s {param} holds NaN: the distribution only sees it; the NaN was made upstream, in the "
+                 f"model's output or the arithmetic producing {param}")
+        fix = ("Find where the NaN starts (guard's nonfinite check names the module when that output is the "
+               "model's); a scale computed as exp() of a large value or a log of 0 are the usual causes.")
+    else:
+        into = _INTO_RANGE.get(constraint, "an activation that maps the raw output into that range")
+        cause = f"{dist}'s {param} must satisfy {constraint} but holds values outside it (a raw network output used as {param})"
+        fix = f"Map the raw output into the range: {param} = {into}."
+    return "loss", cause, fix, {"distribution": dist, "parameter": param, "constraint": constraint, "nan": nan}
+
+
 _WEIGHTED_LOSSES = frozenset({"cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
                               "multi_margin_loss", "multilabel_soft_margin_loss"})
 #: optimizer states shaped like their parameter (Adafactor's factored row/column states are not)
@@ -328,6 +354,10 @@ class ExplainErrors(Check):
         low = text.lower()
         if isinstance(exc, RuntimeError) and "does not require grad and does not have a grad_fn" in text:
             return self._no_graph(exc)
+        if isinstance(exc, ValueError):
+            m = _DIST_RE.search(text)
+            if m:
+                return _distribution_args(text, *m.groups())
         if isinstance(exc, RuntimeError) and "modified by an inplace operation" in text:
             info, self._inplace = self._inplace, None
             path = (info or {}).get("module")
