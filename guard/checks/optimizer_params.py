@@ -49,6 +49,8 @@ RELOOK = 16
 OUTSIDE_FIRST = 1
 OUTSIDE_EVERY = 64
 OUTSIDE_NODES = 20_000  # graph nodes one such walk visits at most
+TARGET_FIX = ("Compute what they produce under torch.no_grad() (a DQN/SAC/TD3 target: with torch.no_grad(): "
+              "y = r + gamma * target(next_obs).max(1).values), or freeze them: target.requires_grad_(False).")
 
 
 def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str]]:
@@ -175,10 +177,9 @@ class OptimizerParams(Check):
         message = (f"{len(params)} parameter(s) {what}get gradients from the loss but are in no optimizer ({opts}): "
                    f"{_listing(shown, more)}; backward() computes gradients for them that nothing uses, and they pile "
                    f"up (zero_grad() of the optimizer does not clear them)")
-        hint = ("If it is a target or teacher network, compute its outputs under torch.no_grad() (with torch.no_grad(): "
-                "y = r + gamma * target(next_obs).max(1).values) or freeze it: target.requires_grad_(False). If they "
-                "should train (a loss module's weights, a learnable loss weight), add them to the optimizer: "
-                "optimizer.add_param_group({'params': [...]}).")
+        hint = ("If it is a target or teacher network: " + TARGET_FIX + " If they should train (a loss module's "
+                "weights, a learnable loss weight), add them to the optimizer: optimizer.add_param_group({'params': "
+                "[...]}).")
         self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=self.g.source(),
                   details={"modules": shown, "parameters": len(params), "names": names[:20], "appeared_mid_run": False,
                            "outside_watched_models": True, **({"owner": owner} if owner else {})})
@@ -298,6 +299,7 @@ class OptimizerParams(Check):
         shown, more = prefixes[:10], len(prefixes) > 10
         opts = ", ".join(type(o).__name__ for o in self.g.optimizers)
         synced = [n for n in missing if n in self._moved]
+        extra: dict = {}
         if later and len(synced) == len(missing):
             # Seen with gradients before, but overwritten in place meanwhile: a copy synced now and then (a target
             # network's load_state_dict every N steps) that a forward outside no_grad gives gradients to.
@@ -306,14 +308,9 @@ class OptimizerParams(Check):
                        f"they have had gradients since step {step} and are only overwritten now and then (a target "
                        f"network synced with load_state_dict or copy_), so the forward through them ran outside "
                        f"torch.no_grad(): backward() computes gradients for them that nothing uses, and they pile up")
-            hint = ("Compute what they produce under torch.no_grad() (a DQN/SAC/TD3 target: with torch.no_grad(): "
-                    "y = r + gamma * target(next_obs).max(1).values), or freeze them: target.requires_grad_(False). "
-                    "If they are meant to train, add them to the optimizer.")
-            self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=source,
-                      details={"modules": shown, "parameters": len(missing), "names": missing[:20],
-                               "appeared_mid_run": False, "synced_copy": True})
-            return
-        if later:
+            hint = TARGET_FIX + " If they are meant to train, add them to the optimizer."
+            later, extra = False, {"synced_copy": True}
+        elif later:
             # They had no gradient at the earlier looks: unfrozen mid-run (requires_grad_(True)) and never added.
             message = (f"{len(missing)} parameter(s) that had no gradient before get gradients since step {step} or a "
                        f"little earlier (a layer unfrozen or replaced mid-run?) but are in no optimizer ({opts}): {_listing(shown, more)}; "
@@ -330,4 +327,4 @@ class OptimizerParams(Check):
                     "to stay fixed, set requires_grad=False.")
         self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=source,
                   details={"modules": shown, "parameters": len(missing), "names": missing[:20],
-                           "appeared_mid_run": later})
+                           "appeared_mid_run": later, **extra})
