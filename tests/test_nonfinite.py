@@ -698,3 +698,26 @@ def test_nan_gradients_through_a_where_over_nan_targets_are_explained(nan_featur
     assert "overflowed" not in f.hint
     if nan_features:
         assert f.details["taken_input"] == ["args[0]"] and "kept out of its outputs" in f.message
+
+
+def test_nan_gradients_of_a_step_whose_output_was_reported_are_not_reported_again():
+    """Under a global guard the first step's forward is read at its backward's end (no optimizer known yet) and
+    its gradients at the step: two reads of one step. The NaN output is the root cause; its NaN gradients are not
+    a second finding (whose hint would say the forward was finite)."""
+    class SqrtOfNegative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.sqrt(self.fc(x) - 100.0)  # NaN from finite inputs, and NaN gradients behind it
+
+    torch.manual_seed(0)
+    model = SqrtOfNegative()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(live=False) as g:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+    assert [(f.kind, f.where, f.step) for f in g.findings] == [("nonfinite-output", "SqrtOfNegative", 0)]

@@ -522,7 +522,10 @@ class NonFinite(Check):
                 return
         for flag, gn, step, source in grads:
             if flag in bad and not self._bad_param_names:  # NaN weights make NaN grads: not news
-                self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs))
+                if any(f.kind in _FORWARD_KINDS and f.step == step for f in self.g.findings):
+                    return  # this step's NaN input, output or loss was reported (resolved in an earlier read)
+                self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
+                                   loss_seen=bool(losses))
                 return
 
     def _report_input(self, call: _Call, bad: set, refs: Dict[int, weakref.ref]) -> None:
@@ -623,7 +626,7 @@ class NonFinite(Check):
         return sorted(found, key=lambda e: -e[1])
 
     def _report_grads(self, gn, step: int, source: Optional[str], masked: bool = False,
-                      taken_input: Optional[Tuple[str, List[str]]] = None) -> None:
+                      taken_input: Optional[Tuple[str, List[str]]] = None, loss_seen: bool = True) -> None:
         values = gn.per_param()
         names = [n for n, v in zip(gn.names, values) if v != v or v in (float("inf"), float("-inf"))]
         if not names:
@@ -639,7 +642,8 @@ class NonFinite(Check):
                     "on the input), or torch.nan_to_num(x) first; the same holds for NaN targets in a masked loss.")
         elif nan:
             # the forward and the loss were finite (else their origin was reported): NaN made by the backward
-            hint = ("The forward and the loss were finite: NaN made by the backward comes from 0 * inf there. "
+            hint = (("The forward and the loss were finite" if loss_seen else "No NaN/Inf was seen in the forward")
+                    + ": NaN made by the backward comes from 0 * inf there. "
                     "torch.where(mask, f(x), 0) or a masked loss over NaN/Inf values (targets marked missing with "
                     "NaN, log or sqrt of the masked entries) still back-propagates NaN from the masked branch: "
                     "replace them first (f(torch.where(mask, x, safe)), torch.nan_to_num(y)). sqrt or a norm at "
@@ -688,6 +692,7 @@ class NonFinite(Check):
         return True
 
 
+_FORWARD_KINDS = ("nonfinite-input", "nonfinite-output", "nonfinite-loss")
 _NEG_INF = float("-inf")
 _INF = float("inf")
 MASK_HINT = ("Arithmetic on -inf makes NaN: 0 * -inf (an entropy sum(p * log_softmax(logits)) where p is 0), "
