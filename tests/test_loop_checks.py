@@ -1411,3 +1411,22 @@ def test_a_target_network_updated_in_place_with_autograd_on_is_a_growing_graph(f
     f = g.findings[0]
     assert f.details["parameters_with_history"] is True and f.details["count"] == 4 and f.step == 16
     assert "torch.no_grad()" in f.hint and "lerp_" in f.hint
+
+
+def test_pseudo_labels_computed_in_training_mode_with_batchnorm_are_still_found():
+    """A no_grad pass at every step is part of training, but not one that feeds the unlabeled batch's statistics
+    into BatchNorm's running averages (pseudo-labels computed without model.eval())."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for step in range(8):
+            x, y, unlabeled = torch.randn(16, 8), torch.randint(0, 3, (16,)), torch.randn(16, 8) + 2
+            with torch.no_grad():
+                pseudo = model(unlabeled).argmax(1)  # the bug: in training mode
+            loss = F.cross_entropy(model(x), y) + F.cross_entropy(model(unlabeled), pseudo)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "eval-in-train-mode"]
+    assert f and f[0].step == 0 and "BatchNorm" in f[0].message

@@ -6,7 +6,7 @@ check looks only at root model calls: when grad mode is off and the model has
 Dropout (``p > 0``) or BatchNorm (tracking running stats) modules in training
 mode, that is an evaluation forward in train mode (judged `RECUR` training steps after a call site's
 first such forward: one that comes back at training steps is part of the training algorithm, such as two-pass
-scheduled sampling). So is a functional dropout that follows the module's
+scheduled sampling, unless it runs BatchNorm layers in training mode, whose running statistics it overwrites). So is a functional dropout that follows the module's
 mode (``F.dropout(x, p, training=self.training)``, HF's BART/OPT/Whisper: no ``nn.Dropout`` to find), seen
 running in training mode under ``no_grad`` through the ``F.dropout`` patch.
 
@@ -168,7 +168,10 @@ class EvalInTrainMode(Check):
             if step <= first + RECUR and not final:
                 continue
             del self._sites[key]
-            if any(first + k in steps for k in range(1, RECUR + 1)):
+            # Dropout noise may be meant there; BatchNorm running statistics overwritten by the extra pass are not
+            # (pseudo-labels computed in training mode feed the unlabeled batches' statistics into them).
+            bn = any("Norm" in t for t in info[3])
+            if not bn and any(first + k in steps for k in range(1, RECUR + 1)):
                 self._recurring.add(key)  # it runs at training steps: part of training
                 continue
             module = ref()
