@@ -1044,6 +1044,7 @@ def test_a_learnable_loss_weight_left_out_of_the_optimizer_is_named():
             opt.step()
     f = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
     assert f and f[0].where == "log_vars" and f[0].details["names"] == ["log_vars"]
+    assert f[0].hint.startswith("Add them to the optimizer: optimizer.add_param_group({'params': [log_vars]})")
 
 
 def test_an_object_that_holds_no_optimizer_is_still_refused():

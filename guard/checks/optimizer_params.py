@@ -177,9 +177,14 @@ class OptimizerParams(Check):
         message = (f"{len(params)} parameter(s) {what}get gradients from the loss but are in no optimizer ({opts}): "
                    f"{_listing(shown, more)}; backward() computes gradients for them that nothing uses, and they pile "
                    f"up (zero_grad() of the optimizer does not clear them)")
-        hint = ("If it is a target or teacher network: " + TARGET_FIX + " If they should train (a loss module's "
-                "weights, a learnable loss weight), add them to the optimizer: optimizer.add_param_group({'params': "
-                "[...]}).")
+        add = "optimizer.add_param_group({'params': [" + ", ".join(names[:3]) + "]})"
+        if all("." not in n and not n.startswith("parameter ") for n in names):
+            # bare nn.Parameters (a soft prompt, learnable loss weights): meant to train, left out of the optimizer
+            hint = (f"Add them to the optimizer: {add} (or list them when building it). If they are meant to stay "
+                    f"fixed, set requires_grad=False.")
+        else:
+            hint = ("If it is a target or teacher network: " + TARGET_FIX + " If they should train (a loss "
+                    f"module's weights, a learnable loss weight), add them to the optimizer: {add}.")
         self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=self.g.source(),
                   details={"modules": shown, "parameters": len(params), "names": names[:20], "appeared_mid_run": False,
                            "outside_watched_models": True, **({"owner": owner} if owner else {})})
