@@ -307,7 +307,7 @@ def test_a_distribution_argument_out_of_its_range_is_explained(case):
             out = model(torch.randn(8, 3) * 10)
             loc = out[:, 0] * float("nan") if case == "nan-loc" else out[:, 0]
             scale = out[:, 1].abs() + 1 if case == "nan-loc" else out[:, 1]
-            torch.distributions.Normal(loc, scale).log_prob(torch.zeros(8)).mean().backward()
+            torch.distributions.Normal(loc, scale, validate_args=True).log_prob(torch.zeros(8)).mean().backward()
     note = _notes(ei.value)
     (f,) = _explained(g)
     assert f.where == "loss" and f.details["distribution"] == "Normal"
