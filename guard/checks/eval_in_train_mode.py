@@ -5,10 +5,11 @@ overwrites its running statistics with them; dropout makes metrics noisy. The
 check looks only at root model calls: when grad mode is off and the model has
 Dropout (``p > 0``) or BatchNorm (tracking running stats) modules in training
 mode, that is an evaluation forward in train mode (judged `RECUR` training steps after a call site's
-first such forward: one that comes back at training steps is part of the training algorithm, such as two-pass
-scheduled sampling, unless it runs BatchNorm layers in training mode, whose running statistics it overwrites). So is a functional dropout that follows the module's
-mode (``F.dropout(x, p, training=self.training)``, HF's BART/OPT/Whisper: no ``nn.Dropout`` to find), seen
-running in training mode under ``no_grad`` through the ``F.dropout`` patch.
+first such forward: one that comes back at training steps is part of the training algorithm, such as
+two-pass scheduled sampling, unless it runs BatchNorm layers in training mode, whose running statistics it
+overwrites). So is a functional dropout that follows the module's mode (``F.dropout(x, p,
+training=self.training)``, HF's BART/OPT/Whisper: no ``nn.Dropout`` to find), seen running in training mode
+under ``no_grad`` through the ``F.dropout`` patch.
 
 Threshold (to leave deliberate uses alone): it fires only for a model that is
 also trained under the guard, i.e. that has had a grad-enabled forward (before or
