@@ -136,7 +136,7 @@ def short_path(path: str) -> str:
     return hit
 
 
-_CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function's frame (fast locals)
+CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function's frame (fast locals)
 
 
 def frame_locals(frame: Any) -> Dict[str, Any]:
@@ -145,7 +145,7 @@ def frame_locals(frame: Any) -> Dict[str, Any]:
     moment's objects (an optimizer replaced since, a loss and its graph) for the rest of the run. So the
     snapshot is copied and emptied, unless something else holds it (the function's own ``locals()`` result)."""
     d = frame.f_locals
-    if sys.version_info >= (3, 13) or not frame.f_code.co_flags & _CO_OPTIMIZED:  # 3.13+: a write-through view
+    if sys.version_info >= (3, 13) or not frame.f_code.co_flags & CO_OPTIMIZED:  # 3.13+: a write-through view
         return d
     out = dict(d)
     if sys.getrefcount(d) <= 3:  # the frame's own reference, `d` and getrefcount's argument

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._frames import frame_locals
+from ._frames import CO_OPTIMIZED, frame_locals
 from ._modules import tree_stats
 from .record import Record
 from .tensors import first_tensor
@@ -472,12 +472,9 @@ def _owner_path(module: nn.Module, frame: Any) -> Optional[str]:
     # A function's f_locals is, before Python 3.13, a snapshot that the frame keeps until it returns: read in a
     # long training loop, it would keep that moment's tensors (a loss and its graph) alive for the whole run.
     # So only a script's top level (its locals are its globals) or a write-through proxy (3.13+) is read.
-    if f.f_code.co_flags & _CO_OPTIMIZED and sys.version_info < (3, 13):
+    if f.f_code.co_flags & CO_OPTIMIZED and sys.version_info < (3, 13):
         return None
     return _path_in_any(f.f_locals, module)
-
-
-_CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function's frame (fast locals)
 
 
 def _path_in(owner: nn.Module, module: nn.Module) -> Optional[str]:

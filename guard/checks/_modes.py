@@ -33,17 +33,6 @@ F_DROPOUT_PATCHES = {"f_dropout": "torch.nn.functional.dropout", "f_dropout1d": 
                      "f_dropout2d": "torch.nn.functional.dropout2d", "f_dropout3d": "torch.nn.functional.dropout3d"}
 
 
-def dropout_mode(args: tuple, kwargs: dict) -> Optional[bool]:
-    """The ``training`` a functional dropout call passed (its default, True, when none), or None for ``p == 0``."""
-    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-    try:
-        if not float(p) > 0:
-            return None
-    except (TypeError, ValueError):
-        return None
-    return bool(args[2] if len(args) > 2 else kwargs.get("training", True))
-
-
 def dropout_site(frame: Any) -> Optional[Tuple[nn.Module, str, bool]]:
     """(the module whose forward called F.dropout, its source line, whether that line passes the module's mode:
     ``training=self.training``), looked up from the patched function's frame; None from torch's own code
