@@ -1,4 +1,7 @@
-"""A regression with predictions [N, 1] and targets [N]: mse_loss broadcasts to [N, N] and the model learns the mean."""
+"""A regression with predictions [N, 1] and targets [N]: mse_loss broadcasts to [N, N] and the model learns the mean.
+
+`--written` makes the same mistake in a hand-written loss, ``((pred - y) ** 2).mean()``, where PyTorch says nothing.
+"""
 import warnings
 
 import torch
@@ -7,7 +10,7 @@ from torch import nn
 from guard import guard
 
 
-def train(fixed: bool = False, steps: int = 6, **guard_options):
+def train(fixed: bool = False, steps: int = 6, written: bool = False, **guard_options):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -18,7 +21,10 @@ def train(fixed: bool = False, steps: int = 6, **guard_options):
         for step in range(steps):
             pred = model(x)  # shape [64, 1]
             target = y.view_as(pred) if fixed else y
-            loss = nn.functional.mse_loss(pred, target)
+            if written:
+                loss = ((pred - target) ** 2).mean()
+            else:
+                loss = nn.functional.mse_loss(pred, target)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -28,4 +34,4 @@ def train(fixed: bool = False, steps: int = 6, **guard_options):
 if __name__ == "__main__":
     import sys
 
-    train(fixed="--fixed" in sys.argv, live=True)
+    train(fixed="--fixed" in sys.argv, written="--written" in sys.argv, live=True)

@@ -21,11 +21,23 @@ targets, and equal shapes (a deliberate
 ``target.expand_as(input)`` included) and the ``weight``/``pos_weight`` arguments.
 (The BCE forms raise a ValueError on any size mismatch; guard names the fix first.)
 
-Cost: a shape comparison on the host per loss call; no device work.
+Hand-written losses (``((pred - y) ** 2).mean()``, ``(w * per_sample).mean()``) broadcast the same way
+with no warning at all. They are found in the loss's autograd graph at ``backward()``: from the loss,
+through the elementwise arithmetic and reductions a loss is written with, to a ``-``, ``+``, ``*`` or
+``/`` whose one operand that carries gradient was widened along a new dimension of its own batch size
+(``[N, 1]`` against ``[N]`` gives ``[N, N]``; ``[N]`` against ``[N, 1]`` the same). Left alone: both
+operands with gradient (pairwise terms between predictions, residual streams), an operand made
+``[N, 1]`` on purpose (``unsqueeze``, ``[:, None]``, ``view(-1, 1)`` of a 1-d tensor, ``expand``,
+a transpose), a known other operand that already has the full shape, and everything inside the
+model (the walk stops at the first other operation). Looked at on the backward calls of steps 0, 1
+and every power of two (a loss term switched on later is seen within twice its start step).
+
+Cost: a shape comparison on the host per loss call; a walk of a few graph nodes per backward on the
+looked-at steps; no device work.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,6 +47,114 @@ _FNS = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_ent
         "binary_cross_entropy_with_logits", "gaussian_nll_loss", "poisson_nll_loss")
 _SILENT = ("gaussian_nll_loss", "poisson_nll_loss")  # broadcast without even PyTorch's warning
 _LABEL_LOOKS = 3  # calls of one (loss, shapes) whose target values are looked at
+
+# What a hand-written loss is made of, between the scalar and the op that pairs prediction and target.
+_ARITH = frozenset((
+    "MeanBackward0", "MeanBackward1", "SumBackward0", "SumBackward1", "NansumBackward0", "NanmeanBackward0",
+    "PowBackward0", "PowBackward1", "PowBackward2", "MulBackward0", "MulBackward1", "DivBackward0",
+    "DivBackward1", "DivBackward2", "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1",
+    "RsubBackward0", "RsubBackward1", "AbsBackward0", "SqrtBackward0", "NegBackward0", "ClampMinBackward0",
+    "ClampMinBackward1", "ClampMaxBackward0", "ClampBackward0", "ClampBackward1", "MaximumBackward0",
+    "MinimumBackward0", "WhereBackward0", "LogBackward0", "Log1PBackward0", "ExpBackward0",
+    "SoftplusBackward0", "ReluBackward0"))
+_PAIRS = {"SubBackward0": "-", "RsubBackward0": "-", "AddBackward0": "+", "MulBackward0": "*",
+          "DivBackward0": "/"}
+# An operand shaped for broadcasting on purpose: pairwise terms, not a shape accident.
+_SHAPED = frozenset(("UnsqueezeBackward0", "UnsqueezeBackward1", "ExpandBackward0", "PermuteBackward0",
+                     "TBackward0", "TransposeBackward0", "TransposeBackward1"))
+_VIEWS = frozenset(("ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"))
+_WALK = 48  # graph nodes looked at per backward at most
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _widened(shape: List[int], out: List[int]) -> Optional[int]:
+    """The size n when `shape`, broadcast to `out`, gained a dimension of size n that it already has elsewhere
+    (``[N, 1]`` or ``[N]`` turned into ``[N, N]``); None otherwise."""
+    if len(out) < 2 or _numel(shape) >= _numel(out):
+        return None
+    pad = [1] * (len(out) - len(shape)) + list(shape)
+    for i, (s, o) in enumerate(zip(pad, out)):
+        if s == 1 and o > 1 and any(d == o for j, d in enumerate(pad) if j != i):
+            return o
+    return None
+
+
+def _made_on_purpose(fn: Any) -> bool:
+    name = type(fn).__name__
+    if name in _SHAPED:
+        return True
+    if name in _VIEWS:
+        try:
+            before = [int(d) for d in fn._saved_self_sym_sizes]
+            after = [int(d) for d in fn._input_metadata[0].shape]
+        except (AttributeError, RuntimeError, IndexError):
+            return False
+        # view(-1, 1) of a 1-d tensor: a dimension added for broadcasting
+        return len(after) > len(before) and [d for d in after if d != 1] == [d for d in before if d != 1]
+    return False
+
+
+def _saved_shape(node: Any, attr: str) -> Optional[List[int]]:
+    try:
+        t = getattr(node, attr)
+    except (AttributeError, RuntimeError):
+        return None
+    return list(t.shape) if isinstance(t, torch.Tensor) else None
+
+
+def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
+    """The broadcast accidents in a hand-written loss's graph (see the module's docstring)."""
+    found: List[Dict[str, Any]] = []
+    start = loss.grad_fn
+    if start is None:
+        return found
+    todo, seen = [start], {id(start)}
+    while todo and len(seen) <= _WALK:
+        node = todo.pop()
+        name = type(node).__name__
+        if name not in _ARITH:
+            continue
+        nexts = node.next_functions
+        op = _PAIRS.get(name)
+        if op is not None and len(nexts) == 2:
+            hit = _judge(node, op, nexts)
+            if hit is not None:
+                found.append(hit)
+                continue
+        for fn, _ in nexts:
+            if fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                todo.append(fn)
+    return found
+
+
+def _judge(node: Any, op: str, nexts: Any) -> Optional[Dict[str, Any]]:
+    with_grad = [(k, fn, idx) for k, (fn, idx) in enumerate(nexts) if fn is not None]
+    if len(with_grad) != 1:
+        return None  # both carry gradient (pairwise between predictions), or neither
+    k, fn, idx = with_grad[0]
+    if _made_on_purpose(fn):
+        return None
+    try:
+        out = [int(d) for d in node._input_metadata[0].shape]
+        shape = [int(d) for d in fn._input_metadata[idx].shape]
+    except (AttributeError, RuntimeError, IndexError):
+        return None
+    n = _widened(shape, out)
+    if n is None:
+        return None
+    other = None
+    if op in ("*", "/"):
+        other = _saved_shape(node, "_saved_other" if k == 0 else "_saved_self")
+        if other is not None and _numel(other) >= _numel(out):
+            return None  # the other operand has the full shape already: a deliberate [N, N] term
+    return {"op": op, "grad_shape": shape, "other_shape": other, "broadcast_shape": out}
 
 
 def _broadcast(a: torch.Size, b: torch.Size) -> Optional[List[int]]:
@@ -48,12 +168,46 @@ class LossShapeBroadcast(Check):
     name = "loss-shape-broadcast"
     kinds = {"loss-shape-broadcast": ("error", "a regression/BCE loss gets input and target shapes that broadcast")}
     description = ("mse/l1/smooth_l1/huber/BCE/Gaussian and Poisson NLL with input and target shapes that broadcast "
-                   "([N, 1] vs [N] gives [N, N])")
+                   "([N, 1] vs [N] gives [N, N]), and the same in hand-written losses (`((pred - y) ** 2).mean()`)")
     patches = {f"shape_{fn}": f"torch.nn.functional.{fn}" for fn in _FNS}
 
     def __init__(self, guard):
         super().__init__(guard)
         self._looked: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], int] = {}
+
+    def on_backward(self, tensors, kwargs):
+        step = self.g.step
+        if step > 1 and step & (step - 1):
+            return  # graphs are looked at on steps 0, 1, 2, 4, 8, ...
+        for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors or ()):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.numel() == 1:
+                for hit in crossed_pairs(t):
+                    self._emit_written(hit)
+
+    def _emit_written(self, hit: Dict[str, Any]) -> None:
+        op, shape, other, out = hit["op"], hit["grad_shape"], hit["other_shape"], hit["broadcast_shape"]
+        if op in ("-", "+"):
+            pad = [1] * (len(out) - len(shape)) + shape
+            target = [o if s == 1 else 1 for s, o in zip(pad, out)]
+            while len(target) > 1 and target[0] == 1:
+                target.pop(0)  # the smallest target that gives this result: [1, N] is written [N]
+            what = (f"a hand-written loss computes `prediction {op} target` with a prediction of shape {shape}, and "
+                    f"the result has shape {out}: a target of shape {target} broadcasts this way, so every "
+                    f"prediction is compared with every target and the model learns their mean")
+            fix = ("pred.squeeze(-1) - y, or pred - y.view_as(pred)" if shape[-1:] == [1] else
+                   "pred - y.squeeze(-1), or pred.view_as(y) - y")
+        else:
+            of = f" of shape {other}" if other is not None else ""
+            what = (f"a hand-written loss computes `{'x * w' if op == '*' else 'x / w'}` with x (it carries gradient) "
+                    f"of shape {shape} and w{of}, and the result has shape {out}: every sample's term is "
+                    f"{'weighted' if op == '*' else 'divided'} by every sample's value instead of its own")
+            fix = ("w.view_as(x) (or w.squeeze(-1)) so the shapes are equal" if other is not None and other[-1:] == [1]
+                   else "give both the same shape (x.squeeze(-1), or w.view_as(x))")
+        message = what[0].upper() + what[1:] + "; PyTorch computes it without a warning"
+        hint = f"Make the shapes equal before `{op}`: {fix}."
+        self.emit("loss-shape-broadcast", "loss", message, hint, source=self.g.source(),
+                  details={"loss": "hand-written", "op": op, "input_shape": shape, "target_shape": other,
+                           "broadcast_shape": out})
 
     def _look(self, fn: str, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("input")

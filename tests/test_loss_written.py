@@ -1,0 +1,151 @@
+"""loss-shape-broadcast in hand-written losses: found in the loss's autograd graph at backward().
+
+``((pred - y) ** 2).mean()`` with ``pred`` [N, 1] and ``y`` [N] gives [N, N] without any warning from
+PyTorch. Deliberate pairwise terms and shapes that fit must stay silent."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from demos import loss_shape_broadcast
+from guard import guard
+
+
+def mlp(out=1):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, out))
+
+
+def run(loss_fn, steps=3, n=12, out=1, **options):
+    """Train an MLP under a guard with `loss_fn(pred, x, y)`; the guard, the model and the unguarded twin's weights."""
+    model = mlp(out)
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, twin)]
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(n, 8, generator=gen), torch.randn(n, generator=gen)) for _ in range(steps)]
+    with guard(model, opts[0], live=False, **options) as g:
+        for x, y in data:
+            opts[0].zero_grad()
+            loss_fn(model(x), x, y).backward()
+            opts[0].step()
+    for x, y in data:
+        opts[1].zero_grad()
+        loss_fn(twin(x), x, y).backward()
+        opts[1].step()
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+    return g, same
+
+
+BUGGY = {
+    "squared error": lambda p, x, y: ((p - y) ** 2).mean(),
+    "target first": lambda p, x, y: (y - p).abs().mean(),
+    "hand-written Huber": lambda p, x, y: torch.where((p - y).abs() < 1, 0.5 * (p - y) ** 2, (p - y).abs() - 0.5).mean(),
+    "1-d prediction, [N, 1] target": lambda p, x, y: ((p.squeeze(-1) - y.unsqueeze(1)) ** 2).sum(),
+    "inside a sum of terms": lambda p, x, y: 0.5 * ((p - y) ** 2).mean() + 1e-3 * p.pow(2).mean(),
+}
+
+
+@pytest.mark.parametrize("name", list(BUGGY))
+def test_prediction_minus_target_broadcast_is_reported(name):
+    g, same = run(BUGGY[name])
+    assert [(f.kind, f.severity, f.where, f.step) for f in g.findings] == [("loss-shape-broadcast", "error", "loss", 0)]
+    f = g.findings[0]
+    assert f.details["loss"] == "hand-written" and f.details["op"] == "-"
+    assert f.details["broadcast_shape"] == [12, 12]
+    assert "every prediction is compared with every target" in f.message and "without a warning" in f.message
+    assert "squeeze(-1)" in f.hint and "view_as" in f.hint
+    assert f.source and f.source.startswith("tests/test_loss_written.py:")  # the backward() line
+    assert same and g.internal_errors == []
+
+
+def test_message_names_the_target_shape_that_broadcasts():
+    g, _ = run(BUGGY["squared error"])
+    assert "prediction of shape [12, 1], and the result has shape [12, 12]: a target of shape [12]" in g.findings[0].message
+    assert g.findings[0].hint == "Make the shapes equal before `-`: pred.squeeze(-1) - y, or pred - y.view_as(pred)."
+    g, _ = run(BUGGY["1-d prediction, [N, 1] target"])
+    assert "prediction of shape [12], and the result has shape [12, 12]: a target of shape [12, 1]" in g.findings[0].message
+    assert "pred - y.squeeze(-1)" in g.findings[0].hint
+
+
+def test_sample_weights_of_shape_n_1_times_per_sample_loss():
+    w = torch.rand(12, 1)
+    g, same = run(lambda p, x, y: (w * F.mse_loss(p.squeeze(-1), y, reduction="none")).mean())
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("loss-shape-broadcast", "loss", 0)
+    assert f.details["op"] == "*" and f.details["input_shape"] == [12] and f.details["target_shape"] == [12, 1]
+    assert "weighted by every sample's value instead of its own" in f.message
+    assert "w.view_as(x)" in f.hint and same
+
+
+def test_dqn_gathered_q_values_against_1d_targets():
+    def td(q, x, y):
+        chosen = q.gather(1, torch.zeros(len(q), 1, dtype=torch.long))  # [N, 1]
+        target = y + 0.99 * q.detach().max(1).values  # [N]
+        return (chosen - target).pow(2).mean()
+    g, _ = run(td, out=3)
+    assert [(f.kind, f.details["broadcast_shape"]) for f in g.findings] == [("loss-shape-broadcast", [12, 12])]
+
+
+CLEAN = {
+    "squeezed": lambda p, x, y: ((p.squeeze(-1) - y) ** 2).mean(),
+    "view_as": lambda p, x, y: ((p - y.view_as(p)) ** 2).mean(),
+    "pairwise between predictions": lambda p, x, y: torch.relu(p.view(-1, 1) - p.view(1, -1) + 0.1).mean(),
+    "pairwise by unsqueeze": lambda p, x, y: torch.relu(p.squeeze(-1)[:, None] - y[None, :]).mean(),
+    "per-sample weights [N]": lambda p, x, y: (torch.linspace(0, 1, 12) * (p.squeeze(-1) - y) ** 2).mean(),
+    "one prediction per sample over a [N, K] target": lambda p, x, y: ((p - x[:, :3]) ** 2).mean(),
+    "quantiles [N, Q] against [N, 1]": lambda p, x, y: torch.max(
+        torch.tensor([0.1, 0.5, 0.9]) * (y[:, None] - p), (torch.tensor([0.1, 0.5, 0.9]) - 1) * (y[:, None] - p)).mean(),
+    "full [N, N] mask times a pairwise term": lambda p, x, y: (torch.eye(12) * (p.view(-1, 1) - p.view(1, -1))).pow(2).sum(),
+    "batch of one": lambda p, x, y: ((p - y) ** 2).mean(),
+}
+
+
+@pytest.mark.parametrize("name", list(CLEAN))
+def test_fitting_shapes_and_deliberate_pairwise_terms_stay_silent(name):
+    out = 3 if "quantiles" in name else 1
+    g, same = run(CLEAN[name], out=out, n=1 if name == "batch of one" else 12, checks="all")
+    assert [f for f in g.findings if f.severity != "info"] == [] and g.internal_errors == []
+    assert same
+
+
+def test_contrastive_and_vae_style_losses_stay_silent():
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    opt = torch.optim.Adam(enc.parameters(), 1e-3)
+    with guard(enc, opt, live=False) as g:
+        for _ in range(4):
+            x = torch.randn(10, 8)
+            z1, z2 = F.normalize(enc(x), dim=1), F.normalize(enc(x + 0.1 * torch.randn_like(x)), dim=1)
+            logits = z1 @ z2.T / 0.1
+            nce = F.cross_entropy(logits, torch.arange(10))
+            mu, logvar = z1[:, :4], z1[:, 4:]
+            kl = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp(), dim=1).mean()
+            dist = (z1.unsqueeze(1) - z2.unsqueeze(0)).pow(2).sum(-1)  # [10, 10] on purpose
+            opt.zero_grad()
+            (nce + 0.1 * kl + 1e-3 * dist.mean()).backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_a_term_switched_on_later_is_found_at_the_next_power_of_two_step():
+    def later(p, x, y, calls=[0]):
+        calls[0] += 1
+        fit = ((p.squeeze(-1) - y) ** 2).mean()
+        return fit + (((p - y) ** 2).mean() if calls[0] > 5 else 0)  # from step 5 on
+    g, _ = run(later, steps=10)
+    assert [(f.kind, f.step) for f in g.findings] == [("loss-shape-broadcast", 8)]
+
+
+def test_written_demo_and_its_fixed_twin():
+    g = loss_shape_broadcast.train(written=True, live=False)
+    assert [(f.kind, f.where, f.step) for f in g.findings] == [("loss-shape-broadcast", "loss", 0)]
+    assert "[64, 64]" in g.findings[0].message
+    g = loss_shape_broadcast.train(written=True, fixed=True, checks="all", live=False)
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_check_can_be_turned_off():
+    g, _ = run(BUGGY["squared error"], checks=["default", "-loss-shape-broadcast"])
+    assert g.findings == []
