@@ -681,3 +681,31 @@ def test_an_earlier_steps_graph_reached_through_a_carried_hidden_state_is_told_t
     assert "saved by step 0's forward" in f[0].message and "state.detach()" in f[0].hint
     assert "retain_graph=True" in f[0].hint and "out-of-place" not in f[0].hint
     assert any("state.detach()" in n for n in info.value.__notes__)
+
+
+def test_a_memory_carried_without_detach_reaches_a_transposed_weight_of_an_earlier_step():
+    """An external memory written each step and read at the next, not detached: the backward reaches the previous
+    step's graph, where Linear saved ``weight.t()`` (a view of the weight, not the Parameter) that the update changed."""
+    torch.manual_seed(0)
+
+    class Memory(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.read, self.write = nn.Linear(8, 1), nn.Linear(8, 8)
+
+        def forward(self, x, mem):
+            return self.read(mem + x), torch.tanh(self.write(mem + x))
+
+    model = Memory()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with guard(model, opt, live=False) as g:
+            mem = torch.zeros(4, 8)
+            for _ in range(3):
+                out, mem = model(torch.randn(4, 8), mem)  # the bug: mem = mem.detach() is missing
+                opt.zero_grad()
+                out.pow(2).mean().backward()
+                opt.step()
+    (f,) = [f for f in g.findings if f.kind == "explained-error"]
+    assert f.where == "write" and "saved by step 1's forward" in f.message and "external memory" in f.message
+    assert "state = state.detach()" in f.hint and "out-of-place" not in f.hint

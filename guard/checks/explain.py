@@ -200,8 +200,9 @@ class ExplainErrors(Check):
         try:
             fn = t.grad_fn  # PyTorch's message names the op that made the tensor: kept for ours
             made = f"output {t.output_nr} of {type(fn).__name__}" if fn is not None else None
-            return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)), made, self.g.step,
-                    isinstance(t, nn.Parameter))
+            # A weight or a view of one (Linear saves ``weight.t()``): an update changes it between steps.
+            param = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+            return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)), made, self.g.step, param)
         except Exception:  # e.g. no version counter: keep PyTorch's own handling for this tensor
             return t.detach()
 
@@ -375,7 +376,8 @@ class ExplainErrors(Check):
                 # through that step's graph (a hidden state carried over without detach, kept with retain_graph).
                 cause += (f": it is a weight of `{path}` saved by step {info['saved_at_step']}'s forward and updated "
                           f"by optimizer.step() since, so this backward() runs through the graph of an earlier step "
-                          f"(a tensor carried across steps without .detach(): an RNN's hidden state, a running sum)")
+                          f"(a tensor carried across steps without .detach(): an RNN's hidden state, an external "
+                          f"memory, a running sum)")
                 fix = ("Detach what is carried from one step to the next (truncated BPTT: state = state.detach(), "
                        "or tuple(s.detach() for s in state) for an LSTM) and drop retain_graph=True, so each "
                        "backward() ends at its own step's start.")
