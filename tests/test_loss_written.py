@@ -75,7 +75,7 @@ def test_sample_weights_of_shape_n_1_times_per_sample_loss():
     [f] = g.findings
     assert (f.kind, f.where, f.step) == ("loss-shape-broadcast", "loss", 0)
     assert f.details["op"] == "*" and f.details["input_shape"] == [12] and f.details["target_shape"] == [12, 1]
-    assert "weighted by every sample's value instead of its own" in f.message
+    assert "each sample's term meets every sample's w (a weight or a mask), not only its own" in f.message
     assert "w.view_as(x)" in f.hint and same
 
 
@@ -99,6 +99,8 @@ CLEAN = {
         torch.tensor([0.1, 0.5, 0.9]) * (y[:, None] - p), (torch.tensor([0.1, 0.5, 0.9]) - 1) * (y[:, None] - p)).mean(),
     "full [N, N] mask times a pairwise term": lambda p, x, y: (torch.eye(12) * (p.view(-1, 1) - p.view(1, -1))).pow(2).sum(),
     "batch of one": lambda p, x, y: ((p - y) ** 2).mean(),
+    "soft histogram, bins as many as samples": lambda p, x, y: (
+        torch.exp(-(p - torch.linspace(-3, 3, 12)) ** 2).sum(0) / 12 - torch.full((12,), 1 / 12)).pow(2).sum(),
 }
 
 
@@ -149,3 +151,10 @@ def test_written_demo_and_its_fixed_twin():
 def test_check_can_be_turned_off():
     g, _ = run(BUGGY["squared error"], checks=["default", "-loss-shape-broadcast"])
     assert g.findings == []
+
+
+def test_gaussian_nll_loss_written_in_python_is_counted_once_per_call():
+    var = torch.ones(12, 1)
+    g, _ = run(lambda p, x, y: F.gaussian_nll_loss(p, y, var), steps=10)
+    [f] = g.findings
+    assert f.kind == "loss-shape-broadcast" and f.details["loss"] == "gaussian_nll_loss" and f.count == 10

@@ -55,8 +55,8 @@ _ARITH = frozenset((
     "DivBackward1", "DivBackward2", "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1",
     "RsubBackward0", "RsubBackward1", "AbsBackward0", "SqrtBackward0", "NegBackward0", "ClampMinBackward0",
     "ClampMinBackward1", "ClampMaxBackward0", "ClampBackward0", "ClampBackward1", "MaximumBackward0",
-    "MinimumBackward0", "WhereBackward0", "LogBackward0", "Log1PBackward0", "ExpBackward0",
-    "SoftplusBackward0", "ReluBackward0"))
+    "MinimumBackward0", "WhereBackward0", "LogBackward0", "Log1PBackward0", "SoftplusBackward0",
+    "ReluBackward0"))  # not exp: a kernel exp(-(x - c) ** 2) over bins or centers is pairwise on purpose
 _PAIRS = {"SubBackward0": "-", "RsubBackward0": "-", "AddBackward0": "+", "MulBackward0": "*",
           "DivBackward0": "/"}
 # An operand shaped for broadcasting on purpose: pairwise terms, not a shape accident.
@@ -174,6 +174,9 @@ class LossShapeBroadcast(Check):
     def __init__(self, guard):
         super().__init__(guard)
         self._looked: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], int] = {}
+        # (input shape, broadcast shape) reported from a loss function's call: its own arithmetic (gaussian_nll_loss
+        # is written in Python) is the same broadcast, not a second one
+        self._called: set = set()
 
     def on_backward(self, tensors, kwargs):
         step = self.g.step
@@ -186,6 +189,8 @@ class LossShapeBroadcast(Check):
 
     def _emit_written(self, hit: Dict[str, Any]) -> None:
         op, shape, other, out = hit["op"], hit["grad_shape"], hit["other_shape"], hit["broadcast_shape"]
+        if (tuple(shape), tuple(out)) in self._called:
+            return
         if op in ("-", "+"):
             pad = [1] * (len(out) - len(shape)) + shape
             target = [o if s == 1 else 1 for s, o in zip(pad, out)]
@@ -199,8 +204,8 @@ class LossShapeBroadcast(Check):
         else:
             of = f" of shape {other}" if other is not None else ""
             what = (f"a hand-written loss computes `{'x * w' if op == '*' else 'x / w'}` with x (it carries gradient) "
-                    f"of shape {shape} and w{of}, and the result has shape {out}: every sample's term is "
-                    f"{'weighted' if op == '*' else 'divided'} by every sample's value instead of its own")
+                    f"of shape {shape} and w{of}, and the result has shape {out}: each sample's term meets every "
+                    f"sample's w (a weight or a mask), not only its own")
             fix = ("w.view_as(x) (or w.squeeze(-1)) so the shapes are equal" if other is not None and other[-1:] == [1]
                    else "give both the same shape (x.squeeze(-1), or w.view_as(x))")
         message = what[0].upper() + what[1:] + "; PyTorch computes it without a warning"
@@ -272,6 +277,7 @@ class LossShapeBroadcast(Check):
             fix = "target.squeeze(-1) (or input.view_as(target), or input.unsqueeze(-1))"
         else:
             fix = "target.view_as(input) (make the shapes equal)"
+        self._called.add((tuple(xs), tuple(out)))
         raises = fn.startswith("binary_cross_entropy")
         message = (f"{fn}() got input {xs} and target {ts}: they broadcast to {out} ({n_out:,} pairs for {n_in:,} "
                    f"predictions), so every prediction is compared with every target and the model learns the "
