@@ -1,5 +1,6 @@
 """Issue 16 (part A): module-not-registered, train-in-eval-mode, loss-shape-broadcast, zero-grad-before-step,
 loss-disconnected, init-loss-high. Each: the demo's bug, its --fixed twin, and the healthy patterns the issue lists."""
+import copy
 import inspect
 import math
 import os
@@ -451,6 +452,28 @@ def test_partial_zero_grad_and_gradient_surgery_are_silent():
                 p.grad = (g0 + g1) / 2
             opt.step()
     assert g.findings == []
+
+
+def test_zero_grad_of_an_optimizer_over_an_untrained_original_is_no_wiped_step():
+    """FedAvg with each client's optimizer built over the global model while the deep copy trains: its zero_grad()
+    finds no gradient to wipe. The copy is the bug (the notice says so), not the order of the calls."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    with guard(model, live=False) as g:
+        for _ in range(3):
+            for _ in range(4):
+                client = copy.deepcopy(model)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the bug: client.parameters()
+                for _ in range(8):
+                    opt.zero_grad()
+                    F.mse_loss(client(x), y).backward()
+                    opt.step()
+            model.load_state_dict(client.state_dict())
+            with torch.no_grad():
+                F.mse_loss(model(x), y).item()
+    assert "zero-grad-before-step" not in kinds(g)
+    assert any("model was copied" in n and "Build the optimizer over the copy's parameters" in n for n in g.notices)
 
 
 # --------------------------------------------------------------------------- loss-disconnected

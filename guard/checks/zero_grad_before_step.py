@@ -15,6 +15,10 @@ network's ``zero_grad()`` after the other's backward, then its own backward) sta
 silent. A ``Module.zero_grad()`` counts for an optimizer only when the module holds
 all of that optimizer's parameters (zeroing one part on purpose is left alone).
 
+A ``zero_grad()`` that finds no gradient on its parameters wiped nothing: the backwards never reached
+them (an optimizer built over the original of a deep-copied model that trains). That is
+``param-not-in-optimizer``'s or the copy notice's to tell, not this check's.
+
 Gradients found at the step after such a ``zero_grad()`` (zeros, or set by hand on
 purpose: gradient surgery assigns ``p.grad``) are checked: their joint norm is staged
 with the step's other values, and only an all-zero one counts.
@@ -35,7 +39,7 @@ from .._weak import WeakIdMap
 
 
 class _Opt:
-    __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids")
+    __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids", "had_grads")
 
     def __init__(self, stepped_at: int) -> None:
         self.zero_at = -1  # backward count at its latest zero_grad()
@@ -43,6 +47,7 @@ class _Opt:
         self.stepped_at = stepped_at  # backward count at its latest step()
         self.n_params = -1
         self.ids: frozenset = frozenset()
+        self.had_grads = True  # whether its parameters held gradients when its latest zero_grad() began
 
 
 class ZeroGradBeforeStep(Check):
@@ -73,10 +78,23 @@ class ZeroGradBeforeStep(Check):
         self._backwards += 1
         self._backward_src = self.g.root_source
 
+    def on_order_opt_zero_grad(self, args, kwargs):
+        if not args or not isinstance(args[0], torch.optim.Optimizer):
+            return
+        st = self._state(args[0])
+        if self._backwards > st.stepped_at:
+            # Only the suspicious order pays for this look: no gradient to wipe means none of this optimizer's
+            # parameters was reached by those backwards (it is built over another copy of the model).
+            st.had_grads = any(p.grad is not None for grp in args[0].param_groups for p in grp["params"])
+
     def on_order_opt_zero_grad_done(self, args, kwargs, result):
         if not args or not isinstance(args[0], torch.optim.Optimizer):
             return
         st = self._state(args[0])
+        if not st.had_grads:
+            st.had_grads = True
+            st.zero_at = -1  # it wiped nothing
+            return
         st.zero_at = self._backwards
         # Only a zero_grad() after a backward (and before the step) can be reported: the line is looked up then.
         st.zero_src = self.g.source() if st.zero_at > st.stepped_at else None
