@@ -1,6 +1,7 @@
 """NaN/Inf detection: each kind with the right where and step, and no alarm on healthy models."""
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from demos import nan_grad, nan_input, nan_loss, nan_module, nan_param
@@ -721,3 +722,61 @@ def test_nan_gradients_of_a_step_whose_output_was_reported_are_not_reported_agai
             model(torch.randn(8, 4)).sum().backward()
             opt.step()
     assert [(f.kind, f.where, f.step) for f in g.findings] == [("nonfinite-output", "SqrtOfNegative", 0)]
+
+
+class _LossInside(nn.Module):
+    """A model that computes its loss in forward from `labels` (the Hugging Face convention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 20)
+
+    def forward(self, ids, labels=None):
+        logits = self.head(self.emb(ids))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.view(-1, 20), labels.view(-1), ignore_index=-100)
+        return out
+
+
+def test_a_loss_computed_inside_the_model_over_labels_all_minus_100_is_a_nonfinite_loss():
+    torch.manual_seed(0)
+    model = _LossInside()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(4):
+            ids = torch.randint(0, 20, (2, 6))
+            labels = ids.clone()
+            labels[:, :3] = -100
+            if step == 2:
+                labels[:] = -100  # the answer was truncated away: nothing to learn from
+            out = model(ids, labels=labels)
+            opt.zero_grad()
+            out["loss"].backward()
+            opt.step()
+    assert [(f.kind, f.where, f.step) for f in g.findings if f.severity == "error"] == [("nonfinite-loss", "loss", 2)]
+    f = g.findings[0]
+    assert "_LossInside computed inside its forward (output['loss'])" in f.message and "all -100" in f.message
+    assert "(labels != -100).any()" in f.hint and "lower the learning rate" not in f.hint
+    assert f.details["inside_model"] is True
+
+
+def test_hf_causal_lm_with_every_label_masked():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=100, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(3):
+            ids = torch.randint(0, 100, (2, 8))
+            labels = ids.clone()
+            labels[:, :4] = -100
+            if step == 1:
+                labels[:] = -100
+            out = model(input_ids=ids, labels=labels)
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+    assert [(f.kind, f.where, f.step) for f in g.findings if f.severity == "error"] == [("nonfinite-loss", "loss", 1)]

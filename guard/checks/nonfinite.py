@@ -569,6 +569,10 @@ class NonFinite(Check):
                 in_stats[name] = finite_stats(t)
         if not out_counts and module is not None:
             self._armed[id(module)] = call.path
+        if call.is_root and out_counts and not bad_params and all(
+                (n.endswith("['loss']") or n.endswith(".loss")) and c.get("numel") == 1 for n, c in out_counts.items()):
+            self._report_inner_loss(call, out_counts)
+            return True
         why = (f"its parameters {', '.join(bad_params[:5])} are non-finite" if bad_params
                else f"its inputs held only the NaN/Inf it takes on purpose ({', '.join(taken)}: it handled them on "
                     f"the healthy steps before)" if taken else "its inputs were finite")
@@ -612,6 +616,19 @@ class NonFinite(Check):
                            "output_stats": out_stats, "nonfinite_params": bad_params,
                            **({"huge_weights": {n: v for n, v, _ in huge[:20]}} if huge else {})})
         return True
+
+    def _report_inner_loss(self, call: _Call, counts: Dict[str, Any]) -> None:
+        """Only the loss a model computes inside its forward (HF's ``labels=``) is NaN/Inf: the loss, not the model."""
+        names = ", ".join(counts)
+        self.emit("nonfinite-loss", "loss",
+                  f"the loss {call.path} computed inside its forward ({names}) is NaN/Inf while its other outputs "
+                  f"were finite: a mean over zero elements is NaN, such as a batch whose labels are all -100 "
+                  f"(prompt-only or truncated samples, an empty packed sequence)",
+                  "Skip batches with no supervised token (if (labels != -100).any(): ...) or drop samples whose "
+                  "labels are all -100 in the collator; a loss written by hand can divide by the count clamped to 1: "
+                  "(per_token * mask).sum() / mask.sum().clamp_min(1).",
+                  step=call.step, source=call.source,
+                  details={"module": call.type, "counts": counts, "outputs": list(counts), "inside_model": True})
 
     def _huge_weights(self, module: nn.Module) -> List[Tuple[str, float, nn.Module]]:
         """Finite weights of `module` far beyond any trained network's (looked at on a bad step only):
