@@ -269,8 +269,9 @@ def test_a_parameter_resized_after_the_optimizer_made_its_state_is_explained():
     assert f.where == "0.weight" and f.details["param_shape"] == [13, 4]
 
 
+@pytest.mark.parametrize("scope", ["model", "global"])
 @pytest.mark.parametrize("case", ["frozen", "force-term"])
-def test_backward_on_a_tensor_without_a_graph_is_explained(case):
+def test_backward_on_a_tensor_without_a_graph_is_explained(case, scope):
     """"element 0 of tensors does not require grad and does not have a grad_fn": the model frozen whole, or a
     force loss made from torch.autograd.grad without create_graph=True."""
     torch.manual_seed(0)
@@ -279,7 +280,7 @@ def test_backward_on_a_tensor_without_a_graph_is_explained(case):
         model.requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(RuntimeError) as ei:
-        with guard(model, opt, checks=["explain"], live=False) as g:
+        with guard(*((model, opt) if scope == "model" else ()), checks=["explain"], live=False) as g:
             x = torch.randn(4, 3)
             if case == "frozen":
                 loss = model(x).pow(2).mean()

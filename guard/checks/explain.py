@@ -592,7 +592,9 @@ class ExplainErrors(Check):
 
     def _no_graph(self, exc: BaseException) -> Tuple[str, str, str, Dict[str, Any]]:
         """``backward()`` (or ``autograd.grad``) on a tensor with no graph: which of the usual causes it is."""
-        frozen = bool(self.g.models) and not any(p.requires_grad for m in self.g.models for p in m.parameters())
+        # under a global guard the models are the outermost modules seen called
+        params = [p for m in (self.g.models or self.g.roots) for p in m.parameters()]
+        frozen = bool(params) and not any(p.requires_grad for p in params)
         grad_off = not torch.is_grad_enabled()  # still off where the exception left the user's code
         fn = None
         tb = exc.__traceback__
