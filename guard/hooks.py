@@ -639,6 +639,21 @@ class Installer:
 
             self._keep(_Handle(remove))
 
+    def module_registrations(self, fn: Callable[[nn.Module, str, nn.Module], None]) -> None:
+        """``fn(parent, name, module)`` whenever a module registers a submodule anywhere in the process
+        (``add_module``, an attribute assignment, ``Sequential.append``); nothing on a torch without the hook."""
+        register = getattr(_module_mod, "register_module_module_registration_hook", None)
+        if register is None:
+            return
+
+        def hook(parent: nn.Module, name: str, module: Any) -> None:
+            try:
+                fn(parent, name, module)
+            except Exception:  # naming a new layer is never worth the user's assignment
+                pass
+
+        self._keep(register(hook))
+
     # optimizer hooks --------------------------------------------------------
     def optimizer_hooks(self, optimizer: Optional[torch.optim.Optimizer], pre: Callable, post: Callable) -> None:
         """Step hooks ``pre(opt, args, kwargs)``/``post(opt, args, kwargs)`` on one optimizer, or all when None."""

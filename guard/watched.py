@@ -426,6 +426,24 @@ class Watched:
         except Exception as exc:
             self._contain(None, exc)
 
+    def name_added(self, parent: nn.Module, name: str, module: nn.Module) -> List[nn.Module]:
+        """Name a module registered on a named one mid-run (a block appended, a head replaced); the modules
+        that had no name before, which the caller hooks."""
+        ppath = self.known_path(parent)
+        if ppath is None:
+            return []
+        if id(parent) in self.root_ids or parent in self.roots_seen:
+            label = self._prefix.get(id(parent))
+            base = f"{label}.{name}" if label else name
+        else:
+            base = f"{ppath}.{name}"
+        new = []
+        for sub, mod in module.named_modules():
+            if self.known_path(mod) is None:
+                self.paths_weak[mod] = f"{base}.{sub}" if sub else base
+                new.append(mod)
+        return new
+
     def record_module(self, module: nn.Module, output: Any, record: Record) -> None:
         """Add a module's first call to the module table of `record` (path, type, output shape, ...)."""
         try:

@@ -92,6 +92,7 @@ class Wiring:
                         self._mod_handles[id(mod)] = (handles[0], handles[-1])
         else:
             inst.global_module_hooks(self._hook_pre_global, self._hook_post_global)
+        inst.module_registrations(self._on_register)
         if self._optimizers:
             for oref in self._optimizers:
                 opt = oref()
@@ -124,6 +125,20 @@ class Wiring:
         _hooks.rebind_aliases([vars(m) for m in self.watched.models])
         inst.on_copy = self._note_copy
         inst.process_exit(self)
+
+    def _on_register(self, parent: nn.Module, name: str, module: Any) -> None:
+        """A module added to a watched one mid-run (progressive growing, a new head): named by its path,
+        and hooked under a model guard like the layers that were there at the start."""
+        if not isinstance(module, nn.Module):
+            return
+        added = self.watched.name_added(parent, name, module)
+        if added and self._models and not any(_watched.is_compiled(m) or getattr(m, "_compiled_call_impl", None)
+                                              is not None for m in self.watched.models):
+            # (not inside a compiled model: dynamo would trace guard's hooks)
+            for mod in added:
+                if not isinstance(mod, torch.jit.ScriptModule):
+                    handles = self._installer.module_hooks(mod, self._hook_pre, self._hook_post)
+                    self._mod_handles.setdefault(id(mod), (handles[0], handles[-1]))
 
     def _note_copy(self, module: nn.Module) -> None:
         """A watched model is copied or pickled (``copy.deepcopy``, ``torch.save``): where, for a later notice."""

@@ -26,6 +26,7 @@ def global_state():
         "fwd": dict(module_mod._global_forward_hooks),
         "fwd_always": dict(module_mod._global_forward_hooks_always_called),
         "bwd": dict(module_mod._global_backward_hooks),
+        "registration": dict(getattr(module_mod, "_global_module_registration_hooks", {})),
         "opt_pre": dict(optim_mod._global_optimizer_pre_hooks),
         "opt_post": dict(optim_mod._global_optimizer_post_hooks),
         "autograd.backward": torch.autograd.backward,
@@ -61,6 +62,9 @@ def test_exit_restores_every_hook_and_patch(scope, checks):
     with guard(*args, checks=checks, live=False):
         train_briefly(model, opt)
         assert torch.autograd.backward is not before["autograd.backward"]
+        model.append(nn.Identity())  # a layer added mid-run is hooked too (model mode): and unhooked at exit
+        train_briefly(model, opt)
+    hooks_before.append((0, 0))
     assert global_state() == before
     assert module_hook_counts(model) == hooks_before
     assert opt._optimizer_step_pre_hooks == {} and opt._optimizer_step_post_hooks == {}

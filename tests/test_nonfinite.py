@@ -780,3 +780,55 @@ def test_hf_causal_lm_with_every_label_masked():
             out.loss.backward()
             opt.step()
     assert [(f.kind, f.where, f.step) for f in g.findings if f.severity == "error"] == [("nonfinite-loss", "loss", 1)]
+
+
+class _Block(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(8, 8), scale
+
+    def forward(self, x):
+        return torch.exp(self.fc(x) * self.scale)  # overflows when scale is large
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blocks, self.out = nn.Linear(4, 8), nn.ModuleList(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_a_block_appended_mid_run_is_named_by_its_path(scope):
+    """Progressive growing: blocks appended after guard started are named `blocks.1`, not the model or `Block`."""
+    torch.manual_seed(0)
+    model = _Stack()
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    with guard(*((model,) if scope == "model" else ()), live=False) as g:
+        for step in range(5):
+            if step in (1, 2):
+                model.blocks.append(_Block(1.0 if step == 1 else 1000.0))
+            if step <= 2:
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)  # re-created over the grown model
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(f.kind, f.where, f.step) for f in g.findings] == [("nonfinite-output", "blocks.1", 2)]
+    assert g.internal_errors == []
+
+
+def test_a_head_replaced_mid_run_is_named_and_its_modules_listed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with guard(model, live=False) as g:
+        model(torch.randn(2, 4))
+        model[2] = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))  # a new head
+        model(torch.randn(2, 4))
+    assert g.watched.known_path(model[2]) == "2" and g.watched.known_path(model[2][2]) == "2.2"
+    assert {"2.0", "2.2"} <= {m["path"] for m in g.record.modules}
