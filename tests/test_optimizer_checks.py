@@ -1185,7 +1185,8 @@ def test_a_head_whose_loss_term_is_weighted_by_zero(in_optimizer):
     if in_optimizer:
         f = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
         assert len(f) == 1 and f[0].where == "b" and "computed as exactly 0" in f[0].message
-        assert "weighted by 0" in f[0].hint
+        assert "weighted by 0" in f[0].hint and "rare batches" in f[0].hint
+        assert "nothing to learn from in these batches" in f[0].message
     else:
         assert g.findings == [], g.findings
     assert g.internal_errors == []

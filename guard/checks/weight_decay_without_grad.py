@@ -350,11 +350,13 @@ class WeightDecayWithoutGrad(Check):
                     f"(zero_grad(set_to_none=True), which optimizers skip).")
             if all(t.in_graph for t in ts):
                 what += (" (backward reaches them, but their gradients are computed as exactly 0: a loss term "
-                         "weighted by 0, or every unit after them dead)")
+                         "weighted by 0, a term with nothing to learn from in these batches (a box branch kept in "
+                         "the graph with `reg.sum() * 0` while no batch has a box), or every unit after them dead)")
                 hint = (f"Weight decay pulls {where} toward 0 while its gradient is exactly 0. If its loss term is "
                         f"weighted by 0 on purpose, leave the term out of the loss (its grads then stay None, which "
-                        f"optimizers skip) or put {where} in a group with weight_decay=0; if its units are dead, "
-                        f"look at the activation after it.")
+                        f"optimizers skip) or put {where} in a group with weight_decay=0; if it learns only from "
+                        f"rare batches (objects, positives), the decay between them is what shrinks it: a group "
+                        f"with weight_decay=0 keeps it; if its units are dead, look at the activation after it.")
         else:
             what = (f"{where}: {len(ts)} parameter(s) in {opt_name} param_groups[{gi}] got all-zero gradients "
                     f"for {count} steps, yet {opt_name}'s momentum from earlier steps keeps moving them: their "
