@@ -65,6 +65,24 @@ def test_strict_false_with_prefix_is_reported_nothing_loaded():
     assert f.kind == "state-dict-mismatch" and "nothing was loaded" in f.message
 
 
+def test_prefix_is_named_when_the_head_keys_were_dropped_for_a_new_head():
+    """A DataParallel checkpoint whose head keys were filtered out (a new head), loaded with strict=False: the
+    prefix is why nothing loaded, not the BatchNorm's running statistics."""
+    sd = {k: v for k, v in nn.DataParallel(Net()).state_dict().items() if not k.startswith("module.fc.")}
+    model = Net(classes=7)
+    with guard(model, live=False) as g:
+        model.load_state_dict(sd, strict=False)
+    (f,) = g.findings
+    assert f.kind == "state-dict-mismatch" and "every checkpoint key starts with 'module.'" in f.message
+    assert "stripped, it still lacks 2 key(s) the model has (fc.* (2: fc.bias, fc.weight))" in f.message
+    assert "track_running_stats" not in f.message + f.hint
+    assert "k.removeprefix('module.')" in f.hint and "strict=False" in f.hint
+    assert f.details["missing_after_strip"][0]["prefix"] == "fc"
+    fixed = Net(classes=7)
+    fixed.load_state_dict({k.removeprefix("module."): v for k, v in sd.items()}, strict=False)  # the hint works
+    assert torch.equal(fixed.conv.weight, sd["module.conv.weight"])
+
+
 def test_strict_false_partial_load_is_not_reported():
     sd = {k: v for k, v in Net().state_dict().items() if not k.startswith("fc.")}
     model = Net()

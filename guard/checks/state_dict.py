@@ -145,17 +145,25 @@ def analyse(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
     # A prefix on every key: DataParallel/DDP (module.) or torch.compile (_orig_mod.).
     for prefix, origin in _PREFIXES:
         if exp != got and got and all(k.startswith(prefix) for k in got) and not any(k.startswith(prefix) for k in exp):
-            rest = _strip(got, prefix) ^ exp
-            if not rest or all(k.endswith(_NBT) for k in rest):
+            stripped = _strip(got, prefix)
+            # Stripped, every checkpoint key is a model key: the prefix is the cause, even when the model has keys
+            # the checkpoint lacks on purpose (a new head whose keys were dropped before strict=False).
+            if stripped & exp and all(k in exp or k.endswith(_NBT) for k in stripped):
+                left = sorted(k for k in exp - stripped if not k.endswith(_NBT))
                 details.update(prefix=prefix, direction="checkpoint")
+                if left:
+                    details["missing_after_strip"] = _group(left, exp)
+                also = (f"; stripped, it still lacks {len(left)} key(s) the model has "
+                        f"({_fmt_groups(details['missing_after_strip'])}), which keep their initial values"
+                        if left else "")
                 return {
                     "message": (f"every checkpoint key starts with {prefix!r} but the model's keys do not: the "
-                                f"checkpoint was saved from {origin} and is loaded into the plain model"),
+                                f"checkpoint was saved from {origin} and is loaded into the plain model{also}"),
                     "hint": (f"Strip the prefix: model.load_state_dict({{k.removeprefix({prefix!r}): v for k, v in "
-                             f"state_dict.items()}}); save model.module.state_dict() next time."
-                             if prefix == "module." else
-                             f"Strip the prefix: model.load_state_dict({{k.removeprefix({prefix!r}): v for k, v in "
-                             f"state_dict.items()}}); save the original model's state_dict() next time."),
+                             f"state_dict.items()}}{', strict=False' if left else ''}); save "
+                             f"{'model.module.state_dict()' if prefix == 'module.' else 'the original model' + chr(39) + 's state_dict()'}"
+                             f" next time." + (" strict=False then leaves out only the keys it lacks on purpose." if left
+                                         else "")),
                     "details": details,
                 }
         if exp != got and exp and all(k.startswith(prefix) for k in exp) and not any(k.startswith(prefix) for k in got):
