@@ -1247,6 +1247,38 @@ def test_features_kept_across_steps_in_a_buffer_are_named_with_a_detach_fix(as_b
     assert run(detach=True).findings == []
 
 
+class _HandBN(nn.Module):
+    """A hand-written BatchNorm whose running statistics are updated with autograd on (the bug)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(c))
+        self.register_buffer("running_var", torch.ones(c))
+
+    def forward(self, x):
+        mean, var = x.mean(0), x.var(0, unbiased=False)
+        self.running_mean = 0.9 * self.running_mean + 0.1 * mean
+        self.running_var = 0.9 * self.running_var + 0.1 * var
+        return (x - mean) / torch.sqrt(var + 1e-5)
+
+
+def test_running_statistics_updated_with_autograd_on_get_the_running_average_fix_and_both_names():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), _HandBN(16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with guard(m, opt, live=False) as g:
+        for _ in range(40):
+            loss = F.cross_entropy(m(torch.randn(16, 8)), torch.randint(0, 3, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = g.findings
+    assert f.kind == "loss-graph-retained" and f.where in ("m.1.running_mean", "m.1.running_var")
+    other = "m.1.running_var" if f.where.endswith("mean") else "m.1.running_mean"
+    assert f"also held by `{other}`" in f.message
+    assert "(1 - momentum) * x.detach()" in f.hint and "torch.cat" not in f.hint
+
+
 class _History:
     def __init__(self):
         self.losses = []

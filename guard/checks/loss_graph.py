@@ -448,9 +448,19 @@ class LossGraph(Check):
                 message = (f"`{name}` ({src}) holds tensors ({', '.join(shapes)}) that carry the autograd graphs of "
                            f"{n} steps (since step {min(steps)}; {nodes} graph nodes{mem}): features kept across "
                            f"steps without .detach()")
-                hint = (f"Store detached values: `{said} = torch.cat([z.detach(), ...])` (or update it under "
-                        f"torch.no_grad()); a kept tensor with a grad_fn holds its step's whole graph alive, so "
-                        f"memory and time grow each step.")
+                if name.endswith("[...]"):
+                    store = f"Store detached values: `{said}.append(z.detach())`"
+                elif type(ts[0].grad_fn).__name__ in ("AddBackward0", "LerpBackward0", "LerpBackward1"):
+                    # updated from itself (a running statistic, an EMA): the new value's part must be detached
+                    store = ("Detach what enters it, as a running average does: `running = momentum * running + "
+                             "(1 - momentum) * x.detach()`")
+                else:
+                    store = f"Store detached values: `{said} = torch.cat([z.detach(), ...])`"
+                hint = (f"{store} (or update it under torch.no_grad()); a kept tensor with a grad_fn holds its "
+                        f"step's whole graph alive, so memory and time grow each step.")
+            others = [h[0] for h in holders[1:4] if h[0] != name]
+            if others:
+                message += f"; also held by {', '.join(f'`{o}`' for o in others)}"
             where = base
             self.emit("loss-graph-retained", where, message, hint, step=min(steps), source=src, details=details)
             return
