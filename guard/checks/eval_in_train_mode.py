@@ -11,6 +11,12 @@ overwrites). So is a functional dropout that follows the module's mode (``F.drop
 training=self.training)``, HF's BART/OPT/Whisper: no ``nn.Dropout`` to find), seen running in training mode
 under ``no_grad`` through the ``F.dropout`` patch.
 
+A frozen network on the gradient path (every parameter ``requires_grad=False``, none in an optimizer: a perceptual
+loss's VGG applied to the prediction) whose BatchNorm runs in training mode is an inference use in training mode
+too: ``model.train()`` switched it back after a one-time ``.eval()``, and each step overwrites its pretrained
+running statistics. Such layers are the only ones this check watches (decided at their first call); one that
+sees no gradient (a frozen backbone before a trained head) is left alone.
+
 Threshold (to leave deliberate uses alone): it fires only for a model that is
 also trained under the guard, i.e. that has had a grad-enabled forward (before or
 after), and only while the model itself is in training mode: after ``model.eval()``
@@ -39,11 +45,13 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..tensors import iter_tensors
 from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
 from .base import Check
 from .._weak import WeakIdSet
 
 MAX_NAMED = 4
+_NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
 RECUR = 3  # training steps after a call site's first no_grad forward in training mode within which it may come back
 OPT_OUT = "guard_train_mode_ok"
 
@@ -82,7 +90,29 @@ class EvalInTrainMode(Check):
     patches = dict(F_DROPOUT_PATCHES)
 
     def watches(self, module) -> bool:
-        return False  # judged per model call: root calls
+        # Root calls are judged per model call. Of the layers, only a frozen network holding BatchNorm (a loss
+        # network, a frozen encoder) is watched: decided once, at its first call.
+        try:
+            return self._frozen_network(module)
+        except Exception:  # a module whose parameters cannot be listed: not a frozen network to judge
+            return False
+
+    def _frozen_network(self, module) -> bool:
+        """Every parameter frozen (some outside norm layers), none in an optimizer, and a BatchNorm that tracks
+        running statistics inside."""
+        if isinstance(module, _BatchNorm) or getattr(module, OPT_OUT, False):
+            return False
+        params = list(module.parameters())
+        if not params or any(p.requires_grad for p in params):
+            return False
+        if not any(isinstance(m, _BatchNorm) and m.track_running_stats and m.momentum is not None
+                   for m in module.modules()):
+            return False
+        if not any(not isinstance(m, _NORMS) and any(True for _ in m.parameters(recurse=False))
+                   for m in module.modules()):
+            return False  # only norm layers: BatchNorm with a frozen affine, adapting its statistics on purpose
+        held = {id(p) for opt in self.g.optimizers for grp in opt.param_groups for p in grp["params"]}
+        return not any(id(p) in held for p in params)  # in an optimizer: frozen for a phase (a GAN's D step)
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -98,6 +128,11 @@ class EvalInTrainMode(Check):
         # (module, line) of the first functional dropout of the root call under way that ran in training mode
         # under no_grad, passing the module's mode (F.dropout(x, p, training=self.training): BART, OPT, Whisper)
         self._fdrop: Optional[tuple] = None
+        # frozen networks judged (`_frozen_call`), and those seen in training mode during the model call under way
+        self._frozen_done = WeakIdSet()
+        self._frozen_bns: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+        self._frozen_roots: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+        self._frozen_seen: List[tuple] = []
 
     def _f_dropout(self, args: tuple, kwargs: dict) -> None:
         # Every dropout call of a training forward comes here (nn.Dropout's too): one test for the usual ones.
@@ -111,11 +146,21 @@ class EvalInTrainMode(Check):
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root:
+            self._frozen_call(module, path, output)
             return
+        if self._frozen_seen:
+            self._judge_frozen()
         fdrop, self._fdrop = self._fdrop, None
         if self._sites:
             self._decide()
         if torch.is_grad_enabled():
+            frozen = self._frozen_roots.get(module)
+            if frozen is None:
+                frozen = self._frozen_roots[module] = self.watches(module)  # a frozen network given to guard
+            if frozen:
+                self._frozen_call(module, path, output, root=True)
+                if self._frozen_seen:
+                    self._judge_frozen()
             if id(module) not in self._trained.data:
                 self._trained.add(module)
                 pend = self._pending.pop(module, None)
@@ -146,6 +191,52 @@ class EvalInTrainMode(Check):
         info = (self.g.step, self.g.root_source, [n for n, _ in training], [t for _, t in training],
                 torch.is_inference_mode_enabled())
         self._defer(module, path, info)
+
+    def _frozen_call(self, module, path: str, output, root: bool = False) -> None:
+        """A frozen network's call: on the gradient path (its output carries gradient back to trained layers:
+        a perceptual loss's VGG on the prediction) with BatchNorm in training mode, it is used for inference
+        while `model.train()` left it training. Its input without gradient (the feature-extraction recipe:
+        a frozen backbone before a trained head) proves nothing."""
+        if module in self._frozen_done or not torch.is_grad_enabled():
+            return
+        if not any(t.requires_grad for t in iter_tensors(output)):
+            return
+        norms = self._frozen_bns.get(module)
+        if norms is None:
+            norms = self._frozen_bns[module] = [
+                (n, weakref.ref(m)) for n, m in module.named_modules()
+                if isinstance(m, _BatchNorm) and m.track_running_stats and not getattr(m, OPT_OUT, False)]
+        bns = [(n, type(m).__name__) for n, r in norms
+               if (m := r()) is not None and m.training and not _recalibrating(m)]
+        if bns:  # (in eval mode now: looked at again at its next call, a later model.train() may switch it)
+            self._frozen_done.add(module)
+            self._frozen_seen.append((weakref.ref(module), path, bns, self.g.step, self.g.source(), root))
+
+    def _judge_frozen(self) -> None:
+        """At the end of the model call: report the outermost of the frozen networks seen (not their parts)."""
+        seen, self._frozen_seen = self._frozen_seen, []
+        paths = [e[1] for e in seen]
+        for ref, path, bns, step, source, root in seen:
+            module = ref()
+            if module is None or any(path.startswith(q + ".") for q in paths):
+                continue
+            shown = ", ".join(f"{path}.{n} ({t})" if n else f"{path} ({t})" for n, t in bns[:MAX_NAMED])
+            more = f" and {len(bns) - MAX_NAMED} more" if len(bns) > MAX_NAMED else ""
+            attr = path.split(".")[-1] if path.replace(".", "").replace("_", "").isalnum() else path
+            message = (f"{path} ({type(module).__name__}) is frozen (every parameter requires_grad=False, in no "
+                       f"optimizer) and used for inference on the gradient path, but its BatchNorm layers run in "
+                       f"training mode: {shown}{more}; each training step overwrites its pretrained running "
+                       f"statistics with this run's activations and normalises with batch statistics, so it is no "
+                       f"longer the network it was" + ("" if root else " (model.train() switches every submodule "
+                                                                        "back to training)"))
+            hint = ((f"Put it in eval mode once (.eval()) where it is built, and never call train() on it. " if root
+                     else f"Keep it in eval mode after every model.train(): override train() in the model that holds "
+                          f"it (def train(self, mode=True): super().train(mode); self.{attr}.eval(); return self), "
+                          f"or call .eval() on `{path}` after model.train(). ")
+                    + "If training mode is deliberate, set `module.guard_train_mode_ok = True` on it.")
+            self.emit("eval-in-train-mode", path, message, hint, step=step, source=source,
+                      details={"modules": [f"{path}.{n}" if n else path for n, _ in bns[:20]],
+                               "types": [t for _, t in bns[:20]], "count": len(bns), "context": "frozen network"})
 
     # A no_grad forward in training mode that comes back within a few training steps, from one line, is part of
     # the training algorithm (two-pass scheduled sampling feeds its output to the step's own forward, sometimes
@@ -185,6 +276,8 @@ class EvalInTrainMode(Check):
 
     def on_exit(self):
         self._decide(final=True)
+        if self._frozen_seen:
+            self._judge_frozen()
 
     def _optimizer_in_eval(self) -> bool:
         """A watched optimizer switched to its evaluation weights (schedule-free's ``optimizer.eval()`` sets

@@ -1,0 +1,116 @@
+"""eval-in-train-mode for a frozen network on the gradient path whose BatchNorm runs in training mode.
+
+A perceptual loss's feature network is frozen and put in eval() once; model.train() switches it back, and every
+step overwrites its pretrained running statistics. Frozen backbones before a trained head (the feature-extraction
+recipe), a GAN's discriminator frozen for the generator's step, and BatchNorm with only its affine frozen stay
+silent."""
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from demos import frozen_bn_train_mode
+from guard import guard
+
+
+def test_demo_names_the_frozen_network_its_batchnorms_and_the_train_override():
+    g = frozen_bn_train_mode.train(live=False)
+    [f] = g.findings
+    assert (f.kind, f.severity, f.where, f.step) == ("eval-in-train-mode", "warning", "features", 0)
+    assert "frozen (every parameter requires_grad=False, in no optimizer)" in f.message
+    assert "features.1 (BatchNorm2d), features.4 (BatchNorm2d)" in f.message
+    assert "self.features.eval()" in f.hint and f.details["context"] == "frozen network"
+    assert f.source.startswith("demos/frozen_bn_train_mode.py:")  # the line calling the frozen network
+
+
+def test_fixed_twin_is_silent_and_training_is_unchanged():
+    g = frozen_bn_train_mode.train(fixed=True, checks="all", live=False)
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_the_buggy_run_trains_the_same_numbers_as_without_guard():
+    torch.manual_seed(0)
+    model = frozen_bn_train_mode.Restorer(keep_features_eval=False)
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
+    for m, guarded in ((model, True), (twin, False)):
+        opt = torch.optim.Adam(m.gen.parameters(), lr=1e-3)
+        with (guard(m, opt, live=False) if guarded else torch.enable_grad()):
+            for _ in range(3):
+                m.train()
+                loss = m.loss(m(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_frozen_network_given_to_guard_as_its_own_model():
+    torch.manual_seed(0)
+    gen = nn.Conv2d(3, 3, 3, padding=1)
+    feats = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)).requires_grad_(False)  # no .eval()
+    opt = torch.optim.SGD(gen.parameters(), lr=0.01)
+    with guard([gen, feats], opt, live=False) as g:
+        for _ in range(3):
+            x = torch.randn(8, 3, 8, 8)
+            loss = F.mse_loss(feats(gen(x)), feats(x))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = g.findings
+    assert (f.kind, f.where) == ("eval-in-train-mode", "feats")
+    assert "Put it in eval mode once" in f.hint and "model.train() switches" not in f.message
+
+
+def test_feature_extraction_with_a_frozen_backbone_in_training_mode_is_silent():
+    """The PyTorch fine-tuning tutorial's feature extraction: the frozen backbone sees images (no gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    model.requires_grad_(False)
+    model.append(nn.Linear(8, 2))
+    opt = torch.optim.SGD(model[-1].parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(4):
+            model.train()
+            loss = F.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 2, (4,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f for f in g.findings if f.kind == "eval-in-train-mode"] == []
+
+
+def test_a_discriminator_frozen_for_the_generator_step_is_silent():
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6))
+    D = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.LeakyReLU(0.2), nn.Linear(8, 1))
+    opt_g, opt_d = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    with guard([G, D], [opt_g, opt_d], live=False) as g:
+        for _ in range(4):
+            real, z = torch.randn(8, 6), torch.randn(8, 4)
+            D.requires_grad_(True)
+            d_loss = F.softplus(-D(real)).mean() + F.softplus(D(G(z).detach())).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            D.requires_grad_(False)  # CycleGAN's set_requires_grad(netD, False) for the generator's step
+            g_loss = F.softplus(-D(G(z))).mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+    assert [f for f in g.findings if f.kind == "eval-in-train-mode"] == []
+
+
+def test_batchnorm_with_only_its_affine_frozen_adapts_its_statistics_silently():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    model[1].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == []
