@@ -16,7 +16,7 @@ from ._weak import WeakIdMap
 
 MAX_MODULES = 5000
 REPLACED = 16  # steps of other optimizers without one of the primary: the primary was replaced
-SUCCEEDS = 2  # steps of an optimizer of all the primary's parameters without the primary: its successor
+SUCCEEDS = 2  # own steps of an optimizer of all the primary's parameters without the primary: its successor
 #: ... or this many in a row, each without a call of a model the primary trains: its model is done (models
 #: trained one after another under a global guard), where a GAN's critic steps still call the generator
 FINISHED = 8  # above the 5 critic steps per generator step of WGAN (which need not call the generator)
@@ -136,6 +136,7 @@ class Watched:
         self._successors: Dict[int, Tuple[Any, Any, bool]] = {}  # id(optimizer) -> (it, primary, steps all of its)
         self.former: Optional[Any] = None  # weak reference to the optimizer that counted steps before the primary
         self.idle = 0  # steps of other optimizers since the primary's last one
+        self._own_idle: Dict[int, int] = {}  # id(optimizer) -> its own steps since the primary's last one
         for r in optimizers:
             if r() is not None:
                 self._opt_watch[r()] = True
@@ -209,6 +210,7 @@ class Watched:
         Returns (the steps made without the primary, counting this one; why: "done", "replaced", "successor"
         or "back"), (0, "") when `optimizer` does not take over."""
         self.idle += 1
+        mine = self._own_idle[id(optimizer)] = self._own_idle.get(id(optimizer), 0) + 1
         self.quiet = 0 if self.primary_called else self.quiet + 1
         self.primary_called = False
         done = self.quiet >= FINISHED
@@ -216,7 +218,8 @@ class Watched:
         # resume, or for the next round): two optimizers of one set of parameters do not take turns.
         former = self.former() if self.former is not None else None
         back = former is optimizer  # the optimizer that counted before (a probe's own trained meanwhile) steps again
-        succeeds = not back and not done and self.idle < REPLACED and self.idle >= SUCCEEDS and self._succeeds(optimizer)
+        # (its own steps: several optimizers over one set of parameters, all stepping at every step, take turns)
+        succeeds = not back and not done and self.idle < REPLACED and mine >= SUCCEEDS and self._succeeds(optimizer)
         if not back and self.idle < REPLACED and not done and not succeeds:
             return 0, ""
         why = "back" if back else "done" if done else "successor" if succeeds else "replaced"
@@ -240,6 +243,7 @@ class Watched:
     def primary_stepped(self) -> None:
         """The primary optimizer stepped (or changed): watch again whether its models are called."""
         self.idle, self.quiet, self.primary_called = 0, 0, False
+        self._own_idle.clear()
 
     def note_call(self, module: nn.Module) -> None:
         """A model call starts (while none of the primary's models was called since its last step)."""

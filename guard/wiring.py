@@ -462,7 +462,8 @@ class Wiring:
                                     f"its steps count again (the other optimizer's steps in between were counted "
                                     f"as steps too).")
                     else:
-                        why = {"done": "whose models are no longer called (the next model trains)",
+                        why = {"done": "whose models are no longer called (training moved on: the next model, "
+                                       "or tensors outside any model)",
                                "replaced": "which was replaced or steps far less often (a policy updated once per "
                                            "20 critic updates)",
                                "successor": "which it replaces (it steps all of that one's parameters: re-created to "

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import guard as guard_pkg
@@ -286,7 +287,25 @@ def test_models_trained_one_after_another_under_a_global_guard_count_every_step(
                 model(torch.randn(8, 4))
     assert g.step == 36
     assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 35)]
-    assert len(g.notices) == 2 and all("no longer called (the next model trains)" in n for n in g.notices)
+    assert len(g.notices) == 2 and all("no longer called (training moved on: the next model" in n for n in g.notices)
+
+
+def test_several_optimizers_stepping_one_set_of_parameters_at_every_step_take_no_turns():
+    """A deep ensemble whose four optimizers were all built over member 0 (the bug): each steps at every
+    iteration. None is the primary's successor, so steps are iterations, not four per iteration."""
+    torch.manual_seed(0)
+    members = [mlp() for _ in range(4)]
+    opts = [torch.optim.AdamW(members[0].parameters(), lr=1e-3) for _ in members]  # the bug: members[i]
+    with guard(live=False) as g:
+        for _ in range(20):
+            x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+            for m, opt in zip(members, opts):
+                loss = F.cross_entropy(m(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert g.step == 20 and g.notices == []
+    assert "param-not-in-optimizer" in [f.kind for f in g.findings]
 
 
 class _Net(nn.Module):
