@@ -250,3 +250,47 @@ def test_a_whole_checkpoint_passed_for_its_state_dict_is_told_to_pass_its_model_
     f = [f for f in g.findings if f.kind == "state-dict-mismatch"]
     assert len(f) == 1 and "checkpoint['model']" in f[0].hint and "'model' entry holds the model's keys" in f[0].message
     assert f[0].details["nested_state_dict"] == "model"
+
+
+def _early_stopping(copy_snapshot):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        best = None
+        for epoch in range(4):
+            for _ in range(3):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            if epoch == 1:
+                best = {k: v.clone() for k, v in model.state_dict().items()} if copy_snapshot else model.state_dict()
+                kept = {k: v.clone() for k, v in best.items()}
+        model.load_state_dict(best)  # "restore the best epoch"
+    return g, model, kept
+
+
+def test_restoring_a_state_dict_snapshot_taken_without_a_copy_is_reported():
+    g, model, kept = _early_stopping(copy_snapshot=False)
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("state-dict-mismatch", "Sequential", 12)
+    assert "are the model's own" in f.message and "loading it changes nothing" in f.message
+    assert "copy.deepcopy(model.state_dict())" in f.hint and f.details["aliased"] is True
+    assert not torch.equal(model[0].weight, kept["0.weight"])  # indeed: the best epoch's weights are gone
+
+
+def test_restoring_a_copied_snapshot_and_syncing_another_model_are_silent():
+    g, model, kept = _early_stopping(copy_snapshot=True)
+    assert g.findings == [] and torch.equal(model[0].weight, kept["0.weight"])
+    torch.manual_seed(0)
+    online, target = nn.Linear(4, 2), nn.Linear(4, 2)
+    opt = torch.optim.SGD(online.parameters(), lr=0.1)
+    with guard(online, opt, live=False) as g:
+        for _ in range(3):
+            loss = online(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            target.load_state_dict(online.state_dict())  # a target network synced from the online one
+    assert g.findings == []

@@ -48,7 +48,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..tensors import iter_tensors
 from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
 from .base import Check
-from .._weak import WeakIdSet
+from .._weak import WeakIdMap, WeakIdSet
 
 MAX_NAMED = 4
 _NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
@@ -131,7 +131,7 @@ class EvalInTrainMode(Check):
         # frozen networks judged (`_frozen_call`), and those seen in training mode during the model call under way
         self._frozen_done = WeakIdSet()
         self._frozen_bns: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-        self._frozen_roots: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+        self._frozen_roots = WeakIdMap()  # model -> whether it is a frozen network (looked up at every model call)
         self._frozen_seen: List[tuple] = []
 
     def _f_dropout(self, args: tuple, kwargs: dict) -> None:
@@ -154,7 +154,7 @@ class EvalInTrainMode(Check):
         if self._sites:
             self._decide()
         if torch.is_grad_enabled():
-            frozen = self._frozen_roots.get(module)
+            frozen = self._frozen_roots.data.get(id(module))
             if frozen is None:
                 frozen = self._frozen_roots[module] = self.watches(module)  # a frozen network given to guard
             if frozen:

@@ -269,12 +269,43 @@ def _load_location(args: tuple, kwargs: dict) -> Optional[str]:
     return name if isinstance(name, str) and name else None
 
 
+def _aliased(module: nn.Module, state_dict: Mapping[str, Any]) -> List[str]:
+    """The parameter keys of `state_dict` whose tensors are the module's own (``best = model.state_dict()``
+    without a copy), when every parameter it shares with the module is; else []."""
+    own = dict(module.named_parameters())
+    same, shared = [], 0
+    for k, v in state_dict.items():
+        p = own.get(k)
+        if p is None or not isinstance(v, torch.Tensor) or v.is_meta or p.is_meta or v.shape != p.shape:
+            continue
+        shared += 1
+        if v.data_ptr() == p.data_ptr() and v.data_ptr() != 0:
+            same.append(k)
+    return same if same and len(same) == shared else []
+
+
+def _alias_report(module: nn.Module, keys: List[str]) -> Dict[str, Any]:
+    return {
+        "message": (f"load_state_dict() got a state_dict whose {len(keys)} parameter tensor(s) are the model's own "
+                    f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): state_dict() returns references, "
+                    f"not copies, so training since it was taken changed them in place, and loading it changes "
+                    f"nothing. Weights it was meant to restore (the best epoch's, the initial ones to rewind to) "
+                    f"were never kept"),
+        "hint": ("Keep a copy when taking the snapshot: best = copy.deepcopy(model.state_dict()) (or "
+                 "{k: v.detach().clone() for k, v in model.state_dict().items()}), then "
+                 "model.load_state_dict(best)."),
+        "details": {"model": type(module).__name__, "aliased": True, "aliased_keys": len(keys),
+                    "examples": keys[:5]},
+    }
+
+
 class StateDictMismatch(Check):
     name = "state-dict"
     kinds = {
         KIND: ("error", "load_state_dict keys differ"),
     }
-    description = "explains load_state_dict key/shape mismatches and GPU checkpoints loaded without a GPU"
+    description = ("explains load_state_dict key/shape mismatches and GPU checkpoints loaded without a GPU; a "
+                   "state_dict snapshot taken without a copy, restored after training changed it")
     patches = {"load_state_dict": "torch.nn.Module.load_state_dict", "torch_load": "torch.load"}
 
     @staticmethod
@@ -290,6 +321,13 @@ class StateDictMismatch(Check):
         if exc is not None:
             add_guard_note(exc, f"{NOTE_PREFIX}{res['message']}\n  fix: {res['hint']}")
         self.emit(KIND, where, res["message"], res["hint"], source=source, details=res["details"])
+
+    def on_load_state_dict(self, args, kwargs):
+        module, sd, _ = self._args(args, kwargs)
+        if isinstance(module, nn.Module) and isinstance(sd, Mapping) and self.g.step > 0:
+            keys = _aliased(module, sd)
+            if keys:
+                self._report(module, _alias_report(module, keys), None)
 
     def on_load_state_dict_error(self, args, kwargs, exc):
         module, sd, strict = self._args(args, kwargs)
