@@ -806,3 +806,24 @@ def test_a_layer_constructed_inside_forward_at_every_call_is_found(how, mode):
     assert f.message.startswith(f"a {kind} (272 parameters) is constructed inside _PerCall's forward")
     assert f.details["constructed"] == kind and "__init__" in f.hint
     assert f.source == line_of(_PerCall, "gate = nn.Linear(16, 16)" if how == "linear" else "h = h * _Gate()(h)")
+
+
+def test_loss_reaching_only_a_watched_models_parameters_outside_the_optimizers_names_them():
+    """Two optimizers, the discriminator's built over the generator by copy-paste: the D loss reaches netD's
+    parameters, which no optimizer holds. They are named, and the message does not claim no gradient is computed."""
+    torch.manual_seed(0)
+    netG, netD = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 1))
+    optG, optD = torch.optim.Adam(netG.parameters(), 1e-3), torch.optim.Adam(netG.parameters(), 1e-3)  # the bug
+    with guard([netG, netD], [optG, optD], live=False) as g:
+        for _ in range(3):
+            fake = netG(torch.randn(4, 4))
+            optD.zero_grad()
+            (F.softplus(-netD(torch.randn(4, 8))).mean() + F.softplus(netD(fake.detach())).mean()).backward()
+            optD.step()
+            optG.zero_grad()
+            F.softplus(-netD(fake)).mean().backward()
+            optG.step()
+    f = only(g, "loss-disconnected")[0]
+    assert "a parameter netD.0.bias [1]" in f.message and "a parameter netD.0.weight [1, 8]" in f.message
+    assert "computes no gradient for the model" not in f.message and "does not update them" in f.message
+    assert "Build the optimizer after the model is final" in f.hint

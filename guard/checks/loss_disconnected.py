@@ -162,10 +162,17 @@ class LossDisconnected(Check):
                 not any(p.requires_grad for m in self.g.roots for p in m.parameters()):
             return  # the models are frozen on purpose for this backward: a saliency map, an attack on the input
         descr = [f"{'the loss itself' if any(l is t for t in ts) else 'a parameter' if isinstance(l, nn.Parameter) else 'a tensor'} "
-                 f"{list(l.shape)} ({'held by no optimizer' if isinstance(l, nn.Parameter) else 'a leaf made with requires_grad=True' if l.grad_fn is None else type(l.grad_fn).__name__})"
+                 f"{self._named(l)}{list(l.shape)} ({'held by no optimizer' if isinstance(l, nn.Parameter) else 'a leaf made with requires_grad=True' if l.grad_fn is None else type(l.grad_fn).__name__})"
                  for l in leaves]
         self._pending.append(([(weakref.ref(l), l._version) for l in leaves], descr, self.g.root_source, self.g.step,
                               list(ts[0].shape)))
+
+    def _named(self, leaf: torch.Tensor) -> str:
+        """``name `` of a parameter of the watched models (a positional fallback names nothing)."""
+        if not isinstance(leaf, nn.Parameter):
+            return ""
+        name = self.g.param_name(leaf)
+        return f"{name} " if name and not name.startswith(("param", "parameters")) and "[" not in name else ""
 
     def on_step_pre(self, optimizer):
         if not self._pending:
@@ -207,9 +214,11 @@ class LossDisconnected(Check):
             reaches = (f"only {len(descr)} tensor(s) that are not parameters: {'; '.join(descr[:4])}"
                        + (" ..." if len(descr) > 4 else "") + " (the graph was cut by .detach(), .item(), "
                        ".numpy(), .data or torch.no_grad() and restarted with requires_grad=True)")
+        effect = (f"their gradients reach no optimizer, so {opt}.step() does not update them"
+                  if descr and all(d.startswith("a parameter") for d in descr) else
+                  f"backward() computes no gradient for the model and {opt}.step() changes nothing")
         message = (f"the tensor passed to backward() (shape {shape}, at {src}) reaches no parameter of {opt} "
-                   f"or any other optimizer: it reaches {reaches}; backward() computes no gradient for the model "
-                   f"and {opt}.step() changes nothing")
+                   f"or any other optimizer: it reaches {reaches}; {effect}")
         hint = ("Compute the loss from the model's outputs without leaving autograd: no .item(), .detach(), "
                 ".numpy() or .data on the way, no torch.tensor(..., requires_grad=True) around the loss, and no "
                 "torch.no_grad() (or @torch.no_grad() on the function computing it) followed by "
@@ -217,7 +226,9 @@ class LossDisconnected(Check):
         if all(d.startswith("a parameter") for d in descr):
             hint = ("Hand them to the optimizer: torch.optim.X([*params_to_train], ...) or "
                     "optimizer.add_param_group({'params': [...]}); an optimizer over frozen parameters only trains "
-                    "nothing.")
+                    "nothing. Build the optimizer after the model is final: parameters replaced after it was built "
+                    "(an init function assigning new nn.Parameter objects, a layer swapped) are not the ones it "
+                    "holds.")
         elif copies:
             hint = ("Build the optimizer over the tensors the forward uses (torch.optim.Adam(params.values()) for a "
                     "functional_call params dict), or pass the module's own parameters (dict(model.named_parameters())) "
