@@ -8,12 +8,39 @@ Reported at the loss line, at the first such call.
 Observed through the reversible patch of ``torch.nn.functional.cross_entropy``
 (shared with the ``loss-fn`` check; ``nn.CrossEntropyLoss`` calls it). Cost:
 a shape test per call on the host; nothing on the device.
+
+Also a loss whose value stays bit-identical for `IDENTICAL` steps while the gradients are not zero: it
+does not follow what the model learns, such as a DPO loss stuck at log 2 because the "reference" is the
+policy object itself (no deepcopy), so their log-probabilities always cancel. Read from the timeline
+values guard reads at every step anyway (the loss, and the gradient norm that the default checks
+compute); values a half-precision loss can take exactly (0, 1, 0.5, a bf16 or fp16 loss's coarse steps)
+are left out, since such a loss may repeat while it trains, and so are gradients below `MIN_NORM` and
+L-BFGS (a converged fit stays put).
 """
 from __future__ import annotations
+
+import math
+import struct
 
 import torch
 
 from .base import Check
+
+
+IDENTICAL = 8  # steps in a row with the very same loss value and non-zero gradients
+MIN_NORM = 1e-4  # gradients below this are a converged fit's, whose loss may stay put
+
+
+def _coarse(v: float) -> bool:
+    """Whether `v` is a value a bf16 or fp16 loss can take exactly (such losses repeat while they train)."""
+    try:
+        if struct.unpack("<f", struct.pack("<f", v))[0] != v:
+            return False  # not even a float32 value: a float64 loss
+        if struct.unpack("<I", struct.pack("<f", v))[0] & 0xFFFF == 0:
+            return True
+        return struct.unpack("<e", struct.pack("<e", v))[0] == v
+    except (OverflowError, struct.error):
+        return False
 
 
 class LossConstant(Check):
@@ -21,12 +48,51 @@ class LossConstant(Check):
     costly = True  # sampled under a budget: a property of the code, seen on any step it runs
     kinds = {"loss-constant": ("error", "the loss cannot change, e.g. cross_entropy over a single class (C = 1) "
                                         "is identically 0")}
-    description = "a loss that cannot change: cross_entropy over a single class (C = 1) is identically 0"
+    description = ("a loss that cannot change: cross_entropy over a single class (C = 1) is identically 0; a loss "
+                   "bit-identical for 8 steps while its gradients are not zero (a DPO reference that is the policy)")
     patches = {"cross_entropy": "torch.nn.functional.cross_entropy"}
 
     def __init__(self, guard):
         super().__init__(guard)
         self._done = False
+        # the identical-value rule: the value, since which step, how many steps had it, the last step seen
+        self._same_value = None
+        self._same_from = -1
+        self._same = 0
+        self._seen_step = -1
+        self._same_done = False
+
+    def on_resolved(self):
+        g = self.g
+        if self._same_done or g.mid_step or not g.timeline:
+            return
+        entry = g.timeline[-1]
+        step = entry.get("step")
+        if step == self._seen_step:
+            return
+        self._seen_step = step
+        loss, norm = entry.get("loss"), entry.get("grad_norm")
+        if (not isinstance(loss, float) or not isinstance(norm, float) or not norm > MIN_NORM
+                or not math.isfinite(norm) or not math.isfinite(loss) or _coarse(loss)
+                or any(isinstance(o, torch.optim.LBFGS) for o in g.optimizers)):  # converged: stays put on purpose
+            self._same_value, self._same = None, 0
+            return
+        if loss != self._same_value:
+            self._same_value, self._same_from, self._same = loss, step, 1
+            return
+        self._same += 1
+        if self._same >= IDENTICAL:
+            self._same_done = True
+            extra = " (log 2: a sigmoid of exactly 0, as in a DPO loss)" if abs(loss - math.log(2)) < 1e-6 else ""
+            self.emit("loss-constant", "loss",
+                      f"the loss has been exactly {loss!r}{extra} for {self._same} steps (since step {self._same_from}) "
+                      f"while the gradients are not zero: its value does not follow what the model learns",
+                      "Look for a term that compares the model with itself: a reference or target model that is the "
+                      "same object as the trained one (ref = policy instead of copy.deepcopy(policy)), so their "
+                      "outputs always cancel; or parameters that never change (lr=0, an optimizer over another copy "
+                      "of the model).",
+                      step=self._same_from, source=self.g.source(),
+                      details={"loss": loss, "steps": self._same, "why": "identical loss value"})
 
     def on_cross_entropy(self, args, kwargs):
         if self._done:

@@ -1,0 +1,80 @@
+"""loss-constant for a loss whose value stays bit-identical while the gradients are not zero.
+
+DPO with the reference model being the policy object itself (no deepcopy): the log-ratios cancel, the loss is
+log 2 at every step, and the objective has lost its anchor. A reference deep-copied, a converged L-BFGS fit and a
+loss sitting on a round value stay silent."""
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from guard import guard
+
+
+def dpo(copy_reference, steps=12):
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Embedding(20, 16), nn.Linear(16, 20))
+    reference = copy.deepcopy(policy) if copy_reference else policy  # the bug: ref = policy
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+
+    def logp(model, ids):
+        return torch.log_softmax(model(ids[:, :-1]), -1).gather(-1, ids[:, 1:, None]).squeeze(-1).sum(-1)
+
+    with guard(policy, opt, live=False) as g:
+        for _ in range(steps):
+            chosen, rejected = torch.randint(0, 20, (4, 6)), torch.randint(0, 20, (4, 6))
+            with torch.no_grad():
+                ref_c, ref_r = logp(reference, chosen), logp(reference, rejected)
+            margin = (logp(policy, chosen) - ref_c) - (logp(policy, rejected) - ref_r)
+            loss = -F.logsigmoid(0.1 * margin).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g
+
+
+def test_dpo_with_the_policy_as_its_own_reference_is_a_constant_loss():
+    g = dpo(copy_reference=False)
+    [f] = g.findings
+    assert (f.kind, f.severity, f.where, f.step) == ("loss-constant", "error", "loss", 0)
+    assert "exactly 0.6931471" in f.message and "log 2" in f.message and "8 steps" in f.message
+    assert "copy.deepcopy(policy)" in f.hint and f.details["why"] == "identical loss value"
+
+
+def test_dpo_with_a_deep_copied_reference_is_silent():
+    g = dpo(copy_reference=True)
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_a_converged_lbfgs_fit_is_silent():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x = torch.randn(32, 3)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.1 * torch.randn(32, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=20)
+    with guard(model, opt, live=False) as g:
+        for _ in range(15):
+            def closure():
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+    assert g.findings == []
+
+
+def test_a_loss_sitting_on_a_round_value_is_not_this_finding():
+    """A value that a bf16 or fp16 loss can take exactly (1.0 here, with gradients) is one any precision repeats."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(12):
+            out = model(torch.randn(8, 4))
+            loss = 1.0 + (out - out.detach()).mean()  # exactly 1.0, with a gradient
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == []
+    assert g.timeline[-1]["loss"] == 1.0 and g.timeline[-1]["grad_norm"] > 0
