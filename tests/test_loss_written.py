@@ -158,3 +158,19 @@ def test_gaussian_nll_loss_written_in_python_is_counted_once_per_call():
     g, _ = run(lambda p, x, y: F.gaussian_nll_loss(p, y, var), steps=10)
     [f] = g.findings
     assert f.kind == "loss-shape-broadcast" and f.details["loss"] == "gaussian_nll_loss" and f.count == 10
+
+
+def test_the_source_is_the_loss_line_when_one_line_assigns_the_loss():
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            pred, y = model(torch.randn(12, 8)), torch.randn(12)
+            loss = ((pred - y) ** 2).mean()  # the loss line
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = g.findings
+    lines = open(__file__).read().splitlines()
+    assert "# the loss line" in lines[int(f.source.rsplit(":", 1)[1]) - 1]

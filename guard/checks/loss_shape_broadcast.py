@@ -37,6 +37,9 @@ looked-at steps; no device work.
 """
 from __future__ import annotations
 
+import linecache
+import os
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -64,6 +67,36 @@ _SHAPED = frozenset(("UnsqueezeBackward0", "UnsqueezeBackward1", "ExpandBackward
                      "TBackward0", "TransposeBackward0", "TransposeBackward1"))
 _VIEWS = frozenset(("ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"))
 _WALK = 48  # graph nodes looked at per backward at most
+
+
+_BACKWARD = re.compile(r"(\w+)\s*\.\s*backward\s*\(|backward\s*\(\s*(\w+)")
+_DEF = re.compile(r"^\s*(async\s+)?def\s")
+
+
+def loss_line(source: Optional[str]) -> Optional[str]:
+    """``file:line`` assigning the tensor that a ``backward()`` line (`source`) is called on: the loss line
+    (``loss = ...`` above ``loss.backward()`` in the same function) when only one line there assigns it (two,
+    in the branches of an ``if``, cannot be told apart from the text), else None."""
+    if not source:
+        return None
+    path, _, no = source.rpartition(":")
+    try:
+        n = int(no)
+    except ValueError:
+        return None
+    full = os.path.abspath(path)
+    m = _BACKWARD.search(linecache.getline(full, n))
+    if not m:
+        return None
+    assign = re.compile(rf"^\s*{re.escape(m.group(1) or m.group(2))}\s*(=(?!=)|\+=)")
+    found = []
+    for k in range(n, max(0, n - 60), -1):
+        line = linecache.getline(full, k)
+        if assign.match(line):
+            found.append(k)
+        if k < n and _DEF.match(line):
+            break
+    return f"{path}:{found[0]}" if len(found) == 1 else None
 
 
 def _numel(shape) -> int:
@@ -210,7 +243,8 @@ class LossShapeBroadcast(Check):
                    else "give both the same shape (x.squeeze(-1), or w.view_as(x))")
         message = what[0].upper() + what[1:] + "; PyTorch computes it without a warning"
         hint = f"Make the shapes equal before `{op}`: {fix}."
-        self.emit("loss-shape-broadcast", "loss", message, hint, source=self.g.source(),
+        source = self.g.source()
+        self.emit("loss-shape-broadcast", "loss", message, hint, source=loss_line(source) or source,
                   details={"loss": "hand-written", "op": op, "input_shape": shape, "target_shape": other,
                            "broadcast_shape": out})
 
