@@ -72,13 +72,13 @@ class LossConstant(Check):
             return
         self._seen_step = step
         loss, norm = entry.get("loss"), entry.get("grad_norm")
-        if (not isinstance(loss, float) or not isinstance(norm, float) or not norm > MIN_NORM
-                or not math.isfinite(norm) or not math.isfinite(loss) or _coarse(loss)
+        if loss != self._same_value or not isinstance(norm, float) or not norm > MIN_NORM:
+            # (most steps end here: a new value; the rest of the tests runs for repeats only)
+            self._same_value, self._same_from, self._same = loss, step, 1
+            return
+        if (not isinstance(loss, float) or not math.isfinite(norm) or not math.isfinite(loss) or _coarse(loss)
                 or any(isinstance(o, torch.optim.LBFGS) for o in g.optimizers)):  # converged: stays put on purpose
             self._same_value, self._same = None, 0
-            return
-        if loss != self._same_value:
-            self._same_value, self._same_from, self._same = loss, step, 1
             return
         self._same += 1
         if self._same >= IDENTICAL:
