@@ -1215,3 +1215,36 @@ def test_a_detection_box_head_without_positives_for_a_while_is_training():
             loss.backward()
             opt.step()
     assert "weight-decay-without-grad" not in [f.kind for f in g.findings], g.findings
+
+
+def test_a_block_added_mid_run_and_left_out_of_the_optimizer_is_named_whole():
+    """Progressive growing without a new optimizer: the block's zero-initialised last layer gets gradients first;
+    the rest of the block (no gradient signal yet) is named with it."""
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+            nn.init.zeros_(self.fc2.weight)
+            nn.init.zeros_(self.fc2.bias)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ModuleList([Block()]), nn.Linear(8, 2))
+    model.forward = lambda x: model[2](model[1][-1](model[0](x)) if len(model[1]) == 1
+                                       else model[1][1](model[1][0](model[0](x))))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(40):
+            if step == 8:
+                model[1].append(Block())  # the bug: the optimizer is not re-created
+            loss = F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 2, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "param-not-in-optimizer"][0]
+    assert f.where == "1.1.fc2"
+    assert "(the rest of 1.1, 2 parameter(s) with no gradient signal yet, is in no optimizer either)" in f.message
+    assert f.details["rest_of_module"] == ["1.1.fc1.weight", "1.1.fc1.bias"]

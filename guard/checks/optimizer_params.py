@@ -330,6 +330,24 @@ class OptimizerParams(Check):
             hint = ("Build the optimizer after the model is final (e.g. after replacing a layer or head), or add "
                     "them: optimizer.add_param_group({'params': model.<module>.parameters()}). If they are meant "
                     "to stay fixed, set requires_grad=False.")
+        rest = self._rest_of_parents(shown, missing, named)
+        if rest:
+            parents = sorted({q for q, _ in rest})
+            message += (f" (the rest of {', '.join(parents[:3])}{' ...' if len(parents) > 3 else ''}, {len(rest)} "
+                        f"parameter(s) with no gradient signal yet, is in no optimizer either)")
+            extra["rest_of_module"] = [n for _, n in rest][:20]
         self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=source,
                   details={"modules": shown, "parameters": len(missing), "names": missing[:20],
                            "appeared_mid_run": later, **extra})
+
+    def _rest_of_parents(self, shown: List[str], missing: List[str], named: list) -> List[Tuple[str, str]]:
+        """(parent, name) of the trainable parameters no optimizer holds under the parent modules of `shown`
+        (a block whose last layer is reported) that are not reported themselves: their gradients are exactly 0
+        (a zero-initialised last layer passes no gradient back), but the block as a whole is left out."""
+        parents = {m.rsplit(".", 1)[0] for m in shown if "." in m}
+        if not parents:
+            return []
+        held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        reported = set(missing)
+        return [(q, n) for n, p in named if p.requires_grad and id(p) not in held and n not in reported
+                for q in parents if n.startswith(q + ".")]
