@@ -1305,6 +1305,32 @@ def test_a_list_attribute_updated_in_its_class_is_traced_to_that_line_with_self_
     assert "`self.losses.append(loss.item())`" in f.hint
 
 
+class _Trainer:
+    pass
+
+
+def test_a_holder_two_attributes_deep_is_traced_to_its_class_line_in_another_file():
+    """CycleGAN's layout: the loop reaches the pool as `cy.pool`, whose class (in util/image_pool.py there) keeps
+    the graphs."""
+    from tests.healthy._pool import Pool
+
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cy = _Trainer()
+    cy.pool = Pool()
+    with guard(model, opt, live=False) as g:
+        for x, y in batches(4) * 8:
+            out = cy.pool.add(model(x))
+            loss = F.mse_loss(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = g.findings
+    assert (f.kind, f.where) == ("loss-graph-retained", "cy.pool.items")
+    assert f.source == line_of(Pool, "self.items.append(x)")
+
+
 def test_per_parameter_optimizers_without_zero_grad_give_one_finding():
     """Optimizer in backward: one SGD per parameter, stepped from a post-accumulate-grad hook that never zeroes
     the gradient. One finding for all of them, naming the parameters, not one per optimizer."""

@@ -193,11 +193,15 @@ def _line_has(source: str, text: str) -> bool:
 
 
 def _parent_of(name: str, frame: Any) -> Any:
-    """The object owning an attribute holder (`meter` for `meter.sum`), if the name is a.b."""
-    m = re.match(r"^(\w+)\.\w+(?:\[\.\.\.\])?$", name)  # `meter.sum`, `model.step_losses[...]`
+    """The object owning an attribute holder (`meter` for `meter.sum`, `cy.pool` for `cy.pool.items`)."""
+    m = re.match(r"^(\w+)((?:\.\w+)*)\.\w+(?:\[\.\.\.\])?$", name)  # `meter.sum`, `model.step_losses[...]`
     if not m:
         return None
-    return frame_locals(frame).get(m.group(1), frame.f_globals.get(m.group(1)))
+    obj = frame_locals(frame).get(m.group(1), frame.f_globals.get(m.group(1)))
+    for part in m.group(2).split(".")[1:]:
+        d = getattr(obj, "__dict__", None)  # instance attributes only: no property runs
+        obj = d.get(part) if isinstance(d, dict) else None
+    return obj
 
 
 class LossGraph(Check):
