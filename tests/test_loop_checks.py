@@ -1488,3 +1488,42 @@ def test_pseudo_labels_computed_in_training_mode_with_batchnorm_are_still_found(
             opt.step()
     f = [f for f in g.findings if f.kind == "eval-in-train-mode"]
     assert f and f[0].step == 0 and "BatchNorm" in f[0].message
+
+
+class _Replay(nn.Module):
+    """An energy model with a replay buffer of Langevin samples (drawn with autograd.grad on the input)."""
+
+    def __init__(self, detach):
+        super().__init__()
+        self.energy = nn.Sequential(nn.Linear(4, 16), nn.SiLU(), nn.Linear(16, 1))
+        self.register_buffer("replay", torch.randn(32, 4))
+        self.detach = detach
+
+    def sample(self, idx):
+        x = self.replay[idx].clone().requires_grad_(True)
+        for _ in range(3):
+            g, = torch.autograd.grad(self.energy(x).sum(), x, create_graph=not self.detach)
+            x = x - 0.1 * g
+        self.replay[idx] = x.detach() if self.detach else x  # the bug: the sample keeps its graph
+        return x.detach()
+
+
+def test_a_registered_buffer_that_keeps_every_steps_graph_is_named():
+    def run(detach):
+        torch.manual_seed(0)
+        m = _Replay(detach)
+        opt = torch.optim.Adam(m.energy.parameters(), lr=1e-3)
+        with guard(m, opt, live=False) as g:
+            for _ in range(40):
+                neg = m.sample(torch.randint(0, 32, (8,)))
+                loss = m.energy(torch.randn(8, 4)).mean() - m.energy(neg).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return g
+
+    (f,) = run(detach=False).findings
+    assert (f.kind, f.where, f.step) == ("loss-graph-retained", "replay", 0)
+    assert "buffer `replay` holds an autograd graph that reaches back to step 0" in f.message
+    assert "x.detach()" in f.hint and f.details["buffer_with_history"] is True
+    assert run(detach=True).findings == []

@@ -222,8 +222,47 @@ class LossGraph(Check):
         self._done = False
         self._min_age = MIN_AGE  # doubled each time a garbage collection freed the old graphs (`_collected`)
         self._params = WatchedParams(guard)
-        self._param_look = 0  # the step of the next look for parameters with autograd history
+        self._param_look = 0  # the step of the next look for parameters (and buffers) with autograd history
+        # (model, buffer) -> (its grad_fn's sequence number, the step) at the last look
+        self._buffer_seq: Dict[Tuple[int, str], Tuple[int, int]] = {}
         self._params_told = False
+
+    def _buffer_history(self, step: int) -> None:
+        """Registered buffers whose graph reaches back to an earlier look: a tensor with a grad_fn stored in a buffer
+        at every step without ``.detach()`` (a replay buffer of samples drawn with ``autograd.grad``, an external
+        memory), which keeps every step's graph although no loss is ever back-propagated through it."""
+        looked, self._buffer_seq = self._buffer_seq, {}
+        for model in (self.g.models or self.g.roots):
+            for name, b in model.named_buffers():
+                fn = b.grad_fn if isinstance(b, torch.Tensor) else None
+                if fn is None:
+                    continue
+                key = (id(model), name)
+                self._buffer_seq[key] = (fn._sequence_nr(), step)
+                before, since = looked.get(key, (None, step))
+                if before is None or fn._sequence_nr() <= before:
+                    continue
+                # Nodes made at or before the earlier look still behind it: the graph spans PARAM_LOOK steps.
+                if any(node._sequence_nr() <= before for node in walk([fn], Budget(20_000))):
+                    self._report_buffer(model, name, b, since)
+                    return
+
+    def _report_buffer(self, model, name: str, b: torch.Tensor, step: int) -> None:
+        self._done = True
+        label = self.g.path_of(model)
+        where = f"{label}.{name}" if label and label != type(model).__name__ else name
+        nodes, saved = graph_size([b], limit=20_000)
+        mem = f", {fmt_bytes(saved)} of saved tensors" if saved else ""
+        message = (f"buffer `{where}` holds an autograd graph that reaches back to step {step} or earlier "
+                   f"({nodes} graph nodes{mem}; its grad_fn is {type(b.grad_fn).__name__}): a tensor with a grad_fn "
+                   f"is stored in it at every step without .detach() (samples of a replay buffer drawn with "
+                   f"autograd, a memory written each step), so every step's graph stays alive although no loss is "
+                   f"back-propagated through it, and memory and time grow")
+        hint = (f"Store detached values in it (`{name}[idx] = x.detach()`, `self.{name} = new.detach()`) or update "
+                f"it under torch.no_grad(); keep the graph only for what this step's loss needs.")
+        self.emit("loss-graph-retained", where, message, hint, step=step, source=self.g.source(),
+                  details={"buffer": where, "graph_nodes": nodes, "grad_fn": type(b.grad_fn).__name__,
+                           "buffer_with_history": True, **({"saved_bytes": saved} if saved else {})})
 
     def _param_history(self, step: int) -> None:
         """Parameters with a grad_fn: a frozen weight (a target or EMA network) updated in place with autograd on
@@ -261,6 +300,8 @@ class LossGraph(Check):
         if step >= self._param_look:
             self._param_look = step + PARAM_LOOK if not self._params_told else 1 << 62
             self._param_history(step)
+            if not self._done:
+                self._buffer_history(step)
         if self._done:
             return
         alive, old = [], set()
