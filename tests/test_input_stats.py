@@ -150,3 +150,15 @@ def test_images_passed_by_keyword_are_looked_at_under_either_guard(scope):
             opt.step()
     assert [(f.kind, f.where, f.step) for f in g.findings] == [("input-not-normalized", "input", 0)]
     assert "raw 0-255 pixels" in g.findings[0].message
+
+
+@pytest.mark.parametrize("scale", [1, 2])
+def test_an_image_to_image_model_in_unit_range_is_not_reported(scale):
+    """Super-resolution and denoising nets map [0, 1] images to [0, 1] images of the same channels: the
+    ImageNet normalisation advice does not fit them. A classifier on the same input still gets it."""
+    torch.manual_seed(0)
+    sr = nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), nn.ReLU(), nn.Conv2d(12, 3 * scale * scale, 3, padding=1),
+                       nn.PixelShuffle(scale))
+    assert train(sr, [torch.rand(4, 3, 8, 8) for _ in range(3)]).findings == []
+    assert [f.kind for f in train(convnet(), [torch.rand(4, 3, 8, 8) for _ in range(3)]).findings] == [
+        "input-not-normalized"]

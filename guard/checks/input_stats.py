@@ -88,6 +88,9 @@ class InputStats(Check):
         x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
         if not _image(x):
             return
+        if (isinstance(output, torch.Tensor) and output.dim() == 4 and output.shape[1] == x.shape[1]
+                and output.shape[2] >= x.shape[2] and output.shape[3] >= x.shape[3]):
+            return  # image to image (super-resolution, denoising): its output lives in the input's range
         first = self._first.get(module)
         if first is None:
             first = self._first[module] = _first_layer(module)
