@@ -99,6 +99,9 @@ CLEAN = {
         torch.tensor([0.1, 0.5, 0.9]) * (y[:, None] - p), (torch.tensor([0.1, 0.5, 0.9]) - 1) * (y[:, None] - p)).mean(),
     "full [N, N] mask times a pairwise term": lambda p, x, y: (torch.eye(12) * (p.view(-1, 1) - p.view(1, -1))).pow(2).sum(),
     "batch of one": lambda p, x, y: ((p - y) ** 2).mean(),
+    "ranking against a queue of detached scores as long as the batch": lambda p, x, y: F.softplus(
+        -(p - y.detach())).mean(),
+    "hinge ranking against targets reshaped to [1, N]": lambda p, x, y: torch.relu(0.1 - (p - y.view(1, -1))).mean(),
     "soft histogram, bins as many as samples": lambda p, x, y: (
         torch.exp(-(p - torch.linspace(-3, 3, 12)) ** 2).sum(0) / 12 - torch.full((12,), 1 / 12)).pow(2).sum(),
 }

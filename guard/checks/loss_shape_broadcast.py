@@ -25,7 +25,8 @@ Hand-written losses (``((pred - y) ** 2).mean()``, ``(w * per_sample).mean()``) 
 with no warning at all. They are found in the loss's autograd graph at ``backward()``: from the loss,
 through the elementwise arithmetic and reductions a loss is written with, to a ``-``, ``+``, ``*`` or
 ``/`` whose one operand that carries gradient was widened along a new dimension of its own batch size
-(``[N, 1]`` against ``[N]`` gives ``[N, N]``; ``[N]`` against ``[N, 1]`` the same). Left alone: both
+(``[N, 1]`` against ``[N]`` gives ``[N, N]``; ``[N]`` against ``[N, 1]`` the same), a ``-``/``+`` only below a square,
+an absolute value or a log-cosh (a fit; a difference fed to softplus or a hinge is a ranking term). Left alone: both
 operands with gradient (pairwise terms between predictions, residual streams), an operand made
 ``[N, 1]`` on purpose (``unsqueeze``, ``[:, None]``, ``view(-1, 1)`` of a 1-d tensor, ``expand``,
 a transpose), a known other operand that already has the full shape, and everything inside the
@@ -59,9 +60,13 @@ _ARITH = frozenset((
     "RsubBackward0", "RsubBackward1", "AbsBackward0", "SqrtBackward0", "NegBackward0", "ClampMinBackward0",
     "ClampMinBackward1", "ClampMaxBackward0", "ClampBackward0", "ClampBackward1", "MaximumBackward0",
     "MinimumBackward0", "WhereBackward0", "LogBackward0", "Log1PBackward0", "SoftplusBackward0",
-    "ReluBackward0"))  # not exp: a kernel exp(-(x - c) ** 2) over bins or centers is pairwise on purpose
+    "ReluBackward0", "CoshBackward0"))  # not exp: a kernel exp(-(x - c) ** 2) over bins or centers is pairwise on purpose
 _PAIRS = {"SubBackward0": "-", "RsubBackward0": "-", "AddBackward0": "+", "MulBackward0": "*",
           "DivBackward0": "/"}
+# What makes a difference a fit of prediction to target (a square, an absolute value, log-cosh): a `-` or `+` is
+# judged only below one of these. A difference fed to softplus, a sigmoid or a hinge alone is a ranking term,
+# pairwise by design (an AUC surrogate against a queue of scores, RankNet).
+_FITS = frozenset(("PowBackward0", "PowBackward1", "AbsBackward0", "SqrtBackward0", "CoshBackward0"))
 # An operand shaped for broadcasting on purpose: pairwise terms, not a shape accident.
 _SHAPED = frozenset(("UnsqueezeBackward0", "UnsqueezeBackward1", "ExpandBackward0", "PermuteBackward0",
                      "TBackward0", "TransposeBackward0", "TransposeBackward1"))
@@ -147,23 +152,25 @@ def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
     start = loss.grad_fn
     if start is None:
         return found
-    todo, seen = [start], {id(start)}
+    todo, seen = [(start, False)], {id(start)}
     while todo and len(seen) <= _WALK:
-        node = todo.pop()
+        node, fitted = todo.pop()  # fitted: a square, an absolute value, ... lies between the loss and `node`
         name = type(node).__name__
         if name not in _ARITH:
             continue
         nexts = node.next_functions
         op = _PAIRS.get(name)
-        if op is not None and len(nexts) == 2:
+        if op is not None and len(nexts) == 2 and (fitted or op in ("*", "/")):
             hit = _judge(node, op, nexts)
             if hit is not None:
                 found.append(hit)
                 continue
+        fitted = fitted or name in _FITS or (name == "MulBackward0" and len(nexts) == 2
+                                             and nexts[0][0] is not None and nexts[0][0] is nexts[1][0])
         for fn, _ in nexts:
             if fn is not None and id(fn) not in seen:
                 seen.add(id(fn))
-                todo.append(fn)
+                todo.append((fn, fitted))
     return found
 
 
