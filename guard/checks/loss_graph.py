@@ -225,13 +225,17 @@ class LossGraph(Check):
         self._param_look = 0  # the step of the next look for parameters (and buffers) with autograd history
         # (model, buffer) -> (its grad_fn's sequence number, the step) at the last look
         self._buffer_seq: Dict[Tuple[int, str], Tuple[int, int]] = {}
+        self._buffer_seq_old: Dict[Tuple[int, str], Tuple[int, int]] = {}  # the same, one look earlier
         self._params_told = False
 
     def _buffer_history(self, step: int) -> None:
         """Registered buffers whose graph reaches back to an earlier look: a tensor with a grad_fn stored in a buffer
         at every step without ``.detach()`` (a replay buffer of samples drawn with ``autograd.grad``, an external
         memory), which keeps every step's graph although no loss is ever back-propagated through it."""
-        looked, self._buffer_seq = self._buffer_seq, {}
+        # Compared with the look before the last one: the graph must span two looks (32 steps), so that a
+        # holder the loss-graph rule can name from the user's variables (its deep walks) is named that way first.
+        looked, self._buffer_seq_old = self._buffer_seq_old, self._buffer_seq
+        self._buffer_seq = {}
         for model in (self.g.models or self.g.roots):
             for name, b in model.named_buffers():
                 fn = b.grad_fn if isinstance(b, torch.Tensor) else None
