@@ -552,6 +552,53 @@ def _watch_process_exit(obj: Any) -> _Handle:
     return _Handle(remove)
 
 
+# --------------------------------------------------------------------------- shared global optimizer hooks
+
+# torch runs its global step hooks by iterating one OrderedDict per kind; a guard starting or ending in one thread
+# while another thread's optimizer is inside that loop (running guard's own step hook) would change the dict under
+# it ("OrderedDict mutated during iteration", raised in the user's step). So all guards share one pre and one post
+# hook, registered while any guard needs them, and change only their own list, which they replace (never mutate):
+# a loop under way keeps the list it started with.
+_opt_lock = threading.Lock()
+_opt_subs: Dict[str, Tuple[Callable, ...]] = {"pre": (), "post": ()}
+_opt_handles: List[Any] = []
+
+
+def _shared_opt_pre(opt: Any, args: tuple, kwargs: dict) -> Any:
+    changed = None
+    for fn in _opt_subs["pre"]:
+        result = fn(opt, args, kwargs)
+        if result is not None:  # a pre hook may replace (args, kwargs): the next one sees them, as torch chains them
+            args, kwargs = changed = result
+    return changed
+
+
+def _shared_opt_post(opt: Any, args: tuple, kwargs: dict) -> None:
+    for fn in _opt_subs["post"]:
+        fn(opt, args, kwargs)
+
+
+def _subscribe_opt_hooks(pre: Callable, post: Callable) -> Callable[[], None]:
+    """Add a guard's global step hooks to the shared ones; returns their removal."""
+    with _opt_lock:
+        if not _opt_handles:
+            _opt_handles.append(_optim_mod.register_optimizer_step_pre_hook(_shared_opt_pre))
+            _opt_handles.append(_optim_mod.register_optimizer_step_post_hook(_shared_opt_post))
+        _opt_subs["pre"] = _opt_subs["pre"] + (pre,)
+        _opt_subs["post"] = _opt_subs["post"] + (post,)
+
+    def remove() -> None:
+        with _opt_lock:
+            _opt_subs["pre"] = tuple(f for f in _opt_subs["pre"] if f is not pre)
+            _opt_subs["post"] = tuple(f for f in _opt_subs["post"] if f is not post)
+            if not _opt_subs["pre"] and not _opt_subs["post"]:
+                for h in _opt_handles:
+                    h.remove()
+                _opt_handles.clear()
+
+    return remove
+
+
 # --------------------------------------------------------------------------- installer
 
 class Installer:
@@ -658,8 +705,7 @@ class Installer:
     def optimizer_hooks(self, optimizer: Optional[torch.optim.Optimizer], pre: Callable, post: Callable) -> None:
         """Step hooks ``pre(opt, args, kwargs)``/``post(opt, args, kwargs)`` on one optimizer, or all when None."""
         if optimizer is None:
-            self._keep(_optim_mod.register_optimizer_step_pre_hook(pre))
-            self._keep(_optim_mod.register_optimizer_step_post_hook(post))
+            self._keep(_Handle(_subscribe_opt_hooks(pre, post)))
         else:
             self._keep(optimizer.register_step_pre_hook(pre))
             self._keep(optimizer.register_step_post_hook(post))

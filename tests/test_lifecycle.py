@@ -259,3 +259,26 @@ def test_a_guard_entered_again_inside_its_own_with_block_keeps_watching_until_th
 
     fit(2)
     assert not fit.guard.active and [f.count for f in fit.guard.findings if f.kind == "nonfinite-input"] == [3]
+
+
+def test_a_guard_starting_while_an_optimizer_runs_its_step_hooks_breaks_no_step():
+    """Another thread's guard starting or ending while this thread's optimizer is inside torch's loop over the
+    global step hooks must not change the dict under it ("OrderedDict mutated during iteration" in the user's
+    step). Here the other guard starts and ends from inside that loop, in one thread, which makes it certain."""
+    model, other = nn.Linear(4, 1), nn.Linear(4, 1)
+    opt, other_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1)
+    guards = []
+
+    def start_another(optimizer, args, kwargs):
+        if optimizer is opt and not guards:
+            guards.append(guard(other, other_opt, live=False).start())
+            guards[0].close()
+
+    handle = optim_mod.register_optimizer_step_pre_hook(start_another)
+    try:
+        with guard(model, opt, live=False) as g:
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()  # raised "OrderedDict mutated during iteration" when each guard had its own global hooks
+        assert g.step == 1 and guards and g.internal_errors == []
+    finally:
+        handle.remove()
