@@ -559,7 +559,7 @@ def _watch_process_exit(obj: Any) -> _Handle:
 # it ("OrderedDict mutated during iteration", raised in the user's step). So all guards share one pre and one post
 # hook, registered while any guard needs them, and change only their own list, which they replace (never mutate):
 # a loop under way keeps the list it started with.
-_opt_lock = threading.Lock()
+_opt_lock = threading.Lock()  # (also guards the shared module-registration hook below)
 _opt_subs: Dict[str, Tuple[Callable, ...]] = {"pre": (), "post": ()}
 _opt_handles: List[Any] = []
 
@@ -595,6 +595,37 @@ def _subscribe_opt_hooks(pre: Callable, post: Callable) -> Callable[[], None]:
                 for h in _opt_handles:
                     h.remove()
                 _opt_handles.clear()
+
+    return remove
+
+
+_reg_subs: Tuple[Callable, ...] = ()
+_reg_handles: List[Any] = []
+
+
+def _shared_registration(parent: nn.Module, name: str, module: Any) -> None:
+    for fn in _reg_subs:
+        try:
+            fn(parent, name, module)
+        except Exception:  # naming a new layer is never worth the user's assignment
+            pass
+
+
+def _subscribe_registrations(fn: Callable) -> Callable[[], None]:
+    global _reg_subs
+    with _opt_lock:
+        if not _reg_handles:
+            _reg_handles.append(_module_mod.register_module_module_registration_hook(_shared_registration))
+        _reg_subs = _reg_subs + (fn,)
+
+    def remove() -> None:
+        global _reg_subs
+        with _opt_lock:
+            _reg_subs = tuple(f for f in _reg_subs if f is not fn)
+            if not _reg_subs:
+                for h in _reg_handles:
+                    h.remove()
+                _reg_handles.clear()
 
     return remove
 
@@ -688,18 +719,10 @@ class Installer:
 
     def module_registrations(self, fn: Callable[[nn.Module, str, nn.Module], None]) -> None:
         """``fn(parent, name, module)`` whenever a module registers a submodule anywhere in the process
-        (``add_module``, an attribute assignment, ``Sequential.append``); nothing on a torch without the hook."""
-        register = getattr(_module_mod, "register_module_module_registration_hook", None)
-        if register is None:
-            return
-
-        def hook(parent: nn.Module, name: str, module: Any) -> None:
-            try:
-                fn(parent, name, module)
-            except Exception:  # naming a new layer is never worth the user's assignment
-                pass
-
-        self._keep(register(hook))
+        (``add_module``, an attribute assignment, ``Sequential.append``); nothing on a torch without the hook.
+        Shared by all guards, as the global step hooks are (torch loops over its table during registrations)."""
+        if getattr(_module_mod, "register_module_module_registration_hook", None) is not None:
+            self._keep(_Handle(_subscribe_registrations(fn)))
 
     # optimizer hooks --------------------------------------------------------
     def optimizer_hooks(self, optimizer: Optional[torch.optim.Optimizer], pre: Callable, post: Callable) -> None:

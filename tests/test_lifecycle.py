@@ -282,3 +282,25 @@ def test_a_guard_starting_while_an_optimizer_runs_its_step_hooks_breaks_no_step(
         assert g.step == 1 and guards and g.internal_errors == []
     finally:
         handle.remove()
+
+
+def test_a_guard_starting_while_torch_runs_its_module_registration_hooks_breaks_no_assignment():
+    """The same for the module-registration hook (which names layers added mid-run): torch loops over its
+    table while a submodule is assigned; another guard starting and ending then must not change that table."""
+    model, other = nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 1)
+    guards = []
+
+    def start_another(parent, name, module):
+        if parent is model and not guards:
+            guards.append(guard(other, live=False).start())
+            guards[0].close()
+
+    handle = module_mod.register_module_module_registration_hook(start_another)
+    try:
+        with guard(model, live=False) as g:
+            model(torch.randn(2, 4))
+            model.append(nn.Linear(4, 2))  # raised "OrderedDict mutated during iteration" with one hook per guard
+            model(torch.randn(2, 4))
+        assert guards and g.internal_errors == [] and g.watched.known_path(model[1]) == "1"
+    finally:
+        handle.remove()
