@@ -552,82 +552,71 @@ def _watch_process_exit(obj: Any) -> _Handle:
     return _Handle(remove)
 
 
-# --------------------------------------------------------------------------- shared global optimizer hooks
+# --------------------------------------------------------------------------- shared process-wide torch hooks
 
-# torch runs its global step hooks by iterating one OrderedDict per kind; a guard starting or ending in one thread
-# while another thread's optimizer is inside that loop (running guard's own step hook) would change the dict under
-# it ("OrderedDict mutated during iteration", raised in the user's step). So all guards share one pre and one post
-# hook, registered while any guard needs them, and change only their own list, which they replace (never mutate):
-# a loop under way keeps the list it started with.
-_opt_lock = threading.Lock()  # (also guards the shared module-registration hook below)
-_opt_subs: Dict[str, Tuple[Callable, ...]] = {"pre": (), "post": ()}
-_opt_handles: List[Any] = []
+# torch runs a global hook table by iterating one OrderedDict; a guard starting or ending in one thread while another
+# thread is inside that loop (running guard's own hook) would change the dict under it ("OrderedDict mutated during
+# iteration", raised in the user's step or assignment). So all guards share one torch hook of each such kind,
+# registered while any guard needs it, and change only their own tuple, which they replace (never mutate): a loop
+# under way keeps the tuple it started with.
+_shared_lock = threading.Lock()
 
 
-def _shared_opt_pre(opt: Any, args: tuple, kwargs: dict) -> Any:
+class _SharedHook:
+    """One torch-level hook for all guards: ``register(hook)`` installs it, ``call(subs, *args)`` runs theirs."""
+
+    __slots__ = ("_register", "_call", "subs", "_handle")
+
+    def __init__(self, register: Callable[[], Callable[[Callable], Any]], call: Callable[..., Any]):
+        self._register = register  # looked up when first needed: a torch version may lack the hook point
+        self._call = call
+        self.subs: Tuple[Callable, ...] = ()
+        self._handle: Any = None
+
+    def hook(self, *args: Any) -> Any:
+        return self._call(self.subs, *args)
+
+    def subscribe(self, fn: Callable) -> _Handle:
+        with _shared_lock:
+            if self._handle is None:
+                self._handle = self._register()(self.hook)
+            self.subs = self.subs + (fn,)
+
+        def remove() -> None:
+            with _shared_lock:
+                self.subs = tuple(f for f in self.subs if f is not fn)
+                if not self.subs and self._handle is not None:
+                    self._handle.remove()
+                    self._handle = None
+
+        return _Handle(remove)
+
+
+def _run_pre(subs: Tuple[Callable, ...], opt: Any, args: tuple, kwargs: dict) -> Any:
     changed = None
-    for fn in _opt_subs["pre"]:
+    for fn in subs:
         result = fn(opt, args, kwargs)
         if result is not None:  # a pre hook may replace (args, kwargs): the next one sees them, as torch chains them
             args, kwargs = changed = result
     return changed
 
 
-def _shared_opt_post(opt: Any, args: tuple, kwargs: dict) -> None:
-    for fn in _opt_subs["post"]:
+def _run_post(subs: Tuple[Callable, ...], opt: Any, args: tuple, kwargs: dict) -> None:
+    for fn in subs:
         fn(opt, args, kwargs)
 
 
-def _subscribe_opt_hooks(pre: Callable, post: Callable) -> Callable[[], None]:
-    """Add a guard's global step hooks to the shared ones; returns their removal."""
-    with _opt_lock:
-        if not _opt_handles:
-            _opt_handles.append(_optim_mod.register_optimizer_step_pre_hook(_shared_opt_pre))
-            _opt_handles.append(_optim_mod.register_optimizer_step_post_hook(_shared_opt_post))
-        _opt_subs["pre"] = _opt_subs["pre"] + (pre,)
-        _opt_subs["post"] = _opt_subs["post"] + (post,)
-
-    def remove() -> None:
-        with _opt_lock:
-            _opt_subs["pre"] = tuple(f for f in _opt_subs["pre"] if f is not pre)
-            _opt_subs["post"] = tuple(f for f in _opt_subs["post"] if f is not post)
-            if not _opt_subs["pre"] and not _opt_subs["post"]:
-                for h in _opt_handles:
-                    h.remove()
-                _opt_handles.clear()
-
-    return remove
-
-
-_reg_subs: Tuple[Callable, ...] = ()
-_reg_handles: List[Any] = []
-
-
-def _shared_registration(parent: nn.Module, name: str, module: Any) -> None:
-    for fn in _reg_subs:
+def _run_registration(subs: Tuple[Callable, ...], parent: nn.Module, name: str, module: Any) -> None:
+    for fn in subs:
         try:
             fn(parent, name, module)
         except Exception:  # naming a new layer is never worth the user's assignment
             pass
 
 
-def _subscribe_registrations(fn: Callable) -> Callable[[], None]:
-    global _reg_subs
-    with _opt_lock:
-        if not _reg_handles:
-            _reg_handles.append(_module_mod.register_module_module_registration_hook(_shared_registration))
-        _reg_subs = _reg_subs + (fn,)
-
-    def remove() -> None:
-        global _reg_subs
-        with _opt_lock:
-            _reg_subs = tuple(f for f in _reg_subs if f is not fn)
-            if not _reg_subs:
-                for h in _reg_handles:
-                    h.remove()
-                _reg_handles.clear()
-
-    return remove
+_OPT_PRE = _SharedHook(lambda: _optim_mod.register_optimizer_step_pre_hook, _run_pre)
+_OPT_POST = _SharedHook(lambda: _optim_mod.register_optimizer_step_post_hook, _run_post)
+_REGISTRATION = _SharedHook(lambda: _module_mod.register_module_module_registration_hook, _run_registration)
 
 
 # --------------------------------------------------------------------------- installer
@@ -722,13 +711,14 @@ class Installer:
         (``add_module``, an attribute assignment, ``Sequential.append``); nothing on a torch without the hook.
         Shared by all guards, as the global step hooks are (torch loops over its table during registrations)."""
         if getattr(_module_mod, "register_module_module_registration_hook", None) is not None:
-            self._keep(_Handle(_subscribe_registrations(fn)))
+            self._keep(_REGISTRATION.subscribe(fn))
 
     # optimizer hooks --------------------------------------------------------
     def optimizer_hooks(self, optimizer: Optional[torch.optim.Optimizer], pre: Callable, post: Callable) -> None:
         """Step hooks ``pre(opt, args, kwargs)``/``post(opt, args, kwargs)`` on one optimizer, or all when None."""
         if optimizer is None:
-            self._keep(_Handle(_subscribe_opt_hooks(pre, post)))
+            self._keep(_OPT_PRE.subscribe(pre))
+            self._keep(_OPT_POST.subscribe(post))
         else:
             self._keep(optimizer.register_step_pre_hook(pre))
             self._keep(optimizer.register_step_post_hook(post))
