@@ -614,9 +614,33 @@ def _run_registration(subs: Tuple[Callable, ...], parent: nn.Module, name: str, 
             pass
 
 
+def _run_each(subs: Tuple[Callable, ...], *args: Any) -> None:
+    for fn in subs:  # guard's module hooks only look: none replaces the args or the output
+        fn(*args)
+
+
+def _forward_hook_registrar() -> Callable[[Callable], Any]:
+    def register(hook: Callable) -> _Handle:
+        handle = _module_mod.register_module_forward_hook(_eager_only(hook), with_kwargs=True, always_call=True)
+
+        def remove() -> None:
+            handle.remove()
+            # torch leaves the with_kwargs entry behind; it alone makes _has_any_global_hook() true
+            # for ever after (and every torch.compile'd module call warn about global hooks).
+            getattr(_module_mod, "_global_forward_hooks_with_kwargs", {}).pop(handle.id, None)
+
+        return _Handle(remove)
+
+    return register
+
+
 _OPT_PRE = _SharedHook(lambda: _optim_mod.register_optimizer_step_pre_hook, _run_pre)
 _OPT_POST = _SharedHook(lambda: _optim_mod.register_optimizer_step_post_hook, _run_post)
 _REGISTRATION = _SharedHook(lambda: _module_mod.register_module_module_registration_hook, _run_registration)
+# torch calls these for every module call in the process, with the dynamo and jit.trace test in front of the loop
+_FORWARD_PRE = _SharedHook(lambda: lambda hook: _module_mod.register_module_forward_pre_hook(_eager_only(hook)),
+                           _run_each)
+_FORWARD_POST = _SharedHook(_forward_hook_registrar, _run_each)
 
 
 # --------------------------------------------------------------------------- installer
@@ -692,19 +716,12 @@ class Installer:
         return state
 
     def global_module_hooks(self, pre: Optional[Callable], post: Optional[Callable]) -> None:
-        """Hooks on every ``nn.Module`` call in the process: ``pre(module, args)``, ``post(module, args, kwargs, out)``."""
+        """Hooks on every ``nn.Module`` call in the process: ``pre(module, args)``, ``post(module, args, kwargs, out)``.
+        Shared by all guards, as the global step hooks are (torch loops over its table at every module call)."""
         if pre is not None:
-            self._keep(_module_mod.register_module_forward_pre_hook(_eager_only(pre)))
+            self._keep(_FORWARD_PRE.subscribe(pre))
         if post is not None:
-            handle = _module_mod.register_module_forward_hook(_eager_only(post), with_kwargs=True, always_call=True)
-
-            def remove() -> None:
-                handle.remove()
-                # torch leaves the with_kwargs entry behind; it alone makes _has_any_global_hook() true
-                # for ever after (and every torch.compile'd module call warn about global hooks).
-                getattr(_module_mod, "_global_forward_hooks_with_kwargs", {}).pop(handle.id, None)
-
-            self._keep(_Handle(remove))
+            self._keep(_FORWARD_POST.subscribe(post))
 
     def module_registrations(self, fn: Callable[[nn.Module, str, nn.Module], None]) -> None:
         """``fn(parent, name, module)`` whenever a module registers a submodule anywhere in the process

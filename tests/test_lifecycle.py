@@ -304,3 +304,32 @@ def test_a_guard_starting_while_torch_runs_its_module_registration_hooks_breaks_
         assert guards and g.internal_errors == [] and g.watched.known_path(model[1]) == "1"
     finally:
         handle.remove()
+
+
+def test_a_global_guard_starting_while_torch_runs_its_global_forward_hooks_breaks_no_module_call():
+    """The same for a global guard's forward hooks (``guard()`` with no model, as under ``TORCH_GUARD=1``). torch
+    copies its global hook tables before a module call, but loops over the live one to run the always-called hooks
+    after a forward that raised; another global guard starting and ending there must not change it under the loop
+    (the user would see "OrderedDict mutated during iteration" instead of their own error)."""
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("the user's own error")
+
+    model = Fails()
+    guards = []
+
+    def start_another(module, args, result):
+        if module is model and not guards:
+            guards.append(guard(live=False).start())
+            guards[0].close()
+
+    handle = module_mod.register_module_forward_hook(start_another, always_call=True)
+    try:
+        with guard(live=False) as g:
+            with pytest.raises(ValueError, match="the user's own error"):
+                model(torch.randn(2, 4))
+        assert guards and g.internal_errors == []
+    finally:
+        handle.remove()
+    assert not module_mod._global_forward_hooks and not getattr(module_mod, "_global_forward_hooks_with_kwargs", {})
