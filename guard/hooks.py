@@ -87,7 +87,7 @@ _HOOK_CODE = _eager_only(len).__code__
 def caller_frame() -> Any:
     """The frame that called the running hook (torch's ``inner``), past guard's own hook wrapper."""
     f = sys._getframe(2)
-    while f is not None and f.f_code is _HOOK_CODE:
+    while f is not None and f.f_code in _PASS_CODES:
         f = f.f_back
     return f
 _EAGER_CODES: set = set()
@@ -641,6 +641,7 @@ _REGISTRATION = _SharedHook(lambda: _module_mod.register_module_module_registrat
 _FORWARD_PRE = _SharedHook(lambda: lambda hook: _module_mod.register_module_forward_pre_hook(_eager_only(hook)),
                            _run_each)
 _FORWARD_POST = _SharedHook(_forward_hook_registrar, _run_each)
+_PASS_CODES = {_HOOK_CODE, _SharedHook.hook.__code__, _run_each.__code__}  # frames between torch and a hook
 
 
 # --------------------------------------------------------------------------- installer
