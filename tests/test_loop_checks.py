@@ -1527,3 +1527,69 @@ def test_a_registered_buffer_that_keeps_every_steps_graph_is_named():
     assert "buffer `replay` holds an autograd graph that reaches back to step 0" in f.message
     assert "x.detach()" in f.hint and f.details["buffer_with_history"] is True
     assert run(detach=True).findings == []
+
+
+class _PlainReplay:
+    """A replay buffer in a plain Python object (no module, no registered buffer)."""
+
+    def __init__(self, detach):
+        self.x = torch.randn(64, 2)
+        self.detach = detach
+
+    def push(self, x, idx):
+        if self.detach:
+            x = x.detach()
+        self.x[idx] = x  # the bug (without the line above): the samples keep their graph
+
+
+def _langevin(energy, x):
+    x = x.clone().requires_grad_(True)
+    for _ in range(3):
+        g, = torch.autograd.grad(energy(x).sum(), x, create_graph=True)
+        x = x - 0.05 * g
+    return x
+
+
+def test_a_plain_object_that_keeps_every_steps_graph_is_named_at_its_update():
+    def run(detach):
+        torch.manual_seed(0)
+        energy = nn.Sequential(nn.Linear(2, 16), nn.SiLU(), nn.Linear(16, 1))
+        opt = torch.optim.Adam(energy.parameters(), lr=1e-3)
+        buf = _PlainReplay(detach)
+        with guard(energy, opt, live=False) as g:
+            for _ in range(80):
+                idx = torch.randint(0, 64, (8,))
+                neg = _langevin(energy, buf.x[idx])
+                buf.push(neg, idx)
+                loss = energy(torch.randn(8, 2)).mean() - energy(neg.detach()).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return g
+
+    (f,) = run(detach=False).findings
+    # judged at the fourth look (steps 16, 32, 48, 64), the graph reaching back before the first
+    assert (f.kind, f.where, f.step) == ("loss-graph-retained", "buf.x", 16)
+    assert f.message.startswith("`buf.x` (") and "whose autograd graph reaches back to step 16 or earlier" in f.message
+    line = _PlainReplay.push.__code__.co_firstlineno + 3
+    assert f.source.endswith(f"test_loop_checks.py:{line}")  # the update in the buffer's class, not the loop
+    assert "`self.x[idx] = x.detach()`" in f.hint and f.details["held_with_history"] is True
+    assert run(detach=True).findings == []
+
+
+def test_a_graph_built_once_and_reused_every_step_is_not_a_growing_one():
+    """A prior computed once from a parameter and back-propagated at every step (retain_graph=True), rebuilt every
+    20 steps: the tensor holds nodes older than the last look, but of one interval only."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    base = nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD(list(model.parameters()) + [base], lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for step in range(100):
+            if step % 20 == 0:
+                prior = torch.tanh(base * 2).unsqueeze(0)
+            loss = (model(torch.randn(8, 4) + prior) ** 2).mean()
+            opt.zero_grad()
+            loss.backward(retain_graph=True)
+            opt.step()
+    assert [f for f in g.findings if f.severity != "info"] == []

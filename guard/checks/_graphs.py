@@ -83,7 +83,7 @@ def graph_holders(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, 
     if isinstance(value, _PLAIN_TYPES) or depth > 2:
         return
     if isinstance(value, (list, tuple, deque)):
-        items = list(value)[-MAX_ITEMS:]
+        items = value[-MAX_ITEMS:] if not isinstance(value, deque) else list(value)[-MAX_ITEMS:]
         ts = [v for v in items if isinstance(v, torch.Tensor) and v.grad_fn is not None]
         if ts:
             yield f"{name}[...]", value, ts
@@ -96,7 +96,9 @@ def graph_holders(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, 
         for k, v in list(value.items())[:MAX_ITEMS]:
             if isinstance(k, str) and k.startswith("__"):
                 continue
-            yield from graph_holders(f"{name}[{k!r}]", v, depth + 1)
+            # a tensor key (an optimizer's state) is not printed: its repr costs milliseconds and names nothing
+            key = repr(k) if isinstance(k, (str, int)) else "..."
+            yield from graph_holders(f"{name}[{key}]", v, depth + 1)
         return
     if isinstance(value, nn.Module):
         attrs = {k: v for k, v in vars(value).items() if k not in ("_parameters", "_buffers", "_modules")}

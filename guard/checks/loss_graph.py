@@ -43,6 +43,7 @@ OLD = 2        # a mark this many steps old (or more) belongs to a step that is 
 MIN_AGE = 5    # report once the oldest live mark is at least this old ...
 MIN_STEPS = 3  # ... and marks of at least this many past steps are alive
 PARAM_LOOK = 16  # steps between looks for parameters that carry autograd history
+HELD_LOOK_MAX = 512  # the longest wait between looks at the user's variables (the wait doubles from PARAM_LOOK)
 MAX_AGE = 1024  # the longest wait between looks when graphs in reference cycles were freed by a collection
 MAX_MARKS = 256
 DEEP_EVERY = 8  # steps whose whole graph is marked (one walk of its nodes); the others mark the loss only
@@ -58,6 +59,15 @@ class _Mark:
 
     def __init__(self, step: int):
         self.step = step
+
+
+def _torch_object(value: Any) -> bool:
+    """An optimizer, a scheduler, a DataLoader, a guard: torch's and guard's own objects other than modules and
+    tensors hold no graph a training script stores (an optimizer's state is keyed by its parameters; a guard's
+    timeline is long)."""
+    if isinstance(value, (torch.Tensor, torch.nn.Module)):
+        return False
+    return (getattr(type(value), "__module__", None) or "").startswith(("torch.", "guard."))
 
 
 def _roots(tensors: Any) -> List[torch.Tensor]:
@@ -143,7 +153,7 @@ def _search(filename: str, lo: int, hi: int, target: str) -> Optional[int]:
     if not lines:
         return None
     code = _code_lines(filename, lines)
-    upd = re.compile(target + _UPDATE)
+    upd = re.compile(target + r"(" + _UPDATE + r"|\[[^\]]*\]\s*=(?!=))")  # also `self.x[idx] = x`
     selfref = re.compile(r"^\s*[\w.]*" + target + r"\s*=(?!=)(.*)$")  # `self.total = self.total + loss`
     best: Optional[int] = None
     for no in range(max(lo, 1), min(hi, len(lines)) + 1):
@@ -227,6 +237,10 @@ class LossGraph(Check):
         self._buffer_seq: Dict[Tuple[int, str], Tuple[int, int]] = {}
         self._buffer_seq_old: Dict[Tuple[int, str], Tuple[int, int]] = {}  # the same, one look earlier
         self._params_told = False
+        # the loss node's sequence number at each look's backward (autograd numbers its nodes in creation order),
+        # with the look's step: the windows that tensors held in the user's variables are tested against
+        self._look_seqs: List[Tuple[int, int]] = []
+        self._held_look, self._held_wait = PARAM_LOOK, PARAM_LOOK  # the step of the next such look, and the wait
 
     def _buffer_history(self, step: int) -> None:
         """Registered buffers whose graph reaches back to an earlier look: a tensor with a grad_fn stored in a buffer
@@ -268,6 +282,101 @@ class LossGraph(Check):
                   details={"buffer": where, "graph_nodes": nodes, "grad_fn": type(b.grad_fn).__name__,
                            "buffer_with_history": True, **({"saved_bytes": saved} if saved else {})})
 
+    def _held_history(self, step: int, tensors: Any) -> None:
+        """Tensors held in the user's variables (an object's attribute, a list) whose graph keeps nodes made in each
+        of the last two intervals between looks: a tensor with a grad_fn is stored at every step without
+        ``.detach()`` (a replay buffer object's ``self.x[idx] = x`` of samples drawn with ``autograd.grad``), so the
+        graphs of all steps stay chained, although no backward() ever runs through them (no loss mark is reached).
+        Two generations are asked for, not one: a graph built once and reused (a cache refreshed now and then)
+        keeps nodes of a single interval only."""
+        roots = [t for t in _roots(tensors) if t.grad_fn is not None]
+        if not roots:
+            return
+        seqs = self._look_seqs
+        seqs.append((roots[0].grad_fn._sequence_nr(), step))
+        if len(seqs) < 4:
+            return
+        del seqs[:-4]
+        (b0, s0), (b1, s1), (b2, _), _ = seqs
+        seen: Set[int] = set()
+        budget = Budget(DEEP_BUDGET)
+        for name, frame, ts in self._scan():
+            newest = [t for t in ts if t.grad_fn._sequence_nr() > b2]  # stored again since the last look
+            if not newest:
+                continue
+            found = [False, False]
+            older = False  # a node made before the first of the three looks: the graph reaches back to that step
+            stack, keep = [t.grad_fn for t in newest], []
+            while stack and budget.left > 0 and not (all(found) and older):
+                node = stack.pop()
+                if id(node) in seen:
+                    continue
+                seen.add(id(node))
+                keep.append(node)
+                budget.left -= 1
+                seq = node._sequence_nr()
+                if seq <= b0:
+                    older = True
+                    continue  # its inputs are older still
+                if seq <= b1:
+                    found[0] = True
+                elif seq <= b2:
+                    found[1] = True
+                try:
+                    stack.extend(n for n, _ in node.next_functions if n is not None and id(n) not in seen)
+                except Exception:
+                    continue
+            if all(found):
+                self._report_held(name, frame, newest, s0 if older else s1)
+                return
+            if budget.left <= 0:
+                return
+
+    def _scan(self):
+        """(name, frame, tensors with a graph) held in the user's frames: locals, and the outer frames' globals."""
+        frames = user_frames(MAX_FRAMES)
+        scopes = [(fr, frame_locals(fr)) for fr in frames]
+        seen_scopes = {id(d) for _, d in scopes}
+        for fr in frames[:3]:
+            if id(fr.f_globals) not in seen_scopes:
+                seen_scopes.add(id(fr.f_globals))
+                scopes.append((fr, fr.f_globals))
+        seen_objs: Set[int] = set()
+        for fr, scope in scopes:
+            for name, value in list(scope.items()):
+                if name.startswith("__") or id(value) in seen_objs or _torch_object(value):
+                    continue
+                seen_objs.add(id(value))
+                try:
+                    for cname, _, ts in graph_holders(name, value):
+                        yield cname, fr, ts
+                except Exception:
+                    continue
+
+    def _report_held(self, name: str, frame: Any, ts: List[torch.Tensor], step: int) -> None:
+        self._done = True
+        base = name[:-5] if name.endswith("[...]") else name
+        src = _update_source(name, frame, _parent_of(name, frame))
+        nodes, saved = graph_size(ts, limit=20_000)
+        mem = f", {fmt_bytes(saved)} of saved tensors" if saved else ""
+        op = type(ts[0].grad_fn).__name__
+        shapes = sorted({str(list(t.shape)) for t in ts})[:3]
+        message = (f"`{name}` ({src}) holds tensors ({', '.join(shapes)}) whose autograd graph reaches back to step "
+                   f"{step} or earlier ({nodes} graph nodes{mem}; its grad_fn is {op}): a tensor with a grad_fn is "
+                   f"stored in it at every step without .detach() (samples of a replay buffer drawn with autograd, a "
+                   f"memory written each step), so every step's graph stays chained to the last one although no "
+                   f"loss is back-propagated through it, and memory and time grow")
+        said = base  # as the updating line names it (`self.x` in the holder's own methods)
+        if "." in base and src and _line_has(src, "self." + base.split(".", 1)[1]):
+            said = "self." + base.split(".", 1)[1]
+        store = f"`{said}.append(x.detach())`" if name.endswith("[...]") else f"`{said}[idx] = x.detach()`"
+        hint = (f"Store detached values ({store}, or `= new.detach()`), or update it under torch.no_grad(); keep the "
+                f"graph only for what this step's loss needs.")
+        self.emit("loss-graph-retained", base, message, hint, step=step, source=src,
+                  details={"holder": name, "holder_source": src, "graph_nodes": nodes, "grad_fn": op,
+                           "held_shapes": shapes, "held_with_history": True,
+                           **({"saved_bytes": saved} if saved else {})})
+
     def _param_history(self, step: int) -> None:
         """Parameters with a grad_fn: a frozen weight (a target or EMA network) updated in place with autograd on
         (``tp.mul_(1 - tau).add_(tau * p)`` outside ``torch.no_grad()``) joins the graph, which grows at every
@@ -306,6 +415,13 @@ class LossGraph(Check):
             self._param_history(step)
             if not self._done:
                 self._buffer_history(step)
+        if step >= self._held_look and not self._done:
+            # a scan of the user's variables costs a few hundred microseconds: after the first four looks (which
+            # judge a leak from the start by step 64), rarer and rarer
+            if len(self._look_seqs) >= 3:
+                self._held_wait = min(self._held_wait * 2, HELD_LOOK_MAX)
+            self._held_look = step + self._held_wait
+            self._held_history(step, tensors)
         if self._done:
             return
         alive, old = [], set()
