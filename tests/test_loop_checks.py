@@ -598,6 +598,48 @@ def test_a_force_field_validated_with_grad_on_is_no_evaluation_outside_no_grad()
     assert g.findings == [] and g.internal_errors == []
 
 
+def test_an_adaptive_solvers_rejected_trial_steps_are_no_evaluation():
+    """An adaptive ODE solver computes a trial step with grad on and learns only from its error estimate whether
+    to keep it (torchdiffeq does the same): the rejected trials' forwards are dropped, from the same line whose
+    accepted forwards are back-propagated. A forward of that line whose output is never used still is reported."""
+
+    def run(tol, evaluate):
+        torch.manual_seed(0)
+        f = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 2))
+        opt = torch.optim.Adam(f.parameters(), 1e-2)
+        rejected = 0
+
+        def heun(y, h):
+            k1 = f(y)
+            k2 = f(y + h * k1)
+            return y + h / 2 * (k1 + k2), (h / 2 * (k2 - k1)).abs().max().item()
+
+        with guard(f, opt, live=False) as g:
+            for it in range(10):
+                y0 = y = torch.randn(16, 2)
+                t, h = 0.0, 0.5
+                while t < 1.0 - 1e-9:
+                    h = min(h, 1.0 - t)
+                    ynew, err = heun(y, h)
+                    if err < tol:
+                        y, t = ynew, t + h  # accepted
+                    else:
+                        rejected += 1  # rejected: ynew and its graph dropped, retried with a smaller h
+                    h *= 0.9 * (tol / max(err, 1e-12)) ** 0.5
+                loss = (y - y0.flip(1)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if evaluate and it == 5:
+                    scores = [heun(torch.randn(16, 2), 0.1)[1] for _ in range(40)]  # evaluation, grad on
+        return g, rejected
+
+    g, rejected = run(1e-3, evaluate=False)
+    assert rejected >= 5 and g.findings == []
+    g, _ = run(1e-3, evaluate=True)
+    assert kinds(g) == ["eval-without-no-grad"] and g.findings[0].step == 6
+
+
 def test_eval_without_no_grad_clean_gradient_penalty_via_autograd_grad():
     D = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.Adam(D.parameters(), 1e-3)

@@ -173,6 +173,12 @@ class EvalWithoutNoGrad(Check):
         self._backward_in_step = False
         keep, unused = [], []
         streak = self._streak
+        # A call site whose forwards were back-propagated at least as often as not in this step uses its outputs
+        # on a condition: an adaptive ODE solver's rejected trial steps, a retried sample. Its unused forwards
+        # were not evaluation (whether an output is needed is known only after computing it).
+        counts: Dict[Any, List[int]] = {}
+        for rec in self._pending:
+            counts.setdefault(rec.site, [0, 0])[0 if rec.used else 1] += 1
         for rec in self._pending:
             if rec.used:
                 streak[rec.site] = streak.get(rec.site, 0) + 1
@@ -180,6 +186,8 @@ class EvalWithoutNoGrad(Check):
             rec.age += 1
             if rec.alive() and rec.age <= GRACE:
                 keep.append(rec)
+            elif counts[rec.site][0] >= counts[rec.site][1]:
+                continue  # a trial that was rejected: its site's other forwards this step were used
             else:
                 streak[rec.site] = 0
                 unused.append(rec)
