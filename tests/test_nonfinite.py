@@ -1,4 +1,6 @@
 """NaN/Inf detection: each kind with the right where and step, and no alarm on healthy models."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -832,3 +834,97 @@ def test_a_head_replaced_mid_run_is_named_and_its_modules_listed():
         model(torch.randn(2, 4))
     assert g.watched.known_path(model[2]) == "2" and g.watched.known_path(model[2][2]) == "2.2"
     assert {"2.0", "2.2"} <= {m["path"] for m in g.record.modules}
+
+
+class _LeftPadded(nn.Module):
+    """A SASRec-style block: causal self-attention over left-padded sequences, then a scoring head."""
+
+    def __init__(self, broken=False):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = nn.Linear(8, 1)
+        self.broken = broken
+
+    def forward(self, x, pad):
+        causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+        a, _ = self.attn(x, x, x, key_padding_mask=pad, attn_mask=causal, need_weights=False)
+        if self.broken and not self.training:
+            a = a.clone()
+            a[:, -1] = a[:, -1].log()  # a real NaN at the last (never padded) position, in evaluation only
+        return self.out(a).squeeze(-1)
+
+
+@pytest.mark.parametrize("when", ["after training", "mid-run"])
+def test_nan_of_the_attention_fast_path_in_fully_masked_rows_is_no_origin(when):
+    """torch's MultiheadAttention fast path (eval, no_grad) returns NaN for a query whose keys are all masked (a
+    left pad under a causal mask) where the training path returns 0: padding the evaluation discards. An evaluation
+    after the last training step was reported as a nonfinite-output error (one mid-run was judged with the next
+    step's finite loss); a NaN at a position that is not padding still is."""
+
+    def run(broken):
+        torch.manual_seed(0)
+        m = _LeftPadded(broken)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x, y = torch.randn(6, 5, 8), torch.randn(6, 5)
+        pad = torch.zeros(6, 5, dtype=torch.bool)
+        pad[:, :2] = True
+        scores = []
+
+        def evaluate():
+            m.eval()
+            with torch.no_grad():
+                scores.append(m(x, pad)[:, -1].pow(2).mean().item())  # the last position: never padding
+            m.train()
+
+        with guard(m, opt, live=False) as g:
+            for step in range(12):
+                loss = ((m(x, pad) - y) ** 2 * (~pad)).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if when == "mid-run" and step == 5:
+                    evaluate()
+            if when == "after training":
+                evaluate()
+        return g, scores
+
+    g, scores = run(broken=False)
+    assert math.isfinite(scores[0]) and g.findings == []
+    g, scores = run(broken=True)
+    assert math.isnan(scores[0]) and [f.kind for f in g.findings] == ["nonfinite-output"]
+
+
+def test_padding_nan_that_a_later_attention_spreads_to_real_positions_is_reported_at_its_origin():
+    """Two attention layers: the second takes the first one's NaN padding rows as (masked) keys and values, and
+    0 * NaN makes every position of a padded sequence NaN in evaluation (a hit rate computed from NaN scores)."""
+    torch.manual_seed(0)
+
+    class TwoLayers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.MultiheadAttention(8, 2, batch_first=True) for _ in range(2)])
+
+        def forward(self, x, pad):
+            causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+            for attn in self.blocks:
+                x = x + attn(x, x, x, key_padding_mask=pad, attn_mask=causal, need_weights=False)[0]
+            return x * (~pad).unsqueeze(-1)  # NaN * 0 stays NaN
+
+    m = TwoLayers()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, pad = torch.randn(6, 5, 8), torch.zeros(6, 5, dtype=torch.bool)
+    pad[:3, :2] = True
+    with guard(m, opt, live=False) as g:
+        for _ in range(3):
+            loss = m(x, pad).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        m.eval()
+        with torch.no_grad():
+            last = m(x, pad)[:, -1]
+    assert torch.isnan(last[:3]).all() and not torch.isnan(last[3:]).any()
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("nonfinite-output", "blocks.0", 3)
+    assert f.details["padding_rows_only"] and f.details["spread_by"] == "blocks.1"
+    assert "masked_fill(pad.unsqueeze(-1), 0)" in f.hint

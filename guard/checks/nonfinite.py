@@ -35,7 +35,8 @@ _FEW = 16  # CPU sums read one by one up to this many (more: one stack)
 class _Call:
     """One module call's screened inputs and outputs, by flag index."""
 
-    __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module", "graded")
+    __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module", "graded", "padded",
+                 "evaluating")
 
     def __init__(self, path: str, mtype: str, is_root: bool, source: Optional[str], step: int, module: Any,
                  inputs: List[Tuple[str, int]], outputs: List[Tuple[str, int]]):
@@ -43,6 +44,8 @@ class _Call:
         self.inputs, self.outputs = inputs, outputs
         self.module = weakref.ref(module)
         self.graded = torch.is_grad_enabled()  # a training forward (not an evaluation under no_grad)
+        self.evaluating = not self.graded and not module.training  # eval mode under no_grad: no loss will follow
+        self.padded: Optional[int] = None  # flag of the output outside its fully masked rows (attention, see below)
 
 
 # Modules whose output cannot become NaN/Inf from finite inputs (and parameter-free containers):
@@ -111,6 +114,7 @@ class NonFinite(Check):
         self._maskers: set = set()  # (module path, argument): where -inf masks were seen on healthy steps
         self._takers: set = set()  # (root path, argument): NaN/Inf inputs a model took and handled on healthy steps
         self._handled: set = set()  # (module path, output): NaN/Inf outputs handled downstream on healthy steps
+        self._pad_rows: Optional[torch.Tensor] = None  # (batch, query) rows an attention of this model call fully masked
         self._bad_grad_steps: set = set()
         self._passthrough: Dict[type, bool] = {}
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
@@ -259,8 +263,54 @@ class NonFinite(Check):
             inputs, outputs = self._screen_structures(args, kwargs, output, passthrough is True and not is_root)
             if outputs is None:
                 return
-        self._calls.append(_Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module,
-                                 inputs, outputs))
+        call = _Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module, inputs, outputs)
+        if outputs and (self._pad_rows is not None or (
+                cls is nn.MultiheadAttention and not module.training and not torch.is_grad_enabled())):
+            call.padded = self._padded_flag(module, args, kwargs, output)
+        if is_root:
+            self._pad_rows = None
+        self._calls.append(call)
+
+    def _padded_flag(self, module, args, kwargs, output) -> Optional[int]:
+        """The flag of an attention's output with its fully masked query rows zeroed.
+
+        torch's MultiheadAttention fast path (eval mode, no grad) returns NaN for a query whose keys are all
+        masked (a left-padded position under a causal mask), where the training path returns 0: padding that
+        the script discards (SASRec's evaluation reads the last position). Only those rows NaN is no origin."""
+        try:
+            if type(module) is not nn.MultiheadAttention:
+                # a later layer of the same model call: the same rows zeroed, when its output has them
+                out, rows = output, self._pad_rows
+                if not isinstance(out, torch.Tensor) or out.dim() < 2:
+                    return None
+                if tuple(out.shape[:2]) != tuple(rows.shape):
+                    rows = rows.t()
+                    if tuple(out.shape[:2]) != tuple(rows.shape):
+                        return None
+                return self._flag(out.masked_fill(rows.reshape(*rows.shape, *[1] * (out.dim() - 2)), 0))
+            named = dict(zip(("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask"), args))
+            named.update(kwargs)
+            kpm, am, q = named.get("key_padding_mask"), named.get("attn_mask"), named.get("query")
+            out = output[0] if isinstance(output, tuple) else output
+            if (kpm is None and am is None) or not isinstance(q, torch.Tensor) or q.dim() != 3:
+                return None
+            batch_first = module.batch_first
+            bsz, tgt = (q.shape[0], q.shape[1]) if batch_first else (q.shape[1], q.shape[0])
+            full = None
+            if kpm is not None:
+                k = kpm if kpm.dtype is torch.bool else torch.isneginf(kpm)
+                full = k.reshape(bsz, 1, -1)
+            if am is not None:
+                a = am if am.dtype is torch.bool else torch.isneginf(am)
+                a = a.reshape(1, tgt, -1) if a.dim() == 2 else a.reshape(bsz, -1, tgt, a.shape[-1]).any(1)
+                full = a if full is None else full | a
+            rows = full.all(-1).expand(bsz, tgt)  # (batch, query) rows with every key masked
+            self._pad_rows = rows
+            if not batch_first:
+                rows = rows.t()
+            return self._flag(out.masked_fill(rows.unsqueeze(-1), 0))
+        except Exception:  # a mask of another layout: screened as any other output
+            return None
 
     def _inherit(self, t: torch.Tensor, src: Optional[int]) -> None:
         """A pass-through layer's output shares its input's flag; screened itself only without one."""
@@ -455,9 +505,16 @@ class NonFinite(Check):
             # handled downstream on purpose (rows masked whole, softmax'd to NaN and replaced by nan_to_num or
             # masked_fill before the loss; outputs the loss does not use). Dirty values that matter reach the
             # loss or the gradients, and are then reported from their origin.
-            self._takers.update((c.path, name) for c in calls if c.is_root for name, i in c.inputs if i in bad)
-            self._handled.update((c.path, name) for c in calls for name, i in c.outputs if i in bad)
-            return
+            train = [c for c in calls if not c.evaluating]
+            self._takers.update((c.path, name) for c in train if c.is_root for name, i in c.inputs if i in bad)
+            self._handled.update((c.path, name) for c in train for name, i in c.outputs if i in bad)
+            # An evaluation (eval mode, no_grad) run before this step's forward made NaN/Inf no loss can have
+            # handled: judged on its own, as one after the last step is (its metric is NaN).
+            calls = [c for c in calls if c.evaluating]
+            bad = {i for c in calls for _, i in c.inputs + c.outputs if i in bad} | {
+                c.padded for c in calls if c.padded in bad}
+            if not bad:
+                return
         # ... and on a bad step such an input (where NaN was taken on healthy steps) is not the dirty data: the
         # module taking it made the NaN (a masked loss whose batch was masked whole divides 0 by 0)
         taken = {i for c in calls if c.is_root for name, i in c.inputs
@@ -492,7 +549,22 @@ class NonFinite(Check):
                 return
             upstream = upstream or any(i in bad for c in calls[done:k + 1] for _, i in c.outputs)
             done = k + 1
+        padding = None  # an attention of this model call that made NaN only in fully masked rows (_padded_flag)
         for call in calls:
+            if call.padded is not None and call.padded not in bad:
+                padding = padding or (call if not call.is_root else None)
+                continue
+            if (padding and call.padded is not None and call.type == "MultiheadAttention"
+                    and any(i in bad for _, i in call.inputs)):
+                # a later attention took those rows as keys: NaN values of masked keys still make NaN (0 * NaN)
+                self._report_padded(padding, call, bad, refs)
+                return
+            if padding and call.padded is None:
+                # returned after it in the same model call, with no such rows to tell: its NaN came from them (the
+                # model around it, a block whose input was finite, a pooled output)
+                padding = padding if not call.is_root else None
+                continue
+            padding = padding if not call.is_root else None
             if any(i in bad for _, i in call.outputs) and not any(i in bad and i not in taken for _, i in call.inputs):
                 # -inf alone in what it made, on a step whose NaN/Inf came from elsewhere too: a mask (first seen
                 # on a bad step, so not yet known as one) that later arithmetic turned into NaN
@@ -527,6 +599,22 @@ class NonFinite(Check):
                 self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
                                    loss_seen=bool(losses))
                 return
+
+    def _report_padded(self, first: _Call, spread: _Call, bad: set, refs: Dict[int, weakref.ref]) -> None:
+        counts = {n: nonfinite_counts(t) for n, i in spread.outputs
+                  if i in bad and (t := refs.get(i, lambda: None)()) is not None}
+        self.emit("nonfinite-output", first.path,
+                  f"{first.path} (MultiheadAttention) produced NaN in its fully masked query rows (padding: every key "
+                  f"masked), as torch's attention fast path does in eval mode under no_grad (training mode gives 0 "
+                  f"there); {spread.path} then took those rows as keys and values, and a masked key's NaN value still "
+                  f"makes NaN (0 * NaN), so positions that are not padding are NaN too: the evaluation's outputs are "
+                  f"NaN where training's are finite",
+                  "Zero the padded rows after each attention (`a = a.masked_fill(pad.unsqueeze(-1), 0)`; multiplying "
+                  "by a mask keeps NaN, since NaN * 0 is NaN), or replace them with torch.nan_to_num(a) before the "
+                  "next layer.",
+                  step=first.step, source=first.source,
+                  details={"module": first.type, "padding_rows_only": True, "spread_by": spread.path,
+                           "counts": counts, "nonfinite_params": []})
 
     def _report_input(self, call: _Call, bad: set, refs: Dict[int, weakref.ref]) -> None:
         args, counts = [], {}
