@@ -223,9 +223,12 @@ class Router:
         events = (event,) if isinstance(event, str) else tuple(event)
         done = tuple(e + "_done" for e in reversed(events))
         error = tuple(e + "_error" for e in reversed(events))
+        # a torch.func transform starting (explain lifts its saved-tensor hooks for it) is seen inside another one
+        # too (vmap(grad(...)) in a model's forward): those handlers touch no tensor
+        anywhere = all(e.startswith("functorch_") for e in events)
 
         def middleware(call: Callable, args: tuple, kwargs: dict) -> Any:
-            if not active() or getattr(tls, "in_patch", False) or _in_transform():
+            if not active() or getattr(tls, "in_patch", False) or (_in_transform() and not anywhere):
                 # Inside vmap/grad the values are functorch's wrapped tensors: checks must not keep them
                 # (they cannot be read after the transform), and the user's own call is seen outside it.
                 return call(*args, **kwargs)

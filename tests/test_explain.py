@@ -1,4 +1,5 @@
 """explained-error: real failing snippets get a note (cause, module, step, fix); the exception is unchanged."""
+import contextlib
 import gc
 import os
 import signal
@@ -710,3 +711,67 @@ def test_a_memory_carried_without_detach_reaches_a_transposed_weight_of_an_earli
     (f,) = [f for f in g.findings if f.kind == "explained-error"]
     assert f.where == "write" and "saved by step 1's forward" in f.message and "external memory" in f.message
     assert "state = state.detach()" in f.hint and "out-of-place" not in f.hint
+
+
+def test_torch_func_nested_in_another_transform_inside_a_model_call_still_runs():
+    """A Hamiltonian network's forward takes vmap(grad(H)): the saved-tensor hooks guard puts around the first
+    steps' model calls must be lifted for the inner grad too (torch.func refuses any), though a transform is on."""
+    from torch.func import grad, vmap
+
+    class HNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.H = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+
+        def forward(self, x):
+            return vmap(grad(lambda xi: self.H(xi).squeeze()))(x)
+
+    def run(guarded):
+        torch.manual_seed(0)
+        m = HNN()
+        opt = torch.optim.Adam(m.parameters(), 1e-2)
+        with (guard(m, opt, live=False) if guarded else contextlib.nullcontext()) as g:
+            for _ in range(4):
+                loss = (m(torch.randn(8, 2)) - 1).pow(2).mean()  # raised "don't yet support saved tensor hooks"
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return [p.detach().clone() for p in m.parameters()], g
+
+    plain, _ = run(False)
+    guarded, g = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, guarded)) and g.findings == [] and g.internal_errors == []
+
+
+def test_the_users_own_saved_tensor_hooks_around_a_model_call_run_from_the_first_step():
+    """Hooks entered around `model(x)` (fp16 activation packing, save_on_cpu offload) must not be shadowed by
+    guard's own for the first steps (the innermost hooks win): the numbers would change, the offload be off."""
+    packs = []
+
+    def pack(t):
+        packs.append(1)
+        return t.to(torch.float16), t.dtype
+
+    def unpack(p):
+        return p[0].to(p[1])
+
+    def run(guarded):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        counts = []
+        with (guard(m, opt, live=False) if guarded else contextlib.nullcontext()):
+            for _ in range(3):
+                del packs[:]
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                    loss = m(torch.randn(16, 8)).pow(2).mean()
+                counts.append(len(packs))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return [p.detach().clone() for p in m.parameters()], counts
+
+    plain, plain_counts = run(False)
+    guarded, counts = run(True)
+    assert counts == plain_counts and counts[0] > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, guarded))

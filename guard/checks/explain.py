@@ -89,6 +89,7 @@ TAG_STEPS = 2  # steps whose saved tensors are tagged with the module that saved
 _CALL_IMPL = nn.Module._call_impl.__code__
 _MAX_FRAMES = 64
 _hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda ignore_tracing: None)
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
@@ -268,7 +269,9 @@ class ExplainErrors(Check):
                 break
         # Hooks only around model calls, and only where allowed (torch.func transforms refuse them).
         cm = None
-        if self.g.step < TAG_STEPS and _hooks_enabled():
+        # never over the user's own saved-tensor hooks (activation offload with save_on_cpu, fp16 packing): the
+        # innermost hooks win, so theirs would not run
+        if self.g.step < TAG_STEPS and _hooks_enabled() and _top_hooks(False) is None:
             cm = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             cm.__enter__()
         self._pushed.append(cm)
