@@ -640,6 +640,33 @@ def test_an_adaptive_solvers_rejected_trial_steps_are_no_evaluation():
     assert kinds(g) == ["eval-without-no-grad"] and g.findings[0].step == 6
 
 
+@pytest.mark.parametrize("period,offset", [(5, 0), (10, 9), (3, 1)])
+def test_batches_skipped_after_their_forward_are_no_evaluation(period, offset):
+    """A loop that skips the update of some batches (a loss spike, a bad batch: known only after the forward),
+    the last one included; the site is sampled by then, so the used forwards around a skipped one are mostly not
+    tagged. An evaluation run inside that loop (graphs kept in a list) is still found."""
+
+    def run(evaluate):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with guard(model, opt, live=False) as g:
+            for i in range(200):
+                x, y = torch.randn(16, 10), torch.randint(0, 3, (16,))
+                loss = F.cross_entropy(model(x), y)
+                if evaluate and i == 150:
+                    val = [loss] + [F.cross_entropy(model(torch.randn(16, 10)), y) for _ in range(24)]
+                if i % period == offset:  # `if loss.item() > 3 * running_mean: continue`
+                    continue
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return g
+
+    assert run(evaluate=False).findings == []
+    assert kinds(run(evaluate=True)) == ["eval-without-no-grad"]
+
+
 def test_eval_without_no_grad_clean_gradient_penalty_via_autograd_grad():
     D = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.Adam(D.parameters(), 1e-3)

@@ -61,7 +61,8 @@ class _Tag:
 
 
 class _Fwd:
-    __slots__ = ("step", "source", "path", "used", "tags", "outs", "age", "module", "eval_mode", "short", "site")
+    __slots__ = ("step", "source", "path", "used", "tags", "outs", "age", "module", "eval_mode", "short", "site",
+                 "backwards", "trusted")
 
     def __init__(self, step: int, source: Optional[str], path: str, module: Any = None, site: Any = None):
         self.step, self.source, self.path, self.site = step, source, path, site
@@ -72,6 +73,8 @@ class _Fwd:
         self.tags: List[weakref.ref] = []
         self.outs: List[weakref.ref] = []
         self.age = 0
+        self.backwards = 0  # backward() calls seen before this forward
+        self.trusted = False  # its call site was sampled (its forwards back-propagated TRUST times in a row)
 
     def __call__(self, grad_outputs):
         self.used = True  # a node pre-hook: this forward's output is being back-propagated
@@ -120,7 +123,8 @@ class EvalWithoutNoGrad(Check):
             # a force field's autograd.grad of its energy)
         source = self.g.root_source
         site = (id(module), module.training, source)
-        if self._streak.get(site, 0) >= TRUST:
+        trusted = self._streak.get(site, 0) >= TRUST
+        if trusted:
             self._tick += 1
             if self._tick % SAMPLE:
                 return
@@ -130,6 +134,7 @@ class EvalWithoutNoGrad(Check):
         if not outs or len(outs) > MAX_OUTPUTS or len(self._pending) >= MAX_PENDING:
             return
         rec = _Fwd(self.g.step, source, path, module, site)
+        rec.backwards, rec.trusted = self._backwards, trusted
         for t in outs:
             md = t.grad_fn.metadata
             if self._key in md:
@@ -176,9 +181,7 @@ class EvalWithoutNoGrad(Check):
         # A call site whose forwards were back-propagated at least as often as not in this step uses its outputs
         # on a condition: an adaptive ODE solver's rejected trial steps, a retried sample. Its unused forwards
         # were not evaluation (whether an output is needed is known only after computing it).
-        counts: Dict[Any, List[int]] = {}
-        for rec in self._pending:
-            counts.setdefault(rec.site, [0, 0])[0 if rec.used else 1] += 1
+        conditional = self._conditional()
         for rec in self._pending:
             if rec.used:
                 streak[rec.site] = streak.get(rec.site, 0) + 1
@@ -186,8 +189,8 @@ class EvalWithoutNoGrad(Check):
             rec.age += 1
             if rec.alive() and rec.age <= GRACE:
                 keep.append(rec)
-            elif counts[rec.site][0] >= counts[rec.site][1]:
-                continue  # a trial that was rejected: its site's other forwards this step were used
+            elif conditional(rec):
+                continue
             else:
                 streak[rec.site] = 0
                 unused.append(rec)
@@ -196,6 +199,25 @@ class EvalWithoutNoGrad(Check):
             streak.clear()
         if unused:
             self._report(unused)
+
+    def _conditional(self):
+        """A test of unused forwards, over the pending ones: whether one is a forward whose output was used on a
+        condition, not an evaluation. A site whose forwards were back-propagated at least as often as not: an
+        adaptive ODE solver's rejected trial steps. A sampled site (its used forwards are mostly not tagged) with
+        this forward alone between two backwards: a skipped batch (`if loss.item() > 3 * running: continue`),
+        where an evaluation from that line is a run of them."""
+        counts: Dict[Any, List[int]] = {}
+        runs: Dict[Any, int] = {}  # (site, backward() calls before it) -> unused forwards
+        for rec in self._pending:
+            counts.setdefault(rec.site, [0, 0])[0 if rec.used else 1] += 1
+            if not rec.used:
+                runs[(rec.site, rec.backwards)] = runs.get((rec.site, rec.backwards), 0) + 1
+
+        def test(rec: _Fwd) -> bool:
+            used, unused = counts[rec.site]
+            return used >= unused or (rec.trusted and runs[(rec.site, rec.backwards)] == 1)
+
+        return test
 
     def on_exception(self, exc):
         self._crashed()
@@ -211,7 +233,8 @@ class EvalWithoutNoGrad(Check):
             return
         if getattr(sys, "last_value", None) is not None:
             self._crashed()  # an uncaught exception ends the process (a global guard closes at exit)
-        unused = [r for r in self._pending if not r.used]
+        conditional = self._conditional()
+        unused = [r for r in self._pending if not r.used and not conditional(r)]
         if unused:
             self._report(unused)
 
