@@ -81,6 +81,23 @@ def screenable(t: torch.Tensor) -> bool:
     )
 
 
+def stored_values(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The dense values a sparse (COO, CSR, ...) or jagged nested tensor stores, when they can be screened: NaN
+    in a sparse or nested batch is dirty data as in a dense one. None otherwise (and for every dense tensor)."""
+    if t.layout is _STRIDED and not t.is_nested:
+        return None
+    try:
+        if t.is_nested:
+            v = t.values() if t.layout is torch.jagged else None
+        elif t.layout is torch.sparse_coo:
+            v = t._values()
+        else:
+            v = t.values()
+    except Exception:  # a layout without a values buffer (a strided nested tensor)
+        return None
+    return v if v is not None and screenable(v) else None
+
+
 def distinct_view(t: torch.Tensor) -> torch.Tensor:
     """`t` without its broadcast (stride-0) dimensions: an ``expand``ed view's distinct values."""
     st = t.stride()

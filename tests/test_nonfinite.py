@@ -928,3 +928,44 @@ def test_padding_nan_that_a_later_attention_spreads_to_real_positions_is_reporte
     assert (f.kind, f.where, f.step) == ("nonfinite-output", "blocks.0", 3)
     assert f.details["padding_rows_only"] and f.details["spread_by"] == "blocks.1"
     assert "masked_fill(pad.unsqueeze(-1), 0)" in f.hint
+
+
+@pytest.mark.parametrize("layout", ["jagged", "sparse_coo", "sparse_csr"])
+def test_nan_in_a_sparse_or_nested_batch_is_dirty_data(layout):
+    """The input screen reads a sparse or jagged nested batch's stored values: NaN there is `nonfinite-input`,
+    not a module that 'produced NaN from finite inputs' (which sent the user after overflow)."""
+    torch.manual_seed(0)
+    if layout == "jagged":
+        parts = [torch.randn(2, 3), torch.randn(4, 3)]
+        parts[1][0, 0] = float("nan")
+        x = torch.nested.nested_tensor(parts, layout=torch.jagged)
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l = nn.Linear(3, 2)
+
+            def forward(self, nt):
+                return self.l(nt).amax(dim=1)
+    else:
+        x = torch.sparse_coo_tensor(torch.tensor([[0, 1], [2, 4]]), torch.tensor([1.0, float("nan")]), (2, 5))
+        if layout == "sparse_csr":
+            x = x.to_sparse_csr()
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.W = nn.Parameter(torch.randn(5, 2))
+
+            def forward(self, sp):
+                return torch.sparse.mm(sp, self.W) if sp.layout is torch.sparse_coo else sp @ self.W
+
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with guard(m, opt, live=False) as g:
+        loss = m(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert [(f.kind, f.where, f.step) for f in g.findings][:1] == [("nonfinite-input", "input", 0)]
+    assert g.internal_errors == []

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from .. import tensors as _tensor_mod
-from ..tensors import distinct_view, finite_stats, fused_norms, iter_named_tensors, nonfinite_counts, screenable
+from ..tensors import (distinct_view, finite_stats, fused_norms, iter_named_tensors, nonfinite_counts, screenable,
+                       stored_values)
 from .._weak import WeakIdMap
 from .base import Check
 
@@ -114,7 +115,7 @@ class NonFinite(Check):
         self._maskers: set = set()  # (module path, argument): where -inf masks were seen on healthy steps
         self._takers: set = set()  # (root path, argument): NaN/Inf inputs a model took and handled on healthy steps
         self._handled: set = set()  # (module path, output): NaN/Inf outputs handled downstream on healthy steps
-        self._pad_rows: Optional[torch.Tensor] = None  # (batch, query) rows an attention of this model call fully masked
+        self._pad_rows: Optional[torch.Tensor] = None  # (batch, query) rows fully masked in this model call
         self._bad_grad_steps: set = set()
         self._passthrough: Dict[type, bool] = {}
         self._armed: Dict[int, str] = {}  # id(module) -> path: capture exact counts at its next call
@@ -214,7 +215,10 @@ class NonFinite(Check):
             if hit is not None and hit[0]() is t:
                 return hit[1]
         if not screenable(t):
-            return None
+            t = stored_values(t)  # a sparse or jagged nested batch: its stored values
+            if t is None:
+                return None
+            return self._flag(t)
         i = self._flag(t)
         try:  # `_remember`, inlined: two tensors of every root call come here
             ref = weakref.ref(t)
