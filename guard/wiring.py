@@ -539,6 +539,8 @@ class Wiring:
         # test, which would tell of that thread as if it trained this guard's model)
         if (self._models and not self.watched.scripted and not getattr(tls, "forwards", 0)) or not self._accepts() \
                 or getattr(tls, "in_backward", False):
+            if self._models and not getattr(tls, "in_backward", False):
+                self.backwards_elsewhere += 1  # another model's (one re-created after the optimizer was built?)
             return call(*args, **kwargs)
         tensors = args[0] if args else kwargs.get("tensors")
         tls.in_backward = True

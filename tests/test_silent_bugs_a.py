@@ -827,3 +827,44 @@ def test_loss_reaching_only_a_watched_models_parameters_outside_the_optimizers_n
     assert "a parameter netD.0.bias [1]" in f.message and "a parameter netD.0.weight [1, 8]" in f.message
     assert "computes no gradient for the model" not in f.message and "does not update them" in f.message
     assert "Build the optimizer after the model is final" in f.hint
+
+
+@pytest.mark.parametrize("fix", [None, "rebuild the optimizer", "load into the same model"])
+def test_a_model_recreated_from_a_checkpoint_while_the_optimizer_keeps_the_old_parameters(fix):
+    """A "restart from the best checkpoint" that builds a new instance (`model = Net(); model.load_state_dict(...)`)
+    without a new optimizer: the watched model is not called any more, backward() runs over the new one, and the
+    optimizer steps parameters that never get a gradient. Found 4 steps later; the two fixes are silent."""
+    import io
+
+    def net():
+        return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+
+    torch.manual_seed(0)
+    model = net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with guard(model, opt, live=False) as g:
+        for i in range(40):
+            x, y = torch.randn(32, 10), torch.randint(0, 3, (32,))
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i == 15:
+                buf = io.BytesIO()
+                torch.save(model.state_dict(), buf)
+                buf.seek(0)
+                if fix == "load into the same model":
+                    model.load_state_dict(torch.load(buf))
+                else:
+                    model = net()
+                    model.load_state_dict(torch.load(buf))
+                    if fix == "rebuild the optimizer":
+                        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    found = [(f.kind, f.step) for f in g.findings if f.severity != "info"]
+    if fix:
+        assert found == []
+    else:
+        assert found == [("loss-disconnected", 16)]
+        f = g.findings[0]
+        assert "the watched model is not called any more" in f.message and "model.load_state_dict(...)" in f.message
+        assert f.details["model_not_called"] is True and "optimizer = torch.optim.Adam(model.parameters()" in f.hint

@@ -56,6 +56,8 @@ class CheckContext(Protocol):
     costly_step: bool
     #: True while staged values are resolved because the user reads findings mid-step
     mid_step: bool
+    #: backward() calls passed over because no watched model ran since the last (a model guard; another model's)
+    backwards_elsewhere: int
 
     # -- findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Any = None, step: Optional[int] = None,

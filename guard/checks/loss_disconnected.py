@@ -38,19 +38,22 @@ MAX_NODES = 20_000
 _PY_FUNCTION = torch.autograd.function.BackwardCFunction  # the graph node of a Python autograd.Function
 MAX_LEAVES = 16
 MAX_PATHS = 4  # graph shapes remembered (a GAN's two losses, a loop with two models)
+ORPHAN_STEPS = 4  # steps in a row with backward() over another model and no gradient for the optimizer
 
 
-def _follow(fn: Any, path: Tuple[int, ...]) -> bool:
-    """Whether the `next_functions` indices of `path`, followed from node `fn`, end at an nn.Parameter's leaf."""
+def _follow(fn: Any, path: Tuple[int, ...], param: weakref.ref) -> bool:
+    """Whether the `next_functions` indices of `path`, followed from node `fn`, end at the leaf of `param`, the
+    parameter the walk that found the path met (a model re-created since, whose optimizer still holds the old
+    parameters, builds the same graph over new ones)."""
     try:
         for i in path:
             fn = fn.next_functions[i][0]
-        return isinstance(fn.variable, nn.Parameter)
+        return fn.variable is param()
     except Exception:  # another graph shape (index out of range, a node that is no leaf, None)
         return False
 
 
-def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[int, ...]]] = None,
+def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[Tuple[int, ...], weakref.ref]]] = None,
             held: Optional[Callable[[], Optional[set]]] = None) -> Optional[List[torch.Tensor]]:
     """Leaf tensors the graph behind `roots` accumulates into; None as soon as one is an nn.Parameter.
 
@@ -60,8 +63,8 @@ def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[int, ...]]] = 
     """
     first = roots[0].grad_fn if roots else None
     if paths and first is not None:
-        for path in paths:
-            if _follow(first, path):
+        for path, param in paths:
+            if _follow(first, path, param):
                 return None
     held_ids: List[Optional[set]] = []  # worked out at the first parameter met (the walk is off the usual path)
     found: List[torch.Tensor] = []
@@ -108,7 +111,7 @@ def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[int, ...]]] = 
                             at, i = parent[at]
                             path.append(i)
                         if at == id(first):
-                            paths.append(tuple(reversed(path)))
+                            paths.append((tuple(reversed(path)), weakref.ref(var)))
                     return None
                 if len(found) < MAX_LEAVES and all(v is not var for v in found):
                     found.append(var)
@@ -137,7 +140,10 @@ class LossDisconnected(Check):
         # source, step, shape)
         self._pending: List[Tuple[List[Tuple[weakref.ref, int]], List[str], Optional[str], int, List[int]]] = []
         self._done = False
-        self._paths: List[Tuple[int, ...]] = []  # known paths from a loss's node to a parameter (`_leaves`)
+        # known paths from a loss's node to a parameter, and that parameter (`_leaves`)
+        self._paths: List[Tuple[Tuple[int, ...], weakref.ref]] = []
+        self._elsewhere = 0  # `backwards_elsewhere` at the primary optimizer's last step
+        self._orphans: List[int] = []  # steps in a row whose backward ran elsewhere and left the optimizer no gradient
 
     def _held(self, *extra: Any) -> set:
         """Ids of the parameters of every optimizer seen, watched or not (an attack's own over its delta)."""
@@ -175,6 +181,11 @@ class LossDisconnected(Check):
         return f"{name} " if name and not name.startswith(("param", "parameters")) and "[" not in name else ""
 
     def on_step_pre(self, optimizer):
+        if self.g.backwards_elsewhere != self._elsewhere and not self._done and self.g.is_primary(optimizer):
+            self._elsewhere = self.g.backwards_elsewhere
+            self._orphan_step(optimizer)
+        elif self._orphans:
+            self._orphans = []
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -192,6 +203,34 @@ class LossDisconnected(Check):
             self._emit(optimizer, descr, src, step, shape, copies)
             self._done = True  # a code property: reported once, then no more walks
             return
+
+    def _orphan_step(self, optimizer) -> None:
+        """A step of the primary optimizer after backward() ran with no watched model called: when none of its
+        parameters (all trainable) has a gradient, ORPHAN_STEPS times in a row, the loss is
+        another model's: one re-created after the optimizer was built (`model = Net(); model.load_state_dict(...)`
+        in a "restart from the best checkpoint"), which the optimizer never updates."""
+        params = [p for grp in optimizer.param_groups for p in grp["params"]]
+        if not params or any(p.grad is not None or not p.requires_grad for p in params):
+            self._orphans = []
+            return
+        self._orphans.append(self.g.step)
+        if len(self._orphans) < ORPHAN_STEPS:
+            return
+        self._done = True
+        opt, since = type(optimizer).__name__, self._orphans[0]
+        models = ", ".join(self.g.path_of(m) for m in self.g.models) or "the watched model"
+        self.emit("loss-disconnected", "loss",
+                  f"since step {since} backward() reaches none of {opt}'s {len(params)} parameters: {models} is not "
+                  f"called any more and no parameter {opt} holds gets a gradient, while backward() runs over another "
+                  f"model's graph: a model re-created after {opt} was built (`model = Net(); "
+                  f"model.load_state_dict(...)` to restart from a checkpoint, a copy) trains with no optimizer, and "
+                  f"{opt}.step() updates the old one, which nothing uses",
+                  f"Build the optimizer again over the model in use after re-creating it (`optimizer = "
+                  f"torch.optim.{opt}(model.parameters(), ...)`, then `load_state_dict` of its saved state to keep "
+                  f"it), or load the checkpoint into the existing model instead of a new instance.",
+                  step=since, source=self.g.source(),
+                  details={"optimizer": opt, "parameters": len(params), "steps_without_gradient": len(self._orphans),
+                           "model_not_called": True})
 
     def _emit(self, optimizer, descr: List[str], src: Optional[str], step: int, shape: List[int],
               copies: bool = False) -> None:
@@ -227,7 +266,8 @@ class LossDisconnected(Check):
             hint = ("Hand them to the optimizer: torch.optim.X([*params_to_train], ...) or "
                     "optimizer.add_param_group({'params': [...]}); an optimizer over frozen parameters only trains "
                     "nothing. Build the optimizer after the model is final: parameters replaced after it was built "
-                    "(an init function assigning new nn.Parameter objects, a layer swapped) are not the ones it "
+                    "(an init function assigning new nn.Parameter objects, a layer swapped, a model re-created and "
+                    "loaded from a checkpoint, `model = Net(); model.load_state_dict(...)`) are not the ones it "
                     "holds.")
         elif copies:
             hint = ("Build the optimizer over the tensors the forward uses (torch.optim.Adam(params.values()) for a "
