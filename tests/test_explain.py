@@ -250,6 +250,50 @@ def test_float64_class_weights_of_a_loss_are_named_not_the_model(form):
     assert f.where == "loss" and f.details["weight_dtype"] == "float64"
 
 
+def test_optimizer_state_loaded_into_parameters_of_another_order_is_explained_as_such():
+    """A layer inserted in front, a new Adam built and the old state loaded: load_state_dict matches state by
+    position, so the first parameter gets moments of another's shape. Not a resize: the note says why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 24), nn.ReLU(), nn.Linear(24, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, opt, checks=["explain"], live=False) as g:
+            for step in range(4):
+                if step == 2:
+                    saved = opt.state_dict()
+                    model.insert(0, nn.Linear(10, 10))
+                    opt = torch.optim.Adam(list(model.parameters())[:4], lr=1e-2)
+                    opt.load_state_dict(saved)
+                    opt.add_param_group({"params": list(model.parameters())[4:]})
+                opt.zero_grad()
+                model(torch.randn(8, 10)).sum().backward()
+                opt.step()
+    note = _notes(ei.value)
+    assert "matches the saved state to the parameters by their position" in note and "resized" not in note
+    (f,) = _explained(g)
+    assert f.details["loaded_by_position"] is True and f.details["param_shape"] == [10, 10]
+
+
+def test_a_model_converted_to_another_dtype_with_its_optimizer_kept_is_explained():
+    """`model.double()` mid-run with Adam's float32 moments kept: torch's error names `end` of a lerp."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, opt, checks=["explain"], live=False) as g:
+            for step in range(4):
+                if step == 2:
+                    model.double()
+                x = torch.randn(8, 6, dtype=torch.float64 if step >= 2 else torch.float32)
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+    note = _notes(ei.value)
+    assert "is torch.float32 but the parameter is now torch.float64" in note and "model.double()" in note
+    (f,) = _explained(g)
+    assert f.step == 2 and f.details["param_dtype"] == "torch.float64"
+
+
 def test_a_parameter_resized_after_the_optimizer_made_its_state_is_explained():
     """What resize_token_embeddings does mid-run: the Parameter stays, its .data grows; Adam's moments do not."""
     torch.manual_seed(0)

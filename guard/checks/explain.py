@@ -624,9 +624,13 @@ class ExplainErrors(Check):
         return "loss", cause, fix, {"grad_enabled": not grad_off, "model_frozen": frozen}
 
     def _stale_state(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
-        """A size mismatch inside ``optimizer.step()``: a parameter resized after the optimizer made its state
-        (``resize_token_embeddings`` swaps the embedding's ``.data`` for a larger one, keeping the Parameter)."""
-        if not any(t in text for t in _SIZE_TEXTS + ("size mismatch", "shape mismatch")):
+        """A size or dtype mismatch inside ``optimizer.step()`` between a parameter and the state the optimizer
+        made for it: a parameter resized after that (``resize_token_embeddings`` swaps the embedding's ``.data``
+        for a larger one, keeping the Parameter), saved state loaded by position into parameters of another
+        order, or a model converted to another dtype (``model.double()``) with the optimizer kept."""
+        sized = any(t in text for t in _SIZE_TEXTS + ("size mismatch", "shape mismatch"))
+        typed = "dtype" in text
+        if not (sized or typed):
             return None
         opt = None
         tb = exc.__traceback__
@@ -637,21 +641,45 @@ class ExplainErrors(Check):
             tb = tb.tb_next
         if opt is None:
             return None
-        for group in opt.param_groups:
-            for p in group["params"]:
-                for key, v in opt.state.get(p, {}).items():
-                    if key in _FULL_STATES and isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape:
-                        name = self.g.param_name(p)
-                        oname = type(opt).__name__
-                        cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) no longer matches the "
-                                 f"parameter ({list(p.shape)}): it was resized after {oname} made its state "
-                                 f"(model.resize_token_embeddings(...) after training started, or its .data replaced "
-                                 f"by a tensor of another shape); the optimizer keeps the old-sized moments")
-                        fix = (f"Resize before building the optimizer, or build a new one after resizing; to keep the "
-                               f"other parameters' moments, drop the resized one's: del optimizer.state[param] (for "
-                               f"`{name}`) after resizing.")
-                        return name, cause, fix, {"optimizer": oname, "state": key, "state_shape": list(v.shape),
-                                                  "param_shape": list(p.shape)}
+        oname = type(opt).__name__
+        params = [p for group in opt.param_groups for p in group["params"]]
+        for p in params:
+            for key, v in opt.state.get(p, {}).items():
+                if key not in _FULL_STATES or not isinstance(v, torch.Tensor) or not v.dim():
+                    continue
+                name = self.g.param_name(p)
+                details = {"optimizer": oname, "state": key, "state_shape": list(v.shape),
+                           "param_shape": list(p.shape)}
+                if sized and v.shape != p.shape:
+                    other = next((q for q in params if q is not p and q.shape == v.shape), None)
+                    if other is not None:
+                        oname2 = self.g.param_name(other)
+                        whose = f" (`{oname2}`)" if oname2 and oname2 != name else ""
+                        cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) does not fit the parameter "
+                                 f"({list(p.shape)}) but fits another one's{whose}: "
+                                 f"optimizer.load_state_dict() matches the saved state to the parameters by their "
+                                 f"position, and the model's parameters are in another order than when it was saved "
+                                 f"(a layer inserted or moved since), so the moments landed on other parameters")
+                        fix = ("Load an optimizer's state only into an optimizer over the same parameters in the same "
+                               "order; after changing the model, start the optimizer fresh, or move each parameter's "
+                               "state by name.")
+                        return name, cause, fix, {**details, "loaded_by_position": True}
+                    cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) no longer matches the "
+                             f"parameter ({list(p.shape)}): it was resized after {oname} made its state "
+                             f"(model.resize_token_embeddings(...) after training started, or its .data replaced "
+                             f"by a tensor of another shape); the optimizer keeps the old-sized moments")
+                    fix = (f"Resize before building the optimizer, or build a new one after resizing; to keep the "
+                           f"other parameters' moments, drop the resized one's: del optimizer.state[param] (for "
+                           f"`{name}`) after resizing.")
+                    return name, cause, fix, details
+                if typed and v.dtype != p.dtype and v.is_floating_point() and p.is_floating_point():
+                    cause = (f"{oname}'s state for `{name}` ({key}) is {v.dtype} but the parameter is now {p.dtype}: "
+                             f"the model was converted (model.double(), .half(), .to(dtype)) after {oname} made its "
+                             f"state, and the optimizer keeps its moments in the old dtype")
+                    fix = ("Convert the model before building the optimizer, or build a new one after converting "
+                           "(load its state_dict again to keep the moments: load_state_dict casts them to the "
+                           "parameters' dtype); for mixed precision, torch.autocast keeps the parameters as they are.")
+                    return name, cause, fix, {**details, "state_dtype": str(v.dtype), "param_dtype": str(p.dtype)}
         return None
 
     def _loss_sizes(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
