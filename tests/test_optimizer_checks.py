@@ -1248,3 +1248,24 @@ def test_a_block_added_mid_run_and_left_out_of_the_optimizer_is_named_whole():
     assert f.where == "1.1.fc2"
     assert "(the rest of 1.1, 2 parameter(s) with no gradient signal yet, is in no optimizer either)" in f.message
     assert f.details["rest_of_module"] == ["1.1.fc1.weight", "1.1.fc1.bias"]
+
+
+def test_parameters_taken_out_of_the_optimizer_but_still_trainable_are_told_as_removed():
+    """Freezing a backbone by popping its param group (requires_grad left True): the warning says they were taken
+    out of the optimizer and the fix is requires_grad_(False), not "unfrozen mid-run, add them back"."""
+    torch.manual_seed(0)
+    backbone, head = nn.Sequential(nn.Linear(10, 32), nn.ReLU()), nn.Linear(32, 3)
+    model = nn.Sequential(backbone, head)
+    opt = torch.optim.SGD([{"params": backbone.parameters()}, {"params": head.parameters()}], lr=0.05)
+    with guard(model, opt, live=False) as g:
+        for step in range(60):
+            if step == 20:
+                opt.param_groups.pop(0)
+            loss = F.cross_entropy(model(torch.randn(16, 10)), torch.randint(0, 3, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = g.findings
+    assert (f.kind, f.where) == ("param-not-in-optimizer", "0")
+    assert "were taken out of the optimizer (SGD) after step 16" in f.message and "requires_grad_(False)" in f.hint
+    assert f.details["removed_from_optimizer"] is True

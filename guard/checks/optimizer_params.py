@@ -105,6 +105,8 @@ class OptimizerParams(Check):
         self._seen = WeakIdMap()  # optimizer -> how many of its param groups were looked at
         self._missing_done = False
         self._cand = None  # (names missing at a look, that step, its line): confirmed CONFIRM_STEPS later
+        self._was_held: set = set()  # ids of the parameters the optimizers held at the last look that found none
+        self._held_step = 0  # the step of that look
         self._looked = 0  # step of the last look at the missing parameters
         self._told: set = set()  # names already reported as missing
         self._looked_before = False  # a look before the current one found nothing missing
@@ -212,6 +214,9 @@ class OptimizerParams(Check):
             versions = {n: (p._version, weakref.ref(p.grad), p.grad._version) for n, p in missing if n not in self._told}
             if not versions:
                 self._missing_done = self._looked_before = True  # every parameter with a gradient is held
+                # what the optimizers held then: a parameter missing at a later look was taken out of them since
+                self._was_held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+                self._held_step = self.g.step
                 return
             self._cand = (versions, self.g.step, self.g.source())
         elif self.g.step - self._cand[1] >= CONFIRM_STEPS or not self._still_missing():
@@ -315,6 +320,16 @@ class OptimizerParams(Check):
                        f"torch.no_grad(): backward() computes gradients for them that nothing uses, and they pile up")
             hint = TARGET_FIX + " If they are meant to train, add them to the optimizer."
             later, extra = False, {"synced_copy": True}
+        elif later and all(id(p) in self._was_held for n, p in named if n in set(missing)):
+            # Held by an optimizer at the last look: taken out of it since (a param group popped to freeze a part,
+            # the optimizer rebuilt without them) while they still require grad.
+            message = (f"{len(missing)} parameter(s) were taken out of the optimizer ({opts}) after step "
+                       f"{self._held_step} (a param group removed, the optimizer rebuilt without them) but still "
+                       f"require grad and get gradients: {_listing(shown, more)}; backward() computes gradients for "
+                       f"them that nothing uses, and they pile up (zero_grad() no longer clears them)")
+            hint = ("To freeze them, set requires_grad_(False) on them (or run that part under torch.no_grad()): "
+                    "backward() then skips them. If they should still train, put them back in the optimizer.")
+            extra = {"removed_from_optimizer": True}
         elif later:
             # They had no gradient at the earlier looks: unfrozen mid-run (requires_grad_(True)) and never added.
             message = (f"{len(missing)} parameter(s) that had no gradient before get gradients since step {step} or a "
