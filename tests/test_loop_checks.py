@@ -1662,3 +1662,32 @@ def test_a_graph_built_once_and_reused_every_step_is_not_a_growing_one():
             loss.backward(retain_graph=True)
             opt.step()
     assert [f for f in g.findings if f.severity != "info"] == []
+
+
+def test_a_bank_written_row_by_row_without_detach_gets_the_row_write_fix():
+    """`self.cache[i] = e` in a registered buffer (hard-negative mining cache): the holder's update is the row
+    write, and the fix writes `e.detach()` there (not a torch.cat of the whole bank)."""
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(40, 8)
+            self.register_buffer("cache", torch.zeros(40, 8))
+
+        def forward(self, i):
+            e = self.emb(i)
+            self.cache[i] = e  # the bug: e.detach()
+            return e
+
+    torch.manual_seed(0)
+    m = Cached()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with guard(m, opt, live=False) as g:
+        for _ in range(12):
+            loss = m(torch.randint(0, 40, (6,))).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
+    assert f.where == "m.cache" and f.source.endswith(f"test_loop_checks.py:{Cached.forward.__code__.co_firstlineno + 2}")
+    assert "`self.cache[idx] = z.detach()`" in f.hint

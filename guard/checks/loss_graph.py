@@ -202,6 +202,15 @@ def _line_has(source: str, text: str) -> bool:
         return False
 
 
+def _line_at(source: str) -> str:
+    """The text of the line at `source` (``file:line``, the path as shown); empty if unknown."""
+    path, _, no = source.rpartition(":")
+    try:
+        return linecache.getline(os.path.abspath(path), int(no))
+    except (ValueError, OSError):
+        return ""
+
+
 def _parent_of(name: str, frame: Any) -> Any:
     """The object owning an attribute holder (`meter` for `meter.sum`, `cy.pool` for `cy.pool.items`)."""
     m = re.match(r"^(\w+)((?:\.\w+)*)\.\w+(?:\[\.\.\.\])?$", name)  # `meter.sum`, `model.step_losses[...]`
@@ -615,6 +624,9 @@ class LossGraph(Check):
                            f"steps without .detach()")
                 if name.endswith("[...]"):
                     store = f"Store detached values: `{said}.append(z.detach())`"
+                elif src and re.search(re.escape(said.rsplit(".", 1)[-1]) + r"\s*\[[^\]]*\]\s*=(?!=)", _line_at(src)):
+                    # rows written in place (`self.cache[i] = e`, a memory bank slot): what is written must be detached
+                    store = f"Write detached values: `{said}[idx] = z.detach()`"
                 elif type(ts[0].grad_fn).__name__ in ("AddBackward0", "LerpBackward0", "LerpBackward1"):
                     # updated from itself (a running statistic, an EMA): the new value's part must be detached
                     store = ("Detach what enters it, as a running average does: `running = momentum * running + "
