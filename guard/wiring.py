@@ -464,8 +464,9 @@ class Wiring:
                     else:
                         why = {"done": "whose models are no longer called (training moved on: the next model, "
                                        "or tensors outside any model)",
-                               "replaced": "which was replaced or steps far less often (a policy updated once per "
-                                           "20 critic updates)",
+                               "replaced": "which no longer steps (replaced: re-created over part of the model, "
+                                           "after a head swap or a resize) or steps far less often (a policy "
+                                           "updated once per 20 critic updates)",
                                "successor": "which it replaces (it steps all of that one's parameters: re-created to "
                                             "resume, or for the next round)"}[why]
                         self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the "
