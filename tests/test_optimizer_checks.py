@@ -1269,3 +1269,27 @@ def test_parameters_taken_out_of_the_optimizer_but_still_trainable_are_told_as_r
     assert (f.kind, f.where) == ("param-not-in-optimizer", "0")
     assert "were taken out of the optimizer (SGD) after step 16" in f.message and "requires_grad_(False)" in f.hint
     assert f.details["removed_from_optimizer"] is True
+
+
+@pytest.mark.parametrize("taught_first", [False, True])
+def test_weight_decay_message_names_momentum_only_when_it_holds_something(taught_first):
+    """AdamW over a branch whose gradients are all 0: weighted by 0 from the start, its exp_avg holds nothing and
+    the message does not name AdamW's momentum; taught for 3 steps, then left out of the graph with its gradients
+    zeroed in place (zero_grad(set_to_none=False)), its momentum keeps moving it and the message says so."""
+    torch.manual_seed(0)
+    body, branch = nn.Linear(8, 8), nn.Linear(8, 8)
+    opt = torch.optim.AdamW(list(body.parameters()) + list(branch.parameters()), lr=1e-2, weight_decay=0.5)
+    model = nn.ModuleDict({"body": body, "branch": branch})
+    with guard(model, opt, live=False) as g:
+        for step in range(60):
+            x = torch.randn(16, 8)
+            loss = body(x).pow(2).mean()
+            if not taught_first:
+                loss = loss + 0.0 * branch(x).pow(2).mean()
+            elif step < 3:
+                loss = loss + branch(x).pow(2).mean()
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "weight-decay-without-grad" and f.where == "branch"]
+    assert f and (("AdamW's momentum from earlier steps" in f[0].message) == taught_first)

@@ -75,6 +75,22 @@ def _has_momentum_state(state: Any) -> bool:
     return state.get("momentum_buffer") is not None or "exp_avg" in state
 
 
+def _momentum_moves(state: Any) -> bool:
+    """Whether a momentum buffer holds something that moves the parameter (a branch that never had a non-zero
+    gradient has AdamW's exp_avg all 0). Reads the device: when reporting only."""
+    if not _has_momentum_state(state):
+        return False
+    buf = state.get("momentum_buffer")
+    if buf is None:
+        buf = state.get("exp_avg")
+    if not isinstance(buf, torch.Tensor):
+        return False
+    try:
+        return bool(buf.detach().ne(0).any())
+    except Exception:  # a buffer that cannot be read here (meta): as before, it counts
+        return True
+
+
 class WeightDecayWithoutGrad(Check):
     name = "weight-decay-without-grad"
     costly = True  # sampled under a budget
@@ -333,7 +349,7 @@ class WeightDecayWithoutGrad(Check):
         since = min(t.first_step for t in ts)
         count = max(t.count for t in ts)
         opt_name = type(opt).__name__
-        momentum = any(_has_momentum_state(opt.state.get(t.ref())) for t in ts if t.ref() is not None)
+        momentum = any(_momentum_moves(opt.state.get(t.ref())) for t in ts if t.ref() is not None)
         lr = opt.param_groups[gi].get("lr", 0.0)
         lr = float(lr) if not isinstance(lr, torch.Tensor) else float(lr.detach().cpu())
         trend = "shrank" if change < 0 else "grew"
