@@ -70,8 +70,15 @@ def graph_size(tensors: List[torch.Tensor], limit: int = 100_000) -> Tuple[int, 
     return nodes, sum(storages.values())
 
 
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # attributes every module has from nn.Module.__init__
 _PLAIN_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
                str, bytes, int, float, bool, complex, type(None), range)
+
+
+def may_hold_graph(value: Any) -> bool:
+    """Whether `value` (found in a frame) can hold a tensor with a graph at all: not a module, function, class or
+    plain number or string (most of a script's globals)."""
+    return not isinstance(value, _PLAIN_TYPES)
 
 
 def graph_holders(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, Any, List[torch.Tensor]]]:
@@ -101,7 +108,8 @@ def graph_holders(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, 
             yield from graph_holders(f"{name}[{key}]", v, depth + 1)
         return
     if isinstance(value, nn.Module):
-        attrs = {k: v for k, v in vars(value).items() if k not in ("_parameters", "_buffers", "_modules")}
+        # torch's own bookkeeping (hook tables, state-dict hooks, `_parameters`) holds no graph a script stores
+        attrs = {k: v for k, v in vars(value).items() if k not in _MODULE_INTERNALS}
         # a registered buffer (a memory bank, a queue of features) and the submodules that may hold one
         attrs.update((k, v) for k, v in value._buffers.items() if v is not None)
         attrs.update((k, v) for k, v in value._modules.items() if v is not None)

@@ -35,7 +35,7 @@ import torch
 
 from .._frames import frame_locals, short_path
 from ._params import WatchedParams, module_prefixes
-from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, user_frames, walk
+from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, may_hold_graph, user_frames, walk
 from .base import Check
 
 KEY = "guard.loss_graph"
@@ -353,7 +353,7 @@ class LossGraph(Check):
         seen_objs: Set[int] = set()
         for fr, scope in scopes:
             for name, value in list(scope.items()):
-                if name.startswith("__") or id(value) in seen_objs or _torch_object(value):
+                if name.startswith("__") or not may_hold_graph(value) or id(value) in seen_objs or _torch_object(value):
                     continue
                 seen_objs.add(id(value))
                 try:
@@ -428,7 +428,7 @@ class LossGraph(Check):
             # a scan of the user's variables costs a few hundred microseconds: after the first four looks (which
             # judge a leak from the start by step 64), rarer and rarer
             if len(self._look_seqs) >= 3:
-                self._held_wait = min(self._held_wait * 2, HELD_LOOK_MAX)
+                self._held_wait = min(max(self._held_wait * 2, step + PARAM_LOOK), HELD_LOOK_MAX)
             self._held_look = step + self._held_wait
             self._held_history(step, tensors)
         if self._done:
