@@ -294,3 +294,21 @@ def test_restoring_a_copied_snapshot_and_syncing_another_model_are_silent():
             opt.step()
             target.load_state_dict(online.state_dict())  # a target network synced from the online one
     assert g.findings == []
+
+
+def test_an_uncopied_snapshot_loaded_back_before_any_change_is_silent():
+    """Early stopping whose best epoch was the last: `best = model.state_dict()` taken after the last step and
+    loaded right away restores exactly what it should (nothing changed the tensors since). Taken inside the
+    guarded block, the snapshot's version counters tell."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(6):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        best = model.state_dict()
+        model.load_state_dict(best)
+    assert g.findings == []

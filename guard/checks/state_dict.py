@@ -12,6 +12,7 @@ loads with ``strict=False`` are usually deliberate.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -306,7 +307,27 @@ class StateDictMismatch(Check):
     }
     description = ("explains load_state_dict key/shape mismatches and GPU checkpoints loaded without a GPU; a "
                    "state_dict snapshot taken without a copy, restored after training changed it")
-    patches = {"load_state_dict": "torch.nn.Module.load_state_dict", "torch_load": "torch.load"}
+    patches = {"load_state_dict": "torch.nn.Module.load_state_dict", "torch_load": "torch.load",
+               "state_dict": "torch.nn.Module.state_dict"}
+    MAX_SNAPSHOTS = 8
+
+    def __init__(self, guard):
+        super().__init__(guard)
+        # id(state_dict returned) -> (weak reference to it, its tensors' version counters then): an aliased snapshot
+        # loaded back before anything changed it (the best epoch was the last) restores what it should
+        self._snaps: Dict[int, Tuple[weakref.ref, Dict[str, int]]] = {}
+
+    def on_state_dict_done(self, args, kwargs, result):
+        if len(args) > 1 or kwargs.get("destination") is not None or not isinstance(result, Mapping):
+            return  # a submodule's part of its parent's state_dict()
+        try:
+            ref = weakref.ref(result)
+        except TypeError:
+            return
+        self._snaps = {k: v for k, v in self._snaps.items() if v[0]() is not None}
+        if len(self._snaps) >= self.MAX_SNAPSHOTS:
+            self._snaps.pop(next(iter(self._snaps)))
+        self._snaps[id(result)] = (ref, {k: v._version for k, v in result.items() if isinstance(v, torch.Tensor)})
 
     @staticmethod
     def _args(args: tuple, kwargs: dict) -> Tuple[Any, Any, bool]:
@@ -326,6 +347,10 @@ class StateDictMismatch(Check):
         module, sd, _ = self._args(args, kwargs)
         if isinstance(module, nn.Module) and isinstance(sd, Mapping) and self.g.step > 0:
             keys = _aliased(module, sd)
+            snap = self._snaps.get(id(sd))
+            if keys and snap is not None and snap[0]() is sd and all(
+                    isinstance(sd[k], torch.Tensor) and sd[k]._version == snap[1].get(k) for k in keys):
+                return  # nothing changed it since it was taken: loading it restores what it should
             if keys:
                 self._report(module, _alias_report(module, keys), None)
 
