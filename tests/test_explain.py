@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from guard import guard
@@ -292,6 +293,31 @@ def test_a_model_converted_to_another_dtype_with_its_optimizer_kept_is_explained
     assert "is torch.float32 but the parameter is now torch.float64" in note and "model.double()" in note
     (f,) = _explained(g)
     assert f.step == 2 and f.details["param_dtype"] == "torch.float64"
+
+
+def test_a_parameter_resized_while_an_old_graph_is_alive_is_explained():
+    """An embedding's .data swapped for a larger tensor mid-run (what resize_token_embeddings does) while the last
+    step's loss is still held: the next backward fails with "returned an invalid gradient ... got [44, 8] but
+    expected shape compatible with [40, 8]", which names neither the parameter nor the resize."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(40, 8)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    ids = torch.randint(0, 40, (4, 5))
+    with pytest.raises(RuntimeError, match="invalid gradient") as ei:
+        with guard(emb, opt, live=False) as g:
+            for step in range(4):
+                if step == 2:
+                    grown = torch.zeros(44, 8)
+                    grown[:40] = emb.weight.data
+                    emb.weight.data = grown
+                opt.zero_grad()
+                loss = F.linear(emb(ids), emb.weight).logsumexp(-1).mean()
+                loss.backward()
+                opt.step()
+    note = _notes(ei.value)
+    assert "`weight` was resized after a graph over its old shape was built" in note and "del loss" in note
+    (f,) = _explained(g)
+    assert (f.where, f.step) == ("weight", 2) and f.details["recorded_shape"] == [40, 8]
 
 
 def test_a_parameter_resized_after_the_optimizer_made_its_state_is_explained():

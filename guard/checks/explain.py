@@ -83,6 +83,8 @@ _WEIGHTED_LOSSES = frozenset({"cross_entropy", "nll_loss", "binary_cross_entropy
 #: optimizer states shaped like their parameter (Adafactor's factored row/column states are not)
 _FULL_STATES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
                           "sum", "exp_inf", "ax", "prev", "grad_avg", "mu", "eta"})
+_INVALID_GRAD_RE = re.compile(r"returned an invalid gradient at index (\d+) - got \[([\d, ]*)\] but expected shape "
+                              r"compatible with \[([\d, ]*)\]")
 _SIZE_TEXTS = ("must match the size of tensor", "must be the same as input size", "that is different to the input size")
 _TOP_TENSORS = 5
 TAG_STEPS = 2  # steps whose saved tensors are tagged with the module that saved them
@@ -474,6 +476,9 @@ class ExplainErrors(Check):
             return "DataLoader", cause, fix, {"worker_signals": sigs}
         if isinstance(exc, IndexError) and "index out of range in self" in text:
             return self._embedding_index(exc, module)
+        m = _INVALID_GRAD_RE.search(text)
+        if isinstance(exc, RuntimeError) and m:
+            return self._reshaped_leaf(m.group(2), m.group(3))
         m = _TARGET_DTYPE_RE.search(text)
         if isinstance(exc, RuntimeError) and m:
             got = m.group(1)
@@ -622,6 +627,22 @@ class ExplainErrors(Check):
                    "torch.tensor(..., requires_grad=True) (that trains nothing).")
         cause = f"{'torch.autograd.grad' if fn else 'backward()'} got a tensor with no autograd graph: {why}"
         return "loss", cause, fix, {"grad_enabled": not grad_off, "model_frozen": frozen}
+
+    def _reshaped_leaf(self, got: str, expected: str) -> Tuple[str, str, str, Dict[str, Any]]:
+        """A gradient of one shape for a tensor autograd recorded with another: a parameter whose ``.data`` was
+        swapped for a larger tensor (``resize_token_embeddings`` mid-run) while a graph from before is alive."""
+        shape = [int(x) for x in got.split(",") if x.strip()]
+        name = next((n for n, p in self.g.named_parameters() if list(p.shape) == shape), None)
+        what = f"`{name}`" if name else "a parameter"
+        cause = (f"backward() made a gradient of shape [{got}] for a tensor autograd recorded as [{expected}]: "
+                 f"{what} was resized after a graph over its old shape was built (its .data swapped for a larger "
+                 f"tensor, as model.resize_token_embeddings(...) does mid-run), and that graph is still alive (the "
+                 f"last step's loss kept in a variable keeps autograd's record of the old shape)")
+        fix = ("Resize before training starts (and before building the optimizer); if it must happen mid-run, drop "
+               "every tensor of the old graph first (del loss, outputs) and build the optimizer again after (its "
+               "state has the old size too).")
+        return name or "backward", cause, fix, {"gradient_shape": shape,
+                                                "recorded_shape": [int(x) for x in expected.split(",") if x.strip()]}
 
     def _stale_state(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """A size or dtype mismatch inside ``optimizer.step()`` between a parameter and the state the optimizer
