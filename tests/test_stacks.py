@@ -153,7 +153,8 @@ def amp_run(order, global_mode, steps=6):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)  # fp16 overflows at first: skipped steps
-    opts = [opt, opt2] if order == "two-optimizers" else [opt]
+    # (two losses: model2's own optimizer steps too, or its loss would train nothing: loss-disconnected)
+    opts = [opt, opt2] if order in ("two-optimizers", "two-losses") else [opt]
     with (guard(live=False) if global_mode else guard([model, model2], opts, live=False)) as g:
         for _ in range(steps):
             x, y = torch.randn(8, 4), torch.randn(8, 1)
