@@ -1293,3 +1293,28 @@ def test_weight_decay_message_names_momentum_only_when_it_holds_something(taught
             opt.step()
     f = [f for f in g.findings if f.kind == "weight-decay-without-grad" and f.where == "branch"]
     assert f and (("AdamW's momentum from earlier steps" in f[0].message) == taught_first)
+
+
+def test_parameters_replaced_by_an_assign_load_are_not_told_as_an_optimizer_over_another_copy():
+    """`load_state_dict(..., assign=True)` at step 15 gives the model new Parameter objects the optimizer does not
+    hold: told from step 15 on (the backward reaches none of the optimizer's parameters, the new ones are in no
+    optimizer), not as "the optimizer was built over another copy, nothing changed in 20 steps" at step 0."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with guard(model, opt, live=False) as g:
+        for step in range(40):
+            if step == 15:
+                buf = io.BytesIO()
+                torch.save(model.state_dict(), buf)
+                buf.seek(0)
+                model.load_state_dict(torch.load(buf, weights_only=True), assign=True)
+            loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 2, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    kinds = {f.kind: f.step for f in g.findings}
+    assert "params-not-updating" not in kinds
+    assert kinds.get("loss-disconnected") == 15 and kinds.get("param-not-in-optimizer", 0) >= 15

@@ -20,7 +20,7 @@ drove it to 0), or an optimizer built over another copy of the model.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -84,6 +84,7 @@ class ParamsNotUpdating(Check):
         super().__init__(guard)
         self._runs = WeakIdMap()  # optimizer -> {group index: _Run}
         self._copy_done = False
+        self._held_first: Optional[set] = None  # ids of the watched models an optimizer held at the first step
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
@@ -106,6 +107,9 @@ class ParamsNotUpdating(Check):
                 total = torch.linalg.vector_norm(torch.stack([n.float().to(norms[0].device) for n in norms]))
             step, source, oref = self.g.step, self.g.source(), weakref.ref(optimizer)
             self.g.stage(total, lambda v, i=i: self._seen(oref, i, v, step, source))
+        if self._held_first is None and self.g.is_primary(optimizer):
+            held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+            self._held_first = {id(m) for m in self.g.models if any(id(p) in held for p in m.parameters())}
         if not self._copy_done and self.g.is_primary(optimizer) and self.g.step >= STEPS - 1:
             self._copy_done = True
             self._other_copy()
@@ -182,6 +186,11 @@ class ParamsNotUpdating(Check):
             named = list(model.named_parameters())
             with_grad = [n for n, p in named if p.requires_grad and p.is_leaf and p.grad is not None]
             if not with_grad or any(id(p) in held for _, p in named):
+                continue
+            if self._held_first and id(model) in self._held_first:
+                # held at the first step: its parameters were replaced since (load_state_dict(..., assign=True), an
+                # init assigning new nn.Parameters), which param-not-in-optimizer and loss-disconnected tell with
+                # their step; it is no copy the optimizer was built over
                 continue
             if not any(tuple(p.shape) in shapes for _, p in named):
                 continue
