@@ -237,6 +237,12 @@ class Watched:
         if hit is None or hit[0]() is not optimizer or hit[1]() is not primary:
             mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
             covers = all(id(p) in mine for g in primary.param_groups for p in g["params"])
+            if not covers and self.models:
+                # or the watched models' parameters were replaced (load_state_dict(..., assign=True)), so the
+                # primary holds none of them any more and this one, re-created after, holds them all
+                current = [p for m in self.models for p in m.parameters() if p.requires_grad]
+                prim = {id(p) for g in primary.param_groups for p in g["params"]}
+                covers = bool(current) and all(id(p) in mine and id(p) not in prim for p in current)
             hit = self._successors[id(optimizer)] = (weakref.ref(optimizer), weakref.ref(primary), covers)
         return hit[2]
 

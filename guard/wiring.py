@@ -467,8 +467,9 @@ class Wiring:
                                "replaced": "which no longer steps (replaced: re-created over part of the model, "
                                            "after a head swap or a resize) or steps far less often (a policy "
                                            "updated once per 20 critic updates)",
-                               "successor": "which it replaces (it steps all of that one's parameters: re-created to "
-                                            "resume, or for the next round)"}[why]
+                               "successor": "which it replaces (it steps all of that one's parameters, or all of "
+                                            "the model's after they were replaced: re-created to resume, or for "
+                                            "the next round)"}[why]
                         self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the "
                                     f"optimizer guard counted steps by, {why}: its steps count from now on"
                                     + (f" (findings of steps {self.step}-{self.step + n - 1} carry step {self.step})"
