@@ -464,9 +464,9 @@ class Wiring:
                     else:
                         why = {"done": "whose models are no longer called (training moved on: the next model, "
                                        "or tensors outside any model)",
-                               "replaced": "which no longer steps (replaced: re-created over part of the model, "
-                                           "after a head swap or a resize) or steps far less often (a policy "
-                                           "updated once per 20 critic updates)",
+                               "replaced": "which no longer steps (replaced by this one, or its part of the "
+                                           "training is over) or steps far less often (a policy updated once per "
+                                           "20 critic updates)",
                                "successor": "which it replaces (it steps all of that one's parameters, or all of "
                                             "the model's after they were replaced: re-created to resume, or for "
                                             "the next round)"}[why]
