@@ -1343,3 +1343,68 @@ def test_an_optimizer_rebuilt_after_an_assign_load_takes_the_step_count_over_at_
             opt.step()
     assert g.findings == [] and g.step == 30
     assert any("stepped 2 times" in n and "which it replaces" in n for n in g.notices)
+
+
+def _pgd(model, x, y, k=4, eps=0.1):
+    delta = torch.zeros_like(x).uniform_(-eps, eps).requires_grad_(True)
+    for _ in range(k):
+        F.cross_entropy(model(x + delta), y).backward()  # fills delta.grad, and the parameters' .grad too
+        delta.data = (delta + 0.03 * delta.grad.sign()).clamp(-eps, eps)
+        delta.grad.zero_()
+    return delta.detach()
+
+
+@pytest.mark.parametrize("zero_grad_at", ["before the attack", "after the attack", "autograd.grad attack"])
+def test_an_attacks_backward_calls_before_the_training_backward_without_zero_grad(zero_grad_at):
+    """PGD adversarial training whose attack takes its input gradients with loss.backward() in eval mode: with
+    zero_grad() before the attack, the attack's backward calls leave the model's gradients in .grad and the step
+    applies them (missing-zero-grad). zero_grad() between the attack and the training backward, or an attack
+    through torch.autograd.grad, is clean."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with guard(model, opt, live=False) as g:
+        for _ in range(6):
+            x, y = torch.rand(16, 1, 4, 4), torch.randint(0, 4, (16,))
+            if zero_grad_at == "before the attack":
+                opt.zero_grad()
+            model.eval()
+            if zero_grad_at == "autograd.grad attack":
+                delta = torch.zeros_like(x).requires_grad_(True)
+                for _ in range(4):
+                    gd, = torch.autograd.grad(F.cross_entropy(model(x + delta), y), delta)
+                    delta = (delta + 0.03 * gd.sign()).clamp(-0.1, 0.1).detach().requires_grad_(True)
+                d = delta.detach()
+            else:
+                d = _pgd(model, x, y)
+            model.train()
+            if zero_grad_at != "before the attack":
+                opt.zero_grad()
+            F.cross_entropy(model(x + d), y).backward()
+            opt.step()
+    if zero_grad_at == "before the attack":
+        (f,) = g.findings
+        assert (f.kind, f.where, f.step) == ("missing-zero-grad", "SGD", 0)
+        assert f.message.startswith("4 backward() calls for the gradient of an input")
+        assert "torch.autograd.grad" in f.hint and f.details["input_backwards"] == 4
+    else:
+        assert g.findings == []
+
+
+def test_several_losses_on_inputs_that_require_grad_in_training_mode_are_no_attack():
+    """A PINN: two losses on collocation points that require grad (their derivatives through autograd.grad) and
+    a boundary loss, each with its own backward() and one step: deliberate accumulation, in training mode."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(net.parameters(), 1e-2)
+    with guard(net, opt, live=False) as g:
+        for _ in range(6):
+            opt.zero_grad()
+            for _ in range(2):
+                x = torch.rand(32, 1).requires_grad_(True)
+                u = net(x)
+                du, = torch.autograd.grad(u.sum(), x, create_graph=True)
+                (du + u).pow(2).mean().backward()
+            net(torch.zeros(1, 1)).sub(1).pow(2).mean().backward()
+            opt.step()
+    assert g.findings == []

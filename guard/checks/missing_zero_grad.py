@@ -31,10 +31,36 @@ import weakref
 from typing import List, Optional, Tuple
 
 import torch
+from torch import nn
 
 from ..tensors import fused_norms
 from .base import Check
 from .._weak import WeakIdMap
+
+
+def _input_leaf(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The leaf tensor that requires grad behind a model input: the input itself, or one a few ops up (`x + delta`,
+    `(x + delta).clamp(0, 1)`); None when a parameter is met first (the input is another model's output)."""
+    if t.grad_fn is None:
+        return t
+    frontier, found = [t.grad_fn], None
+    for _ in range(3):
+        nxt = []
+        for node in frontier:
+            for child, _ in getattr(node, "next_functions", ()):
+                if child is None:
+                    continue
+                var = getattr(child, "variable", None)
+                if var is not None:
+                    if isinstance(var, nn.Parameter):
+                        return None
+                    found = found if found is not None else var
+                else:
+                    nxt.append(child)
+        if found is not None or len(nxt) > 8:
+            return found
+        frontier = nxt
+    return found
 
 
 class _State:
@@ -86,9 +112,74 @@ class MissingZeroGrad(Check):
         # hand-written updates (no optimizer): [(param ref, grad ref, grad version, param version, first values)]
         self._manual: List[tuple] = []
         self._manual_told = False
+        # backward() for an input's gradient (an attack's or a sampler's) since the last zero_grad(): the latest
+        # model call's leaf input that requires grad, the leaves back-propagated into, the first such line, and
+        # (steps, its line, the loss line) once the loop's own backward followed them
+        self._input_leaf: Optional[int] = None
+        self._input_backwards: set = set()
+        self._input_count = 0
+        self._input_source: Optional[str] = None
+        self._polluted: Optional[Tuple[int, Optional[str], Optional[str]]] = None
+        self._input_told = False
+
+    # ------------------------------------------------------------------ input gradients taken with backward()
+    def watches(self, module) -> bool:
+        return False  # model calls (roots) only
+
+    def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if not is_root or self._input_told:
+            return
+        leaf = None
+        if module.training:
+            # an attack or a sampler runs the model in eval mode (PGD, Langevin); a loss of the training itself on
+            # inputs that require grad (a PINN's collocation points) runs it in training mode and is no such pass
+            self._input_leaf = None
+            return
+        for a in args[:2]:
+            if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, nn.Parameter):
+                found = _input_leaf(a)
+                first = next(module.parameters(), None) if found is not None else None
+                if first is not None and first.requires_grad:  # the backward reaches the model's parameters
+                    leaf = id(found)
+                break
+        self._input_leaf = leaf
+
+    def _forget_inputs(self) -> None:
+        self._input_backwards, self._input_source, self._polluted, self._input_count = set(), None, None, 0
+
+    def _input_backward(self) -> None:
+        """At a backward(): one through a model call in eval mode on an input that requires grad (a leaf, or a
+        few ops from one: `x + delta`) is an input-gradient pass (PGD's iterations, Langevin sampling); the loop's
+        own backward after two or more of them, with no zero_grad() between, steps with their gradients in .grad.
+        One such pass alone (a WGAN-GP penalty's backward) is left alone."""
+        if self._input_leaf is not None:
+            self._input_backwards.add(self._input_leaf)
+            self._input_count += 1
+            if self._input_source is None:
+                self._input_source = self.g.source()
+        elif self._input_count >= 2 and self._polluted is None:
+            self._polluted = (self._input_count, self._input_source, self.g.source())
+
+    def _judge_inputs(self, optimizer) -> None:
+        n, src, loss_src = self._polluted
+        self._forget_inputs()
+        if not self.g.is_primary(optimizer):
+            return
+        self._input_told = True
+        opt = type(optimizer).__name__
+        self.emit("missing-zero-grad", self._label(optimizer),
+                  f"{n} backward() calls for the gradient of an input ({src}: an attack's or a sampler's iterations) "
+                  f"ran after the last zero_grad() and before the loss's backward() ({loss_src}): each also added "
+                  f"the model's gradients into its parameters' .grad, and {opt}.step() applies them with the loss's",
+                  "Take input gradients with torch.autograd.grad(out.sum(), x) (it leaves the parameters' .grad "
+                  "alone), or call optimizer.zero_grad() after the attack or sampler, right before the training "
+                  "loss's backward().",
+                  step=self.g.step, source=loss_src, details={"input_backwards": n, "input_source": src,
+                                                              "optimizer": opt})
 
     # ------------------------------------------------------------------ zero_grad observed
     def on_opt_zero_grad_done(self, args, kwargs, result):
+        self._forget_inputs()
         if self._during and args and id(args[0]) in self._during:
             self._during[id(args[0])][1] += 1
         st = self._st.data.get(id(args[0])) if args else None
@@ -98,6 +189,7 @@ class MissingZeroGrad(Check):
                 self._armed = False  # the only state is disarmed: the next backward has nothing to look at
 
     def on_module_zero_grad_done(self, args, kwargs, result):
+        self._forget_inputs()
         for counts in self._during.values():
             counts[1] += 1  # model.zero_grad() inside a closure clears what the optimizer steps, as a rule
         if not args or not self._st:
@@ -119,6 +211,8 @@ class MissingZeroGrad(Check):
 
     # ------------------------------------------------------------------ steps and backwards
     def on_step_post(self, optimizer):
+        if self._input_backwards:
+            self._forget_inputs()
         counts = self._during.pop(id(optimizer), None)
         if counts is not None and counts[0] >= 2 and not counts[1] and not self._closure_done:
             self._closure_done = True
@@ -142,6 +236,8 @@ class MissingZeroGrad(Check):
                 self._armed = True
 
     def on_backward(self, tensors, kwargs):
+        if not self._input_told and (kwargs or {}).get("inputs") is None:  # backward(inputs=[x]) fills x.grad only
+            self._input_backward()
         if not self._manual_told and not self.g.has_optimizer:
             self._manual_backward()
         if self._during:
@@ -279,6 +375,8 @@ class MissingZeroGrad(Check):
             self._judge(opt, st)
 
     def on_step_pre(self, optimizer):
+        if self._polluted is not None:
+            self._judge_inputs(optimizer)
         if not self._closure_done and isinstance(optimizer, torch.optim.LBFGS):
             # the optimizer that re-evaluates its closure within one step(): backwards inside it come from there
             self._during[id(optimizer)] = [0, 0]
