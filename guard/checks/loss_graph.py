@@ -61,6 +61,18 @@ class _Mark:
         self.step = step
 
 
+def _user_scopes() -> Tuple[List[Tuple[Any, Dict[str, Any]]], List[Any]]:
+    """((frame, names) of the user's frames: their locals, then the innermost three's globals; the frames)."""
+    frames = user_frames(MAX_FRAMES)
+    scopes = [(fr, frame_locals(fr)) for fr in frames]
+    seen_scopes = {id(d) for _, d in scopes}
+    for fr in frames[:3]:
+        if id(fr.f_globals) not in seen_scopes:
+            seen_scopes.add(id(fr.f_globals))
+            scopes.append((fr, fr.f_globals))
+    return scopes, frames
+
+
 def _torch_object(value: Any) -> bool:
     """An optimizer, a scheduler, a DataLoader, a guard: torch's and guard's own objects other than modules and
     tensors hold no graph a training script stores (an optimizer's state is keyed by its parameters; a guard's
@@ -307,50 +319,35 @@ class LossGraph(Check):
             return
         del seqs[:-4]
         (b0, s0), (b1, s1), (b2, _), _ = seqs
-        seen: Set[int] = set()
         budget = Budget(DEEP_BUDGET)
         for name, frame, ts in self._scan():
             newest = [t for t in ts if t.grad_fn._sequence_nr() > b2]  # stored again since the last look
             if not newest:
                 continue
-            found = [False, False]
-            older = False  # a node made before the first of the three looks: the graph reaches back to that step
-            stack, keep = [t.grad_fn for t in newest], []
-            while stack and budget.left > 0 and not (all(found) and older):
-                node = stack.pop()
-                if id(node) in seen:
-                    continue
-                seen.add(id(node))
-                keep.append(node)
-                budget.left -= 1
+            # nodes made in each interval, and before the first look (the graph reaches back to that step)
+            found = {"first": False, "second": False, "older": False}
+
+            def at(node: Any) -> bool:
                 seq = node._sequence_nr()
                 if seq <= b0:
-                    older = True
-                    continue  # its inputs are older still
-                if seq <= b1:
-                    found[0] = True
-                elif seq <= b2:
-                    found[1] = True
-                try:
-                    stack.extend(n for n, _ in node.next_functions if n is not None and id(n) not in seen)
-                except Exception:
-                    continue
-            if all(found):
-                self._report_held(name, frame, newest, s0 if older else s1)
+                    found["older"] = True
+                    return True  # its inputs are older still
+                found["first" if seq <= b1 else "second" if seq <= b2 else "new"] = True
+                return False
+
+            for _ in walk([t.grad_fn for t in newest], budget, prune=at):
+                if found["first"] and found["second"] and found["older"]:
+                    break
+            if found["first"] and found["second"]:
+                self._report_held(name, frame, newest, s0 if found["older"] else s1)
                 return
             if budget.left <= 0:
                 return
 
     def _scan(self):
         """(name, frame, tensors with a graph) held in the user's frames: locals, and the outer frames' globals."""
-        frames = user_frames(MAX_FRAMES)
-        scopes = [(fr, frame_locals(fr)) for fr in frames]
-        seen_scopes = {id(d) for _, d in scopes}
-        for fr in frames[:3]:
-            if id(fr.f_globals) not in seen_scopes:
-                seen_scopes.add(id(fr.f_globals))
-                scopes.append((fr, fr.f_globals))
         seen_objs: Set[int] = set()
+        scopes, _ = _user_scopes()
         for fr, scope in scopes:
             for name, value in list(scope.items()):
                 if name.startswith("__") or not may_hold_graph(value) or id(value) in seen_objs or _torch_object(value):
@@ -549,13 +546,7 @@ class LossGraph(Check):
         """(name, frame, steps reached, tensors) for graph holders in the user's frames, best first."""
         walker = _Walker(before, self._key)
         found = []
-        frames = user_frames(MAX_FRAMES)
-        scopes = [(fr, frame_locals(fr)) for fr in frames]
-        seen_scopes = {id(d) for _, d in scopes}
-        for fr in frames[:3]:
-            if id(fr.f_globals) not in seen_scopes:
-                seen_scopes.add(id(fr.f_globals))
-                scopes.append((fr, fr.f_globals))
+        scopes, frames = _user_scopes()
         if frames:
             # the watched models' own attributes, when no variable of the user's names them (a LightningModule
             # built inside `trainer.fit(Classifier(), ...)` keeps `self.running_loss`)
