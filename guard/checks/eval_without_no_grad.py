@@ -181,7 +181,8 @@ class EvalWithoutNoGrad(Check):
         # A call site whose forwards were back-propagated at least as often as not in this step uses its outputs
         # on a condition: an adaptive ODE solver's rejected trial steps, a retried sample. Its unused forwards
         # were not evaluation (whether an output is needed is known only after computing it).
-        conditional = self._conditional()
+        # (the counts behind it are made only on a step with a forward not back-propagated)
+        conditional = self._conditional() if not all(rec.used for rec in self._pending) else None
         for rec in self._pending:
             if rec.used:
                 streak[rec.site] = streak.get(rec.site, 0) + 1
