@@ -1295,26 +1295,35 @@ def test_weight_decay_message_names_momentum_only_when_it_holds_something(taught
     assert f and (("AdamW's momentum from earlier steps" in f[0].message) == taught_first)
 
 
-def test_parameters_replaced_by_an_assign_load_are_not_told_as_an_optimizer_over_another_copy():
-    """`load_state_dict(..., assign=True)` at step 15 gives the model new Parameter objects the optimizer does not
-    hold: told from step 15 on (the backward reaches none of the optimizer's parameters, the new ones are in no
-    optimizer), not as "the optimizer was built over another copy, nothing changed in 20 steps" at step 0."""
+def _assign_load_run(steps, rebuild):
+    """Train; at step 15 reload the model's own checkpoint with `load_state_dict(..., assign=True)` (new Parameter
+    objects), then build a new Adam over them (the old one still referenced) or keep the old one."""
     import io
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with guard(model, opt, live=False) as g:
-        for step in range(40):
+        for step in range(steps):
             if step == 15:
                 buf = io.BytesIO()
                 torch.save(model.state_dict(), buf)
                 buf.seek(0)
                 model.load_state_dict(torch.load(buf, weights_only=True), assign=True)
+                if rebuild:
+                    old, opt = opt, torch.optim.Adam(model.parameters(), lr=1e-2)
             loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 2, (16,)))
             opt.zero_grad()
             loss.backward()
             opt.step()
+    return g
+
+
+def test_parameters_replaced_by_an_assign_load_are_not_told_as_an_optimizer_over_another_copy():
+    """`load_state_dict(..., assign=True)` at step 15 gives the model new Parameter objects the optimizer does not
+    hold: told from step 15 on (the backward reaches none of the optimizer's parameters, the new ones are in no
+    optimizer), not as "the optimizer was built over another copy, nothing changed in 20 steps" at step 0."""
+    g = _assign_load_run(40, rebuild=False)
     kinds = {f.kind: f.step for f in g.findings}
     assert "params-not-updating" not in kinds
     assert kinds.get("loss-disconnected") == 15 and kinds.get("param-not-in-optimizer", 0) >= 15
@@ -1324,23 +1333,7 @@ def test_an_optimizer_rebuilt_after_an_assign_load_takes_the_step_count_over_at_
     """`load_state_dict(..., assign=True)` gives every parameter a new identity, then a new Adam is built over
     them: it steps all of the model's parameters, so it succeeds the old one after 2 steps (not 16), and the
     step numbers follow the loop."""
-    import io
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with guard(model, opt, live=False) as g:
-        for step in range(30):
-            if step == 15:
-                buf = io.BytesIO()
-                torch.save(model.state_dict(), buf)
-                buf.seek(0)
-                model.load_state_dict(torch.load(buf, weights_only=True), assign=True)
-                old, opt = opt, torch.optim.Adam(model.parameters(), lr=1e-2)  # the old one still referenced
-            loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 2, (16,)))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    g = _assign_load_run(30, rebuild=True)
     assert g.findings == [] and g.step == 30
     assert any("stepped 2 times" in n and "which it replaces" in n for n in g.notices)
 
