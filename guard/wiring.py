@@ -29,6 +29,17 @@ _task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _NO_OUTPUT = object()
 
 
+def _newest_node(tensors: Any, default: int) -> int:
+    """Autograd's largest sequence number among the grad_fns of `tensors` (a tensor or a list), else `default`."""
+    if isinstance(tensors, torch.Tensor):
+        fn = tensors.grad_fn
+        return fn._sequence_nr() if fn is not None else default
+    if isinstance(tensors, (list, tuple)):
+        return max((t.grad_fn._sequence_nr() for t in tensors
+                    if isinstance(t, torch.Tensor) and t.grad_fn is not None), default=default)
+    return default
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GUARD_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -564,6 +575,7 @@ class Wiring:
             result = call(*args, **kwargs)
             t0 = _clock()
             try:
+                self.graph_seq = _newest_node(tensors, self.graph_seq)
                 self.dispatch("backward_done", tensors, kwargs)
                 if self.watched.primary is None:
                     if self.sampling:

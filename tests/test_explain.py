@@ -177,9 +177,127 @@ def test_backward_twice_through_carried_hidden_state():
                 h.sum().backward()
                 opt.step()
     assert "backward through the graph a second time" in str(ei.value)
-    assert "hidden = hidden.detach()" in _notes(ei.value)
+    note = _notes(ei.value)
+    assert "`h` is carried from one iteration into the next" in note
+    assert "`h = cell(torch.randn(2, 4), h)`" in note and "h = h.detach()" in note
     (f,) = _explained(g)
-    assert f.where == "backward" and f.step == 1
+    assert f.where == "h" and f.step == 1
+    assert f.details["carried_at"].startswith("tests/test_explain.py:")
+
+
+def _second_backward(run):
+    """The explained-error of `run(g)`, which must raise autograd's backward-a-second-time error."""
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        with guard(checks=["explain"], live=False) as g:
+            run(g)
+    (f,) = _explained(g)
+    return f
+
+
+def test_second_backward_names_a_cached_attribute():
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.cache = nn.Linear(4, 4), None
+
+        def forward(self, x):
+            if self.cache is None:  # computed once, with the graph of step 0
+                self.cache = self.fc(torch.ones(1, 4))
+            return self.fc(x) + self.cache
+
+    def run(g):
+        model = Cached()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+
+    f = _second_backward(run)
+    assert f.where == "model.cache" and f.step == 1
+    assert "computed from `model.cache`, a tensor made before the last backward()" in f.message
+    assert "model.cache = ....detach()" in f.hint
+
+
+def test_second_backward_names_a_gan_batch_shared_by_two_losses():
+    G, D = nn.Linear(4, 2), nn.Linear(2, 1)
+    og, od = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())
+
+    def run(g):
+        for _ in range(2):
+            fake = G(torch.randn(8, 4))
+            d_loss = D(torch.randn(8, 2)).mean() - D(fake).mean()  # fake not detached for D
+            od.zero_grad(); d_loss.backward(); od.step()
+            g_loss = D(fake).mean()
+            og.zero_grad(); g_loss.backward(); og.step()
+
+    f = _second_backward(run)
+    assert f.where == "fake" and "D(fake.detach())" in f.hint
+
+
+def test_second_backward_names_a_hidden_state_kept_in_the_module():
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell, self.hidden = nn.GRUCell(4, 8), None
+
+        def forward(self, x):
+            if self.hidden is None:
+                self.hidden = torch.zeros(x.shape[0], 8)
+            self.hidden = self.cell(x, self.hidden)
+            return self.hidden.sum()
+
+    def run(g):
+        model = Stateful()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = model(torch.randn(2, 4))
+            opt.zero_grad(); loss.backward(); opt.step()
+
+    f = _second_backward(run)
+    assert f.where == "model.hidden"
+    assert "`self.hidden = self.cell(x, self.hidden)`" in f.message
+    assert "self.hidden = self.hidden.detach()" in f.hint
+
+
+def test_second_backward_names_an_lstm_state_pair_and_a_running_total():
+    lstm = nn.LSTM(4, 8)
+    opt = torch.optim.SGD(lstm.parameters(), lr=0.1)
+
+    def pair(g):
+        hidden = (torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
+        for _ in range(3):
+            out, hidden = lstm(torch.randn(3, 2, 4), hidden)
+            opt.zero_grad(); out.pow(2).mean().backward(); opt.step()
+
+    f = _second_backward(pair)
+    assert f.where == "hidden" and "hidden = tuple(s.detach() for s in hidden)" in f.hint
+
+    model = nn.Linear(4, 1)
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def total_loss(g):
+        total = 0
+        for _ in range(3):
+            total += model(torch.randn(8, 4)).pow(2).mean()
+            opt2.zero_grad(); total.backward(); opt2.step()
+
+    f = _second_backward(total_loss)
+    assert f.where == "total" and "adds up tensors across iterations" in f.message
+    assert "total += loss.item()" in f.hint
+
+
+def test_second_backward_on_the_same_loss():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run(g):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        loss.backward()
+
+    f = _second_backward(run)
+    assert f.where == "backward" and "backward() called twice on one loss" in f.message
+    assert "retain_graph=True" in f.hint
 
 
 def test_device_mismatch_explained_with_module():

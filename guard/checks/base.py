@@ -58,6 +58,9 @@ class CheckContext(Protocol):
     mid_step: bool
     #: backward() calls passed over because no watched model ran since the last (a model guard; another model's)
     backwards_elsewhere: int
+    #: autograd's sequence number of the newest node behind the last backward() that completed (-1: none yet):
+    #: nodes numbered up to it were made before that backward, which freed what they saved
+    graph_seq: int
 
     # -- findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Any = None, step: Optional[int] = None,

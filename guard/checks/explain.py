@@ -34,9 +34,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._frames import is_skipped, short_path
+from .._frames import frame_locals, is_skipped, short_path
 from ..hooks import eager
 from .base import Check
+from ._graphs import Budget, graph_holders, may_hold_graph, walk
 from ._notes import NOTE_PREFIX, add_guard_note
 
 KIND = "explained-error"
@@ -109,6 +110,121 @@ def _user_line(exc: BaseException) -> Optional[str]:
     for fr in reversed(frames):
         if not is_skipped(fr.filename):
             return f"{short_path(fr.filename)}:{fr.lineno}"
+    return None
+
+
+def _backward_roots(exc: BaseException) -> Tuple[List[torch.Tensor], Any]:
+    """(tensors backward() or autograd.grad() was called on, the user's frame that called it), from the traceback."""
+    roots: List[torch.Tensor] = []
+    user = None
+    tb = exc.__traceback__
+    while tb is not None:
+        f = tb.tb_frame
+        if not is_skipped(f.f_code.co_filename):
+            user = f
+        elif not roots and f.f_code.co_name in ("backward", "grad"):
+            loc = f.f_locals
+            v = loc.get("tensors", loc.get("outputs", loc.get("self")))
+            v = [v] if isinstance(v, torch.Tensor) else v if isinstance(v, (list, tuple)) else []
+            roots = [t for t in v if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        tb = tb.tb_next
+    return roots, user
+
+
+def _assigned_from_itself(code: Any, name: str) -> Optional[Tuple[str, bool, str]]:
+    """(``file:line: `text```, whether it is ``+=``-like, `name`) of an assignment in the function of `code` that sets
+    `name` (``h``, ``self.h``) from an expression using it (``out, h = rnn(x, h)``, ``total += loss``), if any."""
+    import ast
+    import linecache
+
+    lines = [ln for _, _, ln in code.co_lines() if ln is not None]
+    lo, hi = code.co_firstlineno, max(lines, default=code.co_firstlineno)
+    source = "".join(linecache.getlines(code.co_filename))
+    tree = ast.parse(source)
+    want = ast.dump(ast.parse(name, mode="eval").body)
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Assign, ast.AugAssign)) or not lo <= node.lineno <= hi:
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        names = {ast.dump(t).replace("Store()", "Load()")
+                 for tg in targets for t in ast.walk(tg) if isinstance(t, (ast.Name, ast.Attribute))}
+        if want not in names:
+            continue
+        used = {ast.dump(t) for t in ast.walk(node.value) if isinstance(t, (ast.Name, ast.Attribute))}
+        if isinstance(node, ast.AugAssign) or want in used:
+            text = " ".join((ast.get_source_segment(source, node) or "").split())  # without a trailing comment
+            text = text if len(text) <= 100 else text[:97] + "..."
+            return f"{short_path(code.co_filename)}:{node.lineno}: `{text}`", isinstance(node, ast.AugAssign), name
+    return None
+
+
+def _carried_at(frame: Any, scope: Dict[str, Any], name: str) -> Optional[Tuple[str, bool, str]]:
+    """Where `name` (a variable of `frame`, or an attribute path into one: ``model.hidden``) is assigned from
+    itself: in `frame`'s function, or for an attribute in a method of its owner's class (``self.hidden = ...``);
+    (where, whether ``+=``-like, the name as written there)."""
+    if name.isidentifier():
+        return _assigned_from_itself(frame.f_code, name)
+    parts = name.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return None
+    owner = scope.get(parts[0])
+    for part in parts[1:-1]:
+        owner = (getattr(owner, "__dict__", None) or {}).get(part) if not isinstance(owner, nn.Module) else \
+            owner._modules.get(part, vars(owner).get(part))
+    if owner is None:
+        return None
+    for klass in type(owner).__mro__:
+        if klass in (nn.Module, object):
+            break
+        for fn in vars(klass).values():
+            code = getattr(fn, "__code__", None)
+            if code is not None and code.co_argcount:  # a method: its first argument is the owner
+                line = _assigned_from_itself(code, f"{code.co_varnames[0]}.{parts[-1]}")
+                if line is not None:
+                    return line
+    return None
+
+
+def _freed_holder(exc: BaseException, newest: int) -> Optional[Tuple[str, Optional[str], str, str]]:
+    """What attached an earlier graph to the loss of a failed backward(): (name, None, "") for a variable or
+    attribute holding a tensor made before the last completed backward (node sequence numbers up to `newest`);
+    (name, "file:line: `text`", how, the name as written there) for one whose tensor is newer but built from such a node and assigned from
+    itself, how being "sum" (``total += loss``), "tuple" (an LSTM's state) or "state" (a hidden state fed back
+    without detach). None when neither is found."""
+    if newest < 0:
+        return None
+    roots, user = _backward_roots(exc)
+    if not roots or user is None:
+        return None
+    keep: List[Any] = []  # node wrappers stay alive so that their ids stay unique
+    in_graph: Dict[int, bool] = {}  # node id -> made before the last backward
+    for node in walk([t.grad_fn for t in roots], Budget(20_000)):
+        keep.append(node)
+        in_graph[id(node)] = node._sequence_nr() <= newest
+    if not any(in_graph.values()):
+        return None
+    if all(in_graph.get(id(t.grad_fn)) for t in roots):  # the loss itself is older: backward() twice on it
+        return "", None, "twice", ""
+    scope = dict(user.f_globals)
+    scope.update(frame_locals(user))
+    found: List[Tuple[str, List[torch.Tensor]]] = []
+    for var, value in list(scope.items())[-1024:]:
+        if var.startswith("__") or not may_hold_graph(value):
+            continue
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            found.append((var, [v for v in value if v.grad_fn is not None]))
+            continue
+        found.extend((n, ts) for n, _, ts in graph_holders(var, value))
+    for n, ts in found:
+        if any(in_graph.get(id(t.grad_fn)) for t in ts):
+            return n, None, "", n
+    budget = Budget(20_000)
+    for n, ts in found:
+        if any(in_graph.get(id(node)) for node in walk([t.grad_fn for t in ts], budget)):
+            at = _carried_at(user, scope, n)
+            if at is not None:
+                how = "sum" if at[1] else "tuple" if isinstance(scope.get(n), (list, tuple)) else "state"
+                return n, at[0], how, at[2]
     return None
 
 
@@ -403,12 +519,7 @@ class ExplainErrors(Check):
                    "back-propagate a non-scalar on purpose, pass its gradient: out.backward(torch.ones_like(out)).")
             return "loss", cause, fix, {}
         if isinstance(exc, RuntimeError) and "backward through the graph a second time" in text:
-            cause = ("backward() ran through a graph whose saved tensors were freed by an earlier backward(): "
-                     "something from an earlier step is still attached to this step's graph (a hidden state or "
-                     "running total carried across iterations, e.g. total_loss += loss or an RNN hidden state)")
-            fix = ("Detach what you carry across steps (hidden = hidden.detach(), total_loss += loss.item()); "
-                   "pass retain_graph=True only when you really back-propagate twice through the same graph.")
-            return "backward", cause, fix, {}
+            return self._second_backward(exc)
         typed = _TYPE_RE.search(text)
         if typed and _dtype_part(typed.group(1)) != _dtype_part(typed.group(2)):
             typed = None  # a dtype mismatch (below)
@@ -627,6 +738,49 @@ class ExplainErrors(Check):
                    "torch.tensor(..., requires_grad=True) (that trains nothing).")
         cause = f"{'torch.autograd.grad' if fn else 'backward()'} got a tensor with no autograd graph: {why}"
         return "loss", cause, fix, {"grad_enabled": not grad_off, "model_frozen": frozen}
+
+    def _second_backward(self, exc: BaseException) -> Tuple[str, str, str, Dict[str, Any]]:
+        """Backward through a freed graph: names the variable or attribute that brought an earlier graph in."""
+        try:
+            held = _freed_holder(exc, self.g.graph_seq)
+        except Exception:
+            held = None
+        if held is None:
+            cause = ("backward() ran through a graph whose saved tensors were freed by an earlier backward(): "
+                     "something from an earlier step is still attached to this step's graph (a hidden state or "
+                     "running total carried across iterations, e.g. total_loss += loss or an RNN hidden state)")
+            fix = ("Detach what you carry across steps (hidden = hidden.detach(), total_loss += loss.item()); "
+                   "pass retain_graph=True only when you really back-propagate twice through the same graph.")
+            return "backward", cause, fix, {}
+        name, line, how, expr = held
+        if how == "twice":
+            cause = ("backward() ran a second time through the graph of a loss that an earlier backward() already "
+                     "ran through and freed (backward() called twice on one loss, or on a loss computed before the "
+                     "last backward())")
+            fix = ("Call backward() once per loss (sum several losses and call it once); to back-propagate twice "
+                   "through one graph on purpose, pass retain_graph=True to the first backward().")
+            return "backward", cause, fix, {}
+        if line is None:  # it holds a tensor of the earlier graph itself (a cache, a GAN's fake batch)
+            cause = (f"this loss is computed from `{name}`, a tensor made before the last backward(), which ran "
+                     f"through its graph and freed it (a tensor cached across steps, or one shared by two losses "
+                     f"that are back-propagated one after the other)")
+            fix = (f"Detach it where it is kept ({name} = ....detach()) or compute it again for each step; when two "
+                   f"losses share it on purpose, detach it for the one that must not reach its graph (a GAN's "
+                   f"D(fake.detach())), or pass retain_graph=True to the first backward().")
+        elif how == "sum":
+            cause = (f"`{name}` adds up tensors across iterations ({line}) with their graphs: backward() on it runs "
+                     f"again through the graphs of earlier iterations, which their backward() freed")
+            fix = (f"Call backward() on each iteration's own loss, and keep a number for the total: "
+                   f"{expr} += loss.item() (or loss.detach()).")
+        else:
+            cause = (f"`{name}` is carried from one iteration into the next ({line}) still attached to the graph "
+                     f"of the iteration before, whose backward() freed it")
+            fix = ("Detach it where it is carried over: "
+                   + (f"{expr} = tuple(s.detach() for s in {expr}) (an LSTM's (h, c))" if how == "tuple"
+                      else f"{expr} = {expr}.detach()")
+                   + " (truncated backpropagation through time), so that each backward() ends at its own step's "
+                     "start.")
+        return name, cause, fix, {"holder": name, **({"carried_at": line} if line else {})}
 
     def _reshaped_leaf(self, got: str, expected: str) -> Tuple[str, str, str, Dict[str, Any]]:
         """A gradient of one shape for a tensor autograd recorded with another: a parameter whose ``.data`` was
