@@ -28,6 +28,10 @@ _task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 _NO_OUTPUT = object()
 
+#: a parametrized weight read (``layer.weight`` under torch.nn.utils.parametrize) calls this module: it is a
+#: parameter read, never a model call, wherever it happens
+_PARAM_READ = torch.nn.utils.parametrize.ParametrizationList
+
 
 def _newest_node(tensors: Any, default: int) -> int:
     """Autograd's largest sequence number among the grad_fns of `tensors` (a tensor or a list), else `default`."""
@@ -237,6 +241,10 @@ class Wiring:
         t0 = _clock()
         frame = _hooks.caller_frame()
         depth = push_call(self._tls, frame)
+        if depth == 0 and isinstance(module, _PARAM_READ):  # a weight read outside the model: its calls are
+            self._tls.calls.pop()                           # left alone, as another thread's are
+            self._tls.skipping = 1
+            return
         # A call that starts inside backward() is a recomputation (torch.utils.checkpoint), never a model
         # call of the user's: its layers are checked, but it is no outermost call (no saved-tensor hooks of
         # guard above checkpoint's own, no forward counted against the next backward).
@@ -300,7 +308,8 @@ class Wiring:
         """
         mid = id(module)
         if mid not in self._standins:
-            if self._root_seen or mid in self.watched.module_ids.data or _task_id() != -1 or not self._active:
+            if self._root_seen or mid in self.watched.module_ids.data or _task_id() != -1 or not self._active \
+                    or isinstance(module, _PARAM_READ):
                 return False
             if push_call(self._tls, frame):  # nested in another stand-in's call
                 self._tls.calls.pop()

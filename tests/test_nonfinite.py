@@ -969,3 +969,43 @@ def test_nan_in_a_sparse_or_nested_batch_is_dirty_data(layout):
         opt.step()
     assert [(f.kind, f.where, f.step) for f in g.findings][:1] == [("nonfinite-input", "input", 0)]
     assert g.internal_errors == []
+
+
+def test_global_guard_names_a_parametrization_registered_after_it_started_by_its_path():
+    """register_parametrization calls the parametrization outside any model: a weight read, not a model call.
+    Its NaN (spectral norm of a zero weight) is reported at the first model call, at the module's path."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    with guard(live=False) as g:
+        last = nn.Linear(8, 1)
+        nn.init.zeros_(last.weight)  # sigma = 0: the normalised weight is 0 / 0
+        model = nn.Sequential(spectral_norm(nn.Linear(4, 8)), nn.ReLU(), spectral_norm(last))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = F.mse_loss(model(torch.randn(16, 4)), torch.randn(16, 1))
+            opt.zero_grad(); loss.backward(); opt.step()
+    f = next(f for f in g.findings if f.kind == "nonfinite-output")
+    assert f.where == "2.parametrizations.weight.0" and f.step == 0
+    assert f.source.startswith("tests/test_nonfinite.py:")
+
+
+def test_parametrization_whose_right_inverse_made_nan_gets_its_own_fix():
+    import torch.nn.utils.parametrize as parametrize
+
+    class Exp(nn.Module):
+        def forward(self, X):
+            return torch.exp(X)
+
+        def right_inverse(self, W):
+            return torch.log(W)  # NaN for the negative half of a default-initialised weight
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    parametrize.register_parametrization(model[0], "weight", Exp())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with guard(model, opt, live=False) as g:
+        loss = F.mse_loss(model(torch.randn(8, 1)), torch.randn(8, 1))
+        opt.zero_grad(); loss.backward(); opt.step()
+    f = next(f for f in g.findings if f.kind == "nonfinite-output")
+    assert "0.parametrizations.weight.original" in f.message
+    assert "right_inverse" in f.hint and "log(W.abs() + eps)" in f.hint

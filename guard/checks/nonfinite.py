@@ -672,6 +672,13 @@ class NonFinite(Check):
             why += ("; it made NaN/Inf on earlier steps too, which were handled after it (the loss and gradients "
                     "stayed finite), but on this step they reached the loss or the gradients")
         hint = _output_hint(call.type, bool(bad_params))
+        if bad_params and all(".parametrizations." in n and n.endswith(".original") for n in bad_params) \
+                and call.step == 0:
+            # made when the parametrization was registered: its right_inverse maps the weight to the stored one
+            hint = ("The stored weight of a parametrization is already NaN/Inf before training: registering it ran "
+                    "its right_inverse on the layer's weight (log(W) of a weight with negative entries, a division "
+                    "by a zero norm). Make right_inverse defined on that weight (log(W.abs() + eps)), or "
+                    "initialise the layer into its domain before registering.")
         where, what = call.path, f"{call.path} ({call.type})"
         if masked and not bad_params:
             self.emit("nonfinite-output", where,
