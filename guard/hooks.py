@@ -655,6 +655,7 @@ class Installer:
         self._grad_handles: Dict[int, _Handle] = {}
         # What this guard put on module instances, left out when a module is copied or pickled.
         self._hook_ids: set = set()
+        self._hook_fns: set = set()  # the functions given to module_hooks (bound methods: equal, not identical)
         self._module_attrs: Dict[Tuple[int, str], Any] = {}
         self._strips = False
         self.on_copy: Optional[Callable[[nn.Module], None]] = None  # told of each module copied or pickled
@@ -678,7 +679,22 @@ class Installer:
             handles.append(self._keep(module.register_forward_hook(_eager_only(post), with_kwargs=True,
                                                                    always_call=True)))
         self._hook_ids.update(h.id for h in handles)
+        self._hook_fns.update(f for f in (pre, post) if f is not None)
         return handles
+
+    def remove_copies(self, modules: Any) -> None:
+        """Remove this installer's module hooks that torch copied onto other modules (``prepare_qat`` and
+        ``convert`` register the hooks of a module they swap out on its replacement, under new ids)."""
+        fns = self._hook_fns
+        if not fns:
+            return
+        for module in modules:
+            for name in _HOOK_DICTS:
+                d = module.__dict__.get(name)
+                if d:
+                    for k in [k for k, v in d.items() if getattr(v, "__wrapped__", None) in fns]:
+                        for table in _HOOK_DICTS:  # with its with_kwargs / always_call flags
+                            module.__dict__.get(table, {}).pop(k, None)
 
     def _strip_on_copy(self) -> None:
         """Leave guard's hooks and attributes out of a module's pickled state (``__getstate__``).
@@ -822,7 +838,7 @@ class Installer:
         try:
             stack.close()
         finally:
-            self._hook_ids, self._module_attrs, self._strips = set(), {}, False
+            self._hook_ids, self._hook_fns, self._module_attrs, self._strips = set(), set(), {}, False
             self._remove_graph_hooks()
             for handle in list(self._grad_handles.values()):
                 handle.remove()

@@ -224,6 +224,8 @@ class Guard(Wiring):
                 self._active = False
                 self._closed_once = True
                 self.room.restore()
+                self._installer.remove_copies(m for r in self._models if (root := r()) is not None
+                                              for m in root.modules())
                 self._installer.close()
                 self.staging.clear()
                 from . import _procs

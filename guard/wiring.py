@@ -278,7 +278,9 @@ class Wiring:
         tls.forwards = getattr(tls, "forwards", 0) + 1
         self._fresh_step = False
 
-    def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict]) -> None:
+    def _hook_pre(self, module: nn.Module, args: tuple, kwargs: Optional[dict] = None) -> None:
+        # (without kwargs: a copy of this hook registered plainly on a module swapped in for a watched one, as
+        # torch.ao's prepare_qat/convert do; the post hook below takes that call form too)
         if self._skip_pre():
             return
         t0 = _clock()
@@ -325,9 +327,11 @@ class Wiring:
             kwargs, output = {}, kwargs
         self._after_forward(module, args, kwargs, output, pop_call(self._tls) and _task_id() == -1)
 
-    def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _hook_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = _NO_OUTPUT) -> None:
         if self._skip_post():
             return
+        if output is _NO_OUTPUT:  # a plain (module, args, output) call: see _hook_pre
+            kwargs, output = {}, kwargs
         mid = id(module)
         if mid in self._root_ids:
             if self._standins:

@@ -962,6 +962,35 @@ def test_jit_trace_of_a_guarded_model_records_nothing_of_guard():
     assert torch.equal(traced(x), model(x))
 
 
+def test_quantization_aware_training_prepared_after_guard_started():
+    """prepare_qat swaps nn.Linear for qat.Linear and registers the old module's hooks on the new one, without
+    with_kwargs: guard's hooks take that call form, and close removes those copies too."""
+    import torch.ao.quantization as tq
+
+    def train(use_guard):
+        torch.manual_seed(0)
+        model = nn.Sequential(tq.QuantStub(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), tq.DeQuantStub())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+        with (guard(model, opt, live=False) if use_guard else contextlib.nullcontext()) as g, \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch.ao's deprecation warnings
+            model.qconfig = tq.get_default_qat_qconfig("fbgemm")
+            tq.prepare_qat(model, inplace=True)
+            for _ in range(3):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+        return g, model
+
+    g, model = train(True)
+    _, plain = train(False)
+    assert g.findings == [] and g.internal_errors == [] and g.step == 3
+    assert type(model[1]).__module__.startswith("torch.ao.nn.qat")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    assert hooks == [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in plain.modules()]  # no copy left
+
+
 def test_a_parameter_at_a_dead_parameters_address_gets_its_own_name():
     """Under a global guard models come and go: a new parameter that CPython places at a dead one's address
     is named after its own model, not the dead one (a stale name once made a healthy embedding look like the
