@@ -286,6 +286,43 @@ def test_second_backward_names_an_lstm_state_pair_and_a_running_total():
     assert "total += loss.item()" in f.hint
 
 
+def test_second_backward_names_a_buffer_written_with_live_outputs_not_the_loss_reading_it():
+    net = nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    class Replay:
+        def __init__(self):
+            self.logits = torch.zeros(8, 3)
+
+        def add(self, i, z):
+            self.logits[i] = z  # not detached: each row keeps its step's graph
+
+    def run(g):
+        buf, mem = torch.zeros(8, 3), Replay()
+        for step in range(3):
+            x = torch.randn(8, 4)
+            out = net(x)
+            loss = out.pow(2).mean()
+            if step > 0:
+                loss = loss + (net(x) - buf).pow(2).mean()  # `loss` is rebuilt here: not what carries the graph
+            opt.zero_grad(); loss.backward(); opt.step()
+            buf[:] = out
+
+    f = _second_backward(run)
+    assert f.where == "buf" and "`buf[:] = out`" in f.message and "write out.detach() into buf" in f.hint
+
+    def run_method(g):
+        mem = Replay()
+        for step in range(3):
+            out = net(torch.randn(8, 4))
+            loss = out.pow(2).mean() + (out[0] - mem.logits[0]).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            mem.add(0, out[0])
+
+    f = _second_backward(run_method)
+    assert f.where == "mem.logits" and "`self.logits[i] = z`" in f.message and "write z.detach()" in f.hint
+
+
 def test_second_backward_on_the_same_loss():
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -131,9 +131,10 @@ def _backward_roots(exc: BaseException) -> Tuple[List[torch.Tensor], Any]:
     return roots, user
 
 
-def _assigned_from_itself(code: Any, name: str) -> Optional[Tuple[str, bool, str]]:
-    """(``file:line: `text```, whether it is ``+=``-like, `name`) of an assignment in the function of `code` that sets
-    `name` (``h``, ``self.h``) from an expression using it (``out, h = rnn(x, h)``, ``total += loss``), if any."""
+def _assignment(code: Any, name: str) -> Optional[Tuple[str, str, str]]:
+    """How the function of `code` carries `name` (``h``, ``self.h``) over: (``file:line: `text```, how, the value
+    written) for an assignment from an expression using it (how "self": ``out, h = rnn(x, h)``; "sum":
+    ``total += loss``) or an in-place write into it (how "write": ``buf[:] = out``, ``buf.copy_(out)``)."""
     import ast
     import linecache
 
@@ -142,28 +143,42 @@ def _assigned_from_itself(code: Any, name: str) -> Optional[Tuple[str, bool, str
     source = "".join(linecache.getlines(code.co_filename))
     tree = ast.parse(source)
     want = ast.dump(ast.parse(name, mode="eval").body)
+
+    def at(node: Any) -> str:
+        text = " ".join((ast.get_source_segment(source, node) or "").split())  # without a trailing comment
+        text = text if len(text) <= 100 else text[:97] + "..."
+        return f"{short_path(code.co_filename)}:{node.lineno}: `{text}`"
+
+    def same(node: Any) -> bool:
+        return ast.dump(node).replace("Store()", "Load()") == want
+
     for node in ast.walk(tree):
-        if not isinstance(node, (ast.Assign, ast.AugAssign)) or not lo <= node.lineno <= hi:
+        if not lo <= getattr(node, "lineno", 0) <= hi:
             continue
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        names = {ast.dump(t).replace("Store()", "Load()")
-                 for tg in targets for t in ast.walk(tg) if isinstance(t, (ast.Name, ast.Attribute))}
-        if want not in names:
-            continue
-        used = {ast.dump(t) for t in ast.walk(node.value) if isinstance(t, (ast.Name, ast.Attribute))}
-        if isinstance(node, ast.AugAssign) or want in used:
-            text = " ".join((ast.get_source_segment(source, node) or "").split())  # without a trailing comment
-            text = text if len(text) <= 100 else text[:97] + "..."
-            return f"{short_path(code.co_filename)}:{node.lineno}: `{text}`", isinstance(node, ast.AugAssign), name
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            flat = [t for tg in targets for t in ([tg] + list(getattr(tg, "elts", [])))]
+            if any(same(t) for t in flat):
+                if isinstance(node, ast.AugAssign):
+                    return at(node), "sum", ""
+                if any(ast.dump(t) == want for t in ast.walk(node.value)):
+                    return at(node), "self", ""
+            elif any(isinstance(t, ast.Subscript) and same(t.value) for t in flat):
+                return at(node), "write", ast.get_source_segment(source, node.value) or ""
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and same(node.func.value) \
+                and node.func.attr in ("copy_", "index_copy_", "index_put_", "masked_scatter_", "scatter_") \
+                and node.args:
+            return at(node), "write", ast.get_source_segment(source, node.args[-1]) or ""
     return None
 
 
-def _carried_at(frame: Any, scope: Dict[str, Any], name: str) -> Optional[Tuple[str, bool, str]]:
-    """Where `name` (a variable of `frame`, or an attribute path into one: ``model.hidden``) is assigned from
-    itself: in `frame`'s function, or for an attribute in a method of its owner's class (``self.hidden = ...``);
-    (where, whether ``+=``-like, the name as written there)."""
+def _carried_at(frame: Any, scope: Dict[str, Any], name: str) -> Optional[Tuple[str, str, str, str]]:
+    """`_assignment` of `name` (a variable of `frame`, or an attribute path into one: ``model.hidden``): in
+    `frame`'s function, or for an attribute in a method of its owner's class (``self.hidden = ...``); with the
+    name as written there appended."""
     if name.isidentifier():
-        return _assigned_from_itself(frame.f_code, name)
+        found = _assignment(frame.f_code, name)
+        return found + (name,) if found else None
     parts = name.split(".")
     if not all(p.isidentifier() for p in parts):
         return None
@@ -179,18 +194,20 @@ def _carried_at(frame: Any, scope: Dict[str, Any], name: str) -> Optional[Tuple[
         for fn in vars(klass).values():
             code = getattr(fn, "__code__", None)
             if code is not None and code.co_argcount:  # a method: its first argument is the owner
-                line = _assigned_from_itself(code, f"{code.co_varnames[0]}.{parts[-1]}")
-                if line is not None:
-                    return line
+                expr = f"{code.co_varnames[0]}.{parts[-1]}"
+                found = _assignment(code, expr)
+                if found is not None:
+                    return found + (expr,)
     return None
 
 
-def _freed_holder(exc: BaseException, newest: int) -> Optional[Tuple[str, Optional[str], str, str]]:
-    """What attached an earlier graph to the loss of a failed backward(): (name, None, "") for a variable or
-    attribute holding a tensor made before the last completed backward (node sequence numbers up to `newest`);
-    (name, "file:line: `text`", how, the name as written there) for one whose tensor is newer but built from such a node and assigned from
-    itself, how being "sum" (``total += loss``), "tuple" (an LSTM's state) or "state" (a hidden state fed back
-    without detach). None when neither is found."""
+def _freed_holder(exc: BaseException, newest: int) -> Optional[Tuple[str, Optional[str], str, str, str]]:
+    """What attached an earlier graph to the loss of a failed backward(), as (name, where, how, the name as
+    written there, the value written): a variable or attribute holding a tensor made before the last completed
+    backward (node sequence numbers up to `newest`; where None, how ""), else one whose newer tensor reaches such
+    a node other than through another variable's tensor and that the code carries over (`_assignment`: how
+    "sum", "self", "write"; "tuple" for an LSTM's state); how "twice" when the loss itself is that old. None
+    when none of these is found."""
     if newest < 0:
         return None
     roots, user = _backward_roots(exc)
@@ -204,7 +221,7 @@ def _freed_holder(exc: BaseException, newest: int) -> Optional[Tuple[str, Option
     if not any(in_graph.values()):
         return None
     if all(in_graph.get(id(t.grad_fn)) for t in roots):  # the loss itself is older: backward() twice on it
-        return "", None, "twice", ""
+        return "", None, "twice", "", ""
     scope = dict(user.f_globals)
     scope.update(frame_locals(user))
     found: List[Tuple[str, List[torch.Tensor]]] = []
@@ -217,15 +234,30 @@ def _freed_holder(exc: BaseException, newest: int) -> Optional[Tuple[str, Option
         found.extend((n, ts) for n, _, ts in graph_holders(var, value))
     for n, ts in found:
         if any(in_graph.get(id(t.grad_fn)) for t in ts):
-            return n, None, "", n
-    budget = Budget(20_000)
+            return n, None, "", n, ""
+    budget = Budget(40_000)
+
+    def reaches(ts: List[torch.Tensor], others: Set[int]) -> bool:
+        return any(in_graph.get(id(node)) for node in walk([t.grad_fn for t in ts], budget,
+                                                           prune=lambda node: id(node) in others)
+                   if id(node) not in others)
+
+    carried = []  # (name, its tensors, _carried_at) of variables the code carries over that reach the old graph
     for n, ts in found:
-        if any(in_graph.get(id(node)) for node in walk([t.grad_fn for t in ts], budget)):
+        if reaches(ts, set()):
             at = _carried_at(user, scope, n)
             if at is not None:
-                how = "sum" if at[1] else "tuple" if isinstance(scope.get(n), (list, tuple)) else "state"
-                return n, at[0], how, at[2]
-    return None
+                carried.append((n, ts, at))
+    fns = {n: {id(t.grad_fn) for t in ts} for n, ts, _ in carried}
+    every = set().union(*fns.values()) if fns else set()
+    # the old graph reached only through another carried variable is that one's doing (`loss = loss + f(buf)`
+    # reaches it through `buf`, written with live outputs)
+    chosen = next((c for c in carried if reaches(c[1], every - fns[c[0]])), carried[0] if carried else None)
+    if chosen is None:
+        return None
+    n, _, at = chosen
+    how = "tuple" if at[1] == "self" and isinstance(scope.get(n), (list, tuple)) else at[1]
+    return n, at[0], how, at[3], at[2]
 
 
 def _loader_iter(exc: BaseException) -> Any:
@@ -752,7 +784,7 @@ class ExplainErrors(Check):
             fix = ("Detach what you carry across steps (hidden = hidden.detach(), total_loss += loss.item()); "
                    "pass retain_graph=True only when you really back-propagate twice through the same graph.")
             return "backward", cause, fix, {}
-        name, line, how, expr = held
+        name, line, how, expr, value = held
         if how == "twice":
             cause = ("backward() ran a second time through the graph of a loss that an earlier backward() already "
                      "ran through and freed (backward() called twice on one loss, or on a loss computed before the "
@@ -772,6 +804,13 @@ class ExplainErrors(Check):
                      f"again through the graphs of earlier iterations, which their backward() freed")
             fix = (f"Call backward() on each iteration's own loss, and keep a number for the total: "
                    f"{expr} += loss.item() (or loss.detach()).")
+        elif how == "write":
+            cause = (f"`{name}` is written in place with tensors still attached to their graph ({line}), and this "
+                     f"loss reads it after an earlier backward() freed that graph (a replay buffer or memory of "
+                     f"outputs, logits or features)")
+            shown = value if re.fullmatch(r"[\w.\[\]]+", value or "-") else f"({value})" if value else "value"
+            fix = (f"Store detached values: write {shown}.detach() into {expr}, so that what is read back later is "
+                   f"a constant target, not a path into a graph that no longer exists.")
         else:
             cause = (f"`{name}` is carried from one iteration into the next ({line}) still attached to the graph "
                      f"of the iteration before, whose backward() freed it")
