@@ -1401,3 +1401,22 @@ def test_several_losses_on_inputs_that_require_grad_in_training_mode_are_no_atta
             net(torch.zeros(1, 1)).sub(1).pow(2).mean().backward()
             opt.step()
     assert g.findings == []
+
+
+def test_master_weights_never_copied_back_are_named_with_the_copy_back_fix():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.SGD(master, lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(4):
+            loss = F.mse_loss(model(x.half()).float(), y)
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            for m, p in zip(master, model.parameters()):
+                m.grad = p.grad.float()
+            opt.step()  # the copy back into the half-precision model is missing
+    (f,) = [f for f in g.findings if f.severity != "info"]
+    assert f.kind == "param-not-in-optimizer" and f.where == "0" and f.step == 0
+    assert "fp32 master weights" in f.message and "p.copy_(m)" in f.hint and f.details["master_copies"]

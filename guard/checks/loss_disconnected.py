@@ -189,6 +189,12 @@ class LossDisconnected(Check):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        own = [p for grp in optimizer.param_groups for p in grp["params"] if p.requires_grad]
+        if own and all(p.grad is not None for p in own):
+            # the loss reached none of them, yet each has a gradient by the step: handed over by hand (fp32 master
+            # weights fed from a half-precision model's gradients, gradient surgery into other tensors)
+            self._done = True
+            return
         held = self._held(optimizer)
         for refs, descr, src, step, shape in pending:
             live = [(l, v) for r, v in refs if (l := r()) is not None]

@@ -339,6 +339,15 @@ class OptimizerParams(Check):
             hint = ("When unfreezing or replacing a layer mid-run, add its parameters to the optimizer too: "
                     "optimizer.add_param_group({'params': model.<module>.parameters()}) (with the learning rate "
                     "you want for them), or build a new optimizer over model.parameters().")
+        elif self._masters(missing, named):
+            message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
+                       f"{_listing(shown, more)}; {opts} holds copies of them in another dtype (fp32 master "
+                       f"weights), which it updates, but the model keeps its own weights: optimizer.step() never "
+                       f"changes the model that runs")
+            hint = ("Copy the updated master weights back into the model after each step: with torch.no_grad(): "
+                    "for m, p in zip(master_params, model.parameters()): p.copy_(m). (torch.autocast with a float32 "
+                    "model does this bookkeeping for you.)")
+            extra = {"master_copies": True}
         else:
             message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
                        f"{_listing(shown, more)}; optimizer.step() never updates them")
@@ -354,6 +363,18 @@ class OptimizerParams(Check):
         self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=source,
                   details={"modules": shown, "parameters": len(missing), "names": missing[:20],
                            "appeared_mid_run": later, **extra})
+
+    def _masters(self, missing: List[str], named: list) -> bool:
+        """Whether the optimizers hold tensors of the missing parameters' shapes in another dtype, with gradients
+        (fp32 master weights of a half-precision model, fed its gradients by hand)."""
+        want = set(missing)
+        params = [p for n, p in named if n in want]
+        held = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]]
+        if not params or len(held) < len(params) or any(p.grad is None for p in held):
+            return False
+        shapes = sorted(tuple(p.shape) for p in held)
+        return all(tuple(p.shape) in shapes for p in params) and \
+            {p.dtype for p in params}.isdisjoint({p.dtype for p in held})
 
     def _rest_of_parents(self, shown: List[str], missing: List[str], named: list) -> List[Tuple[str, str]]:
         """(parent, name) of the trainable parameters no optimizer holds under the parent modules of `shown`

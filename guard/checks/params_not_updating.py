@@ -85,6 +85,7 @@ class ParamsNotUpdating(Check):
         self._runs = WeakIdMap()  # optimizer -> {group index: _Run}
         self._copy_done = False
         self._held_first: Optional[set] = None  # ids of the watched models an optimizer held at the first step
+        self._versions: Dict[int, int] = {}  # the watched models' parameters' version counters at the first step
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
@@ -110,6 +111,7 @@ class ParamsNotUpdating(Check):
         if self._held_first is None and self.g.is_primary(optimizer):
             held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
             self._held_first = {id(m) for m in self.g.models if any(id(p) in held for p in m.parameters())}
+            self._versions = {id(p): p._version for m in self.g.models for p in m.parameters()}
         if not self._copy_done and self.g.is_primary(optimizer) and self.g.step >= STEPS - 1:
             self._copy_done = True
             self._other_copy()
@@ -194,6 +196,8 @@ class ParamsNotUpdating(Check):
                 continue
             if not any(tuple(p.shape) in shapes for _, p in named):
                 continue
+            if any(self._versions.get(id(p), p._version) != p._version for _, p in named):
+                continue  # changed in place since the first step: updated by hand (copied back from fp32 masters)
             opts = self.g.optimizers
             n_held = sum(len(grp["params"]) for o in opts for grp in o.param_groups)
             mname = type(model).__name__
