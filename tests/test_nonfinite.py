@@ -1009,3 +1009,36 @@ def test_parametrization_whose_right_inverse_made_nan_gets_its_own_fix():
     f = next(f for f in g.findings if f.kind == "nonfinite-output")
     assert "0.parametrizations.weight.original" in f.message
     assert "right_inverse" in f.hint and "log(W.abs() + eps)" in f.hint
+
+
+def test_loss_scaling_by_hand_that_skips_overflowing_steps_before_the_first_update():
+    """apex/fairseq-style dynamic loss scaling: a high first scale overflows the fp16 gradients, the loop skips
+    those steps itself and halves the scale. Before the first optimizer step a global guard judges each
+    backward's gradients at once: not those of a loss scaled by hand."""
+    torch.manual_seed(0)
+    with guard(live=False) as g:
+        model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1)).half()
+        params = list(model.parameters())
+        master = [p.detach().float().clone().requires_grad_() for p in params]
+        opt = torch.optim.SGD(master, lr=1e-3)
+        scale, skipped, x, y = 2.0 ** 24, 0, torch.randn(32, 8), torch.randn(32, 1)
+        for _ in range(20):
+            loss = F.mse_loss(model(x.half()).float(), y)
+            for p in params:
+                p.grad = None
+            (loss * scale).backward()
+            if any(not torch.isfinite(p.grad).all() for p in params):
+                scale, skipped = scale / 2, skipped + 1
+                continue
+            for m, p in zip(master, params):
+                m.grad = p.grad.float() / scale
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(params, master):
+                    p.copy_(m)
+    assert skipped >= 3 and g.findings == []
+
+    with guard(live=False) as g:  # the same overflow, unscaled and not skipped: reported
+        lin = nn.Linear(3, 1)
+        (lin(torch.ones(2, 3)) * 0).pow(2).sum().sqrt().backward()  # sqrt's derivative at 0 is inf
+    assert [f.kind for f in g.findings] == ["nonfinite-grad"]

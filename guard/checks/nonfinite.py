@@ -139,6 +139,7 @@ class NonFinite(Check):
         self._calls: List[_Call] = []
         self._losses: List[Tuple[int, Optional[str], int]] = []
         self._grads: List[Tuple[int, Any, int, Optional[str]]] = []
+        self._by_hand = False  # the backward under way is of a loss scaled by hand (`_scaled_by_hand`)
 
     # staging ---------------------------------------------------------------
     def _flag(self, t: torch.Tensor, own: bool = False) -> int:
@@ -342,6 +343,8 @@ class NonFinite(Check):
         return inputs, [(n, i) for n, i in ((n, screen(t, False)) for n, t in outs) if i is not None]
 
     def on_backward(self, tensors, kwargs):
+        # before any optimizer step, the gradients of a backward are judged at once (below: unless scaled by hand)
+        self._by_hand = not self.g.has_optimizer and self._scaled_by_hand(tensors)
         if not self.g.sampling:
             return
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
@@ -351,7 +354,7 @@ class NonFinite(Check):
                 self._losses.append((self._flag(t, own=True), self.g.root_source, self.g.step))
 
     def on_backward_done(self, tensors, kwargs):
-        if not self.g.has_optimizer and self.g.sampling and not self._scaled(tensors):
+        if not self.g.has_optimizer and self.g.sampling and not self._scaled(tensors) and not self._by_hand:
             self._stage_grads(None)
 
     def _scaled(self, tensors) -> bool:
@@ -359,6 +362,22 @@ class NonFinite(Check):
         (before the first optimizer step of a global guard is seen, a skipped step shows no step hook)."""
         amp = next((c for c in self.g.checks if c.name == "amp-scaler"), None)
         return amp is not None and amp.scaled(tensors)
+
+    @staticmethod
+    def _scaled_by_hand(tensors) -> bool:
+        """`tensors` (before its backward, while the graph keeps what it saved) is a loss scaled by hand by a
+        constant of at least 128 (``(loss * scale).backward()``: apex/fairseq-style dynamic loss scaling, which
+        skips the steps whose gradients overflow itself)."""
+        fn = getattr(tensors, "grad_fn", None)
+        if type(fn).__name__ != "MulBackward0":
+            return False
+        try:
+            other = fn._saved_other
+        except Exception:
+            return False
+        # a Python number is saved as a CPU scalar: reading it costs no device sync
+        return isinstance(other, torch.Tensor) and other.dim() == 0 and other.device.type == "cpu" \
+            and abs(float(other)) >= 128
 
     def on_step_pre(self, optimizer):
         # The resolution that follows is before the update; later ones until step_post (an LBFGS
