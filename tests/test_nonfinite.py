@@ -1042,3 +1042,24 @@ def test_loss_scaling_by_hand_that_skips_overflowing_steps_before_the_first_upda
         lin = nn.Linear(3, 1)
         (lin(torch.ones(2, 3)) * 0).pow(2).sum().sqrt().backward()  # sqrt's derivative at 0 is inf
     assert [f.kind for f in g.findings] == ["nonfinite-grad"]
+
+
+def test_a_standard_layer_subclass_with_its_own_forward_is_the_origin():
+    """A fake-quant nn.Linear subclass computes something else than nn.Linear: its NaN is its own (the per-tensor
+    scale of a zero-initialised weight is 0 / 0), not the parent's."""
+    class QLinear(nn.Linear):
+        def forward(self, x):
+            s = self.weight.abs().max() / 7
+            wq = torch.round(self.weight / s).clamp(-8, 7) * s
+            return F.linear(x, self.weight + (wq - self.weight).detach(), self.bias)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), QLinear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    nn.init.zeros_(model[2].weight)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            loss = F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
+            opt.zero_grad(); loss.backward(); opt.step()
+    f = next(f for f in g.findings if f.kind == "nonfinite-output")
+    assert f.where == "2" and "2 (QLinear) produced NaN/Inf; its inputs were finite" in f.message

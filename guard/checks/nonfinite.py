@@ -75,6 +75,12 @@ _SAFE_WIDE = tuple(getattr(nn, n) for n in (
 _WIDE = (torch.float32, torch.float64)
 
 
+def _standard(cls: type, group: Tuple[type, ...]) -> bool:
+    """`cls` is one of `group`'s layers, or a subclass that keeps its forward (a quantization-aware or
+    weight-standardised ``nn.Linear``/``nn.Conv2d`` subclass computes something else: it is screened)."""
+    return any(issubclass(cls, b) and getattr(cls, "forward", None) is getattr(b, "forward", None) for b in group)
+
+
 def _tensors(obj: Any, prefix: str) -> List[Tuple[str, torch.Tensor]]:
     """Tensors in `obj` with their names; a fast path for the one-tensor case (not yet filtered)."""
     if isinstance(obj, torch.Tensor):
@@ -101,9 +107,9 @@ class NonFinite(Check):
         """Layers that cannot make NaN/Inf (pass-through, and standard layers computing in fp32/fp64) are
         not screened one by one after their first call: the next screened module screens what they made."""
         cls = type(module)
-        if issubclass(cls, _PASSTHROUGH):
+        if _standard(cls, _PASSTHROUGH):
             return False
-        if issubclass(cls, _SAFE_WIDE):
+        if _standard(cls, _SAFE_WIDE):
             return any(t.dtype not in _WIDE for _, t in _tensors(output, "output"))
         return True
 
@@ -247,7 +253,7 @@ class NonFinite(Check):
         passthrough = self._passthrough.get(cls)
         if passthrough is None:
             passthrough = self._passthrough[cls] = (
-                True if issubclass(cls, _PASSTHROUGH) else "wide" if issubclass(cls, _SAFE_WIDE) else False)
+                True if _standard(cls, _PASSTHROUGH) else "wide" if _standard(cls, _SAFE_WIDE) else False)
         tensors = self._tensors
         # Fast path: one tensor in, one tensor out (most layers).
         if (not kwargs and type(args) is tuple and len(args) == 1 and isinstance(args[0], torch.Tensor)
