@@ -312,3 +312,25 @@ def test_an_uncopied_snapshot_loaded_back_before_any_change_is_silent():
         best = model.state_dict()
         model.load_state_dict(best)
     assert g.findings == []
+
+
+def test_a_sparse_parameter_in_a_loaded_state_dict_is_no_internal_error():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            i = torch.tensor([[0, 1, 2], [1, 2, 0]])
+            self.W = nn.Parameter(torch.sparse_coo_tensor(i, torch.ones(3), (3, 3)).coalesce())
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.lin(torch.sparse.mm(self.W, x).t())
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # restore a snapshot
+        model.load_state_dict(model.state_dict())  # the model's own tensors: a sparse one has no data pointer
+    assert g.internal_errors == [] and g.findings == []

@@ -277,7 +277,8 @@ def _aliased(module: nn.Module, state_dict: Mapping[str, Any]) -> List[str]:
     same, shared = [], 0
     for k, v in state_dict.items():
         p = own.get(k)
-        if p is None or not isinstance(v, torch.Tensor) or v.is_meta or p.is_meta or v.shape != p.shape:
+        if p is None or not isinstance(v, torch.Tensor) or v.is_meta or p.is_meta or v.shape != p.shape \
+                or v.layout is not torch.strided or p.layout is not torch.strided:  # sparse: no data pointer
             continue
         shared += 1
         if v.data_ptr() == p.data_ptr() and v.data_ptr() != 0:
