@@ -454,6 +454,30 @@ def test_partial_zero_grad_and_gradient_surgery_are_silent():
     assert g.findings == []
 
 
+def test_gradient_surgery_on_sparse_gradients_is_silent_and_a_wiped_sparse_step_is_not():
+    emb = nn.Embedding(20, 4, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-2)
+    with guard(emb, opt, checks=["zero-grad-before-step"], live=False) as g:
+        for _ in range(3):  # per-task sparse gradients merged by hand after zero_grad()
+            z = emb(torch.randint(0, 20, (8,)))
+            grads = []
+            for loss in (z.pow(2).mean(), (z - 1).abs().mean()):
+                opt.zero_grad()
+                loss.backward(retain_graph=True)
+                grads.append(emb.weight.grad.to_dense())
+            opt.zero_grad()
+            emb.weight.grad = (grads[0] + grads[1]).to_sparse()
+            opt.step()
+    assert g.findings == []
+    emb.weight.grad = None
+    with guard(emb, opt, checks=["zero-grad-before-step"], live=False) as g:
+        for _ in range(2):
+            emb(torch.randint(0, 20, (8,))).pow(2).mean().backward()
+            opt.zero_grad()  # the bug: the sparse gradient is dropped before the step
+            opt.step()
+    assert [(f.kind, f.details["grads"]) for f in g.findings] == [("zero-grad-before-step", "None")]
+
+
 def test_zero_grad_of_an_optimizer_over_an_untrained_original_is_no_wiped_step():
     """FedAvg with each client's optimizer built over the global model while the deep copy trains: its zero_grad()
     finds no gradient to wipe. The copy is the bug (the notice says so), not the order of the calls."""

@@ -38,6 +38,14 @@ from .base import Check
 from .._weak import WeakIdMap
 
 
+def _stored(g: torch.Tensor) -> bool:
+    """Whether a sparse gradient stores any value (``_nnz()``, known on the host)."""
+    try:
+        return g._nnz() > 0
+    except Exception:
+        return True  # a layout that does not tell: not taken for wiped
+
+
 class _Opt:
     __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids", "had_grads")
 
@@ -122,10 +130,14 @@ class ZeroGradBeforeStep(Check):
         st = self._st.data.get(id(optimizer))
         if st is None or st.zero_at != self._backwards or st.zero_at <= st.stepped_at:
             return
-        grads = [g for grp in optimizer.param_groups for p in grp["params"]
-                 if (g := p.grad) is not None and g.layout is torch.strided and not g.is_meta]
-        if not grads:
+        present = [g for grp in optimizer.param_groups for p in grp["params"] if (g := p.grad) is not None]
+        if not present:
             self._emit(optimizer, st, none=True)
+            return
+        if any(g.layout is not torch.strided and not g.is_meta and _stored(g) for g in present):
+            return  # a sparse gradient holding values after zero_grad(): set by hand (surgery on an embedding's)
+        grads = [g for g in present if g.layout is torch.strided and not g.is_meta]
+        if not grads:
             return
         # Gradients present after a zero_grad(): zeros (set_to_none=False), or set by hand on purpose (gradient
         # surgery: p.grad = merged). Their joint norm is read with the step's other values: zero means wiped.
