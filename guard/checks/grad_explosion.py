@@ -53,7 +53,7 @@ RAMP_MIN = 1.02  # the least growth factor per step of such a test (fastai and t
 
 
 class _State:
-    __slots__ = ("window", "top", "where", "burst", "highs", "diverged")
+    __slots__ = ("window", "top", "where", "burst", "highs", "diverged", "early", "pushed")
 
     def __init__(self) -> None:
         self.window: deque = deque(maxlen=WINDOW)  # log norms
@@ -62,8 +62,13 @@ class _State:
         self.burst = False
         self.highs: deque = deque(maxlen=CLIMB)  # whether each recent total was the window's new largest
         self.diverged = False
+        self.early = -math.inf  # the largest of the run's first WARMUP totals (an untrained model's gradients)
+        self.pushed = 0
 
     def push(self, lv: float) -> None:
+        if self.pushed < WARMUP:
+            self.pushed += 1
+            self.early = max(self.early, lv)
         w = self.window
         out = w[0] if len(w) == w.maxlen else None
         w.append(lv)
@@ -176,7 +181,9 @@ class GradExplosion(Check):
         # medians (two sorts a step) are computed only for a total above it.
         lv = math.log(v)
         if len(st.window) >= WARMUP:
-            if lv > LOG_HIGH + st.top:
+            # A total no larger than HIGH x the run's first ones is the gradient of a model meeting what it has not
+            # learned yet (the next task of a continual-learning run, a new data source), not an explosion.
+            if lv > LOG_HIGH + st.top and lv > LOG_HIGH + st.early:
                 med, ratio = _bar(st.window)
                 if v > ratio * med:
                     if not st.burst:  # once per burst, not once per step
