@@ -20,6 +20,7 @@ SUCCEEDS = 2  # own steps of an optimizer of all the primary's parameters withou
 #: ... or this many in a row, each without a call of a model the primary trains: its model is done (models
 #: trained one after another under a global guard), where a GAN's critic steps still call the generator
 FINISHED = 8  # above the 5 critic steps per generator step of WGAN (which need not call the generator)
+PLAIN_WAIT = 64  # the same for an optimizer over plain tensors only, while the primary holds nn.Parameters
 
 DP_TYPES: Tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 
@@ -117,6 +118,11 @@ def model_labels(models: List[Any], frame: Any) -> List[str]:
     return [k if kinds.count(k) == 1 else f"{k}[{i}]" for i, k in enumerate(kinds)]
 
 
+def _holds_parameters(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt` holds an ``nn.Parameter`` (not only plain tensors made with requires_grad=True)."""
+    return any(isinstance(p, nn.Parameter) for g in opt.param_groups for p in g["params"])
+
+
 class Watched:
     """The watched models and optimizers (weakly held) and the names guard gives their modules and parameters.
 
@@ -133,6 +139,8 @@ class Watched:
         #: the optimizer whose step ends the guard's step (the first given, else the first seen stepping)
         self.primary: Optional[weakref.ref] = optimizers[0] if optimizers else None
         self._opt_watch = WeakIdMap()  # optimizer -> whether it steps the watched models
+        self._plain_primary = False  # the primary holds plain tensors only (a global guard's stand-in, see watch_optimizer)
+        self._plains: Dict[Tuple[int, int], Tuple[Any, bool]] = {}  # (id(optimizer), id(primary)) -> (ref, `_plain`)
         self._successors: Dict[int, Tuple[Any, Any, bool]] = {}  # id(optimizer) -> (it, primary, steps all of its)
         self.former: Optional[Any] = None  # weak reference to the optimizer that counted steps before the primary
         self.idle = 0  # steps of other optimizers since the primary's last one
@@ -213,14 +221,18 @@ class Watched:
         mine = self._own_idle[id(optimizer)] = self._own_idle.get(id(optimizer), 0) + 1
         self.quiet = 0 if self.primary_called else self.quiet + 1
         self.primary_called = False
-        done = self.quiet >= FINISHED
+        # An optimizer over plain tensors only, while the primary holds nn.Parameters, is an inner solve between
+        # the primary's steps (task weights found with a fresh SGD([w]) every iteration): it waits far longer.
+        plain = self._plain(optimizer)
+        finished, replaced = (PLAIN_WAIT, PLAIN_WAIT) if plain else (FINISHED, REPLACED)
+        done = self.quiet >= finished
         # One that steps every parameter the primary steps, twice without it, is its successor (re-created to
         # resume, or for the next round): two optimizers of one set of parameters do not take turns.
         former = self.former() if self.former is not None else None
         back = former is optimizer  # the optimizer that counted before (a probe's own trained meanwhile) steps again
         # (its own steps: several optimizers over one set of parameters, all stepping at every step, take turns)
-        succeeds = not back and not done and self.idle < REPLACED and mine >= SUCCEEDS and self._succeeds(optimizer)
-        if not back and self.idle < REPLACED and not done and not succeeds:
+        succeeds = not back and not done and self.idle < replaced and mine >= SUCCEEDS and self._succeeds(optimizer)
+        if not back and self.idle < replaced and not done and not succeeds:
             return 0, ""
         why = "back" if back else "done" if done else "successor" if succeeds else "replaced"
         n, self.idle = (1 if back else self.idle), 0
@@ -228,6 +240,19 @@ class Watched:
         self.primary = weakref.ref(optimizer)
         self.primary_stepped()
         return n, why
+
+    def _plain(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` holds plain tensors only while the primary holds an ``nn.Parameter`` (decided once
+        per pair)."""
+        primary = self.primary() if self.primary is not None else None
+        key = (id(optimizer), id(primary))
+        hit = self._plains.get(key)
+        if hit is None or hit[0]() is not optimizer:
+            plain = primary is not None and not _holds_parameters(optimizer) and _holds_parameters(primary)
+            if len(self._plains) > 64:
+                self._plains.clear()
+            hit = self._plains[key] = (weakref.ref(optimizer), plain)
+        return hit[1]
 
     def _succeeds(self, optimizer: torch.optim.Optimizer) -> bool:
         primary = self.primary() if self.primary is not None else None
@@ -268,9 +293,14 @@ class Watched:
             hit = held[id(module)] = (weakref.ref(module), any(id(p) in self._primary_ids for p in module.parameters()))
         self.primary_called = hit[1]
 
-    def watch_optimizer(self, opt: torch.optim.Optimizer) -> Tuple[bool, Optional[bool]]:
+    def watch_optimizer(self, opt: torch.optim.Optimizer, early: bool = False) -> Tuple[bool, Optional[bool]]:
         """Whether `opt` steps parameters of the watched models (decided once per optimizer), and
-        whether it just became the primary optimizer: None if not, else whether there was none before."""
+        whether it just became the primary optimizer: None if not, else whether steps start again at 0
+        (there was none before, or it replaces a stand-in: below).
+
+        Under a global guard an optimizer over plain tensors only (an inner solve for task weights with a fresh
+        ``SGD([w])`` each iteration, CAGrad/MGDA-style) counts steps only until one over ``nn.Parameter``s
+        steps, if that comes `early` (within the first steps): that one trains the model."""
         known = self._opt_watch.data.get(id(opt))
         became = None
         if known is None:
@@ -284,9 +314,13 @@ class Watched:
             if known:
                 if all(r() is not opt for r in self.seen_optimizers):
                     self.seen_optimizers.append(weakref.ref(opt))
+                plain = not models and not _holds_parameters(opt)
                 if self.primary is None or self.primary() is None:
-                    became = self.primary is None
+                    became = self.primary is None or self._plain_primary
                     self.primary = weakref.ref(opt)
+                    self._plain_primary = plain
+                elif self._plain_primary and not plain and early:
+                    became, self.primary, self._plain_primary = True, weakref.ref(opt), False
         return known, became
 
     def stepping_optimizers(self) -> List[torch.optim.Optimizer]:

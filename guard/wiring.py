@@ -28,6 +28,10 @@ _task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 _NO_OUTPUT = object()
 
+#: a global guard's optimizer over plain tensors only is replaced as the step counter by one over nn.Parameters
+#: that first steps within this many steps (watched.Watched.watch_optimizer)
+EARLY_STEPS = 64
+
 #: a parametrized weight read (``layer.weight`` under torch.nn.utils.parametrize) calls this module: it is a
 #: parameter read, never a model call, wherever it happens
 _PARAM_READ = torch.nn.utils.parametrize.ParametrizationList
@@ -382,7 +386,7 @@ class Wiring:
         return pre, post
 
     def _watches_optimizer(self, opt: torch.optim.Optimizer) -> bool:
-        known, became = self.watched.watch_optimizer(opt)
+        known, became = self.watched.watch_optimizer(opt, early=self.step < EARLY_STEPS)
         if became is not None:
             if became and self.step:
                 self._renumber_to_first_step()

@@ -1420,3 +1420,35 @@ def test_master_weights_never_copied_back_are_named_with_the_copy_back_fix():
     (f,) = [f for f in g.findings if f.severity != "info"]
     assert f.kind == "param-not-in-optimizer" and f.where == "0" and f.step == 0
     assert "fp32 master weights" in f.message and "p.copy_(m)" in f.hint and f.details["master_copies"]
+
+
+def test_global_guard_counts_the_model_optimizer_not_an_inner_solve_over_plain_tensors():
+    """CAGrad/MGDA-style: each iteration solves for task weights with a fresh SGD([w]) over a plain tensor (10
+    steps) before the model's optimizer steps. The model's optimizer counts the steps, from its first step on."""
+    def run(nan_at):
+        torch.manual_seed(0)
+        with guard(live=False) as g:
+            model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            x, y = torch.randn(64, 4), torch.randn(64, 2)
+            for it in range(24):
+                xb = x.clone()
+                if it == nan_at:
+                    xb[0, 0] = float("nan")
+                per_task = ((model(xb) - y) ** 2).mean(0)
+                w = torch.zeros(2, requires_grad=True)
+                w_opt = torch.optim.SGD([w], lr=0.5)
+                for _ in range(10):
+                    w_opt.zero_grad()
+                    (torch.softmax(w, 0) * per_task.detach()).sum().backward()
+                    w_opt.step()
+                loss = (torch.softmax(w.detach(), 0) * per_task).sum()
+                opt.zero_grad(); loss.backward(); opt.step()
+                if it == nan_at:
+                    break
+        return g
+
+    g = run(None)
+    assert g.findings == [] and g.record.notices == [] and g.step == 24
+    g = run(5)
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 5)]
