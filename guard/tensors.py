@@ -259,6 +259,14 @@ _set_grad = getattr(torch._C, "_set_grad_enabled", None)
 HOST_DIRECT = True
 
 
+def as_float(t: torch.Tensor) -> torch.Tensor:
+    """`t` as float32 for a norm: a complex tensor as its real view (``.float()`` would drop the imaginary part,
+    with a warning on the user's stderr)."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t if t.dtype is torch.float32 else t.float()
+
+
 def without_grad(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` with autograd recording off: ``torch.no_grad()`` without its context-manager
     machinery (several Python calls), for the per-step hot path."""

@@ -962,6 +962,27 @@ def test_jit_trace_of_a_guarded_model_records_nothing_of_guard():
     assert torch.equal(traced(x), model(x))
 
 
+def test_complex_parameters_make_guard_print_no_warning_of_its_own():
+    """A complex-valued network (Fourier-domain weights): guard's norms of complex gradients take the imaginary
+    part too, and never cast them to real (torch warns on stderr, an error under -W error)."""
+    class CTanh(nn.Module):
+        def forward(self, z):
+            return torch.complex(torch.tanh(z.real), torch.tanh(z.imag))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16, dtype=torch.cfloat), CTanh(), nn.Linear(16, 16, dtype=torch.cfloat),
+                          CTanh(), nn.Linear(16, 16, dtype=torch.cfloat), CTanh(), nn.Linear(16, 1, dtype=torch.cfloat))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with guard(model, opt, checks="all", live=False) as g:
+            for _ in range(12):
+                x = torch.randn(8, 4, dtype=torch.cfloat)
+                loss = (model(x) - 1).abs().pow(2).mean()
+                opt.zero_grad(); loss.backward(); opt.step()
+    assert g.internal_errors == [] and g.findings == []
+
+
 def test_quantization_aware_training_prepared_after_guard_started():
     """prepare_qat swaps nn.Linear for qat.Linear and registers the old module's hooks on the new one, without
     with_kwargs: guard's hooks take that call form, and close removes those copies too."""

@@ -33,7 +33,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..tensors import fused_norms
+from ..tensors import as_float, fused_norms
 from .base import Check
 from .._weak import WeakIdMap
 
@@ -346,7 +346,7 @@ class MissingZeroGrad(Check):
             dense = [g for g in grads if g.layout is torch.strided]
             it = iter(fused_norms(dense)[0] if dense else [])
             # sparse gradients (nn.Embedding(sparse=True)) accumulate in place too: the norm of their values
-            norms = [next(it) if g.layout is torch.strided else torch.linalg.vector_norm(g._values().float())
+            norms = [next(it) if g.layout is torch.strided else torch.linalg.vector_norm(as_float(g._values()))
                      for g in grads]
         st.cands, st.norms, st.verdict = cands, norms, None
         st.backward_source = self._last_backward = self.g.source()

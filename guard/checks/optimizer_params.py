@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .._frames import frame_locals
+from ..tensors import as_float
 from ._graphs import Budget, user_frames, walk
 from ._params import WatchedParams, module_prefixes
 from .base import Check
@@ -165,7 +166,7 @@ class OptimizerParams(Check):
         if not params:
             return
         with torch.no_grad():
-            norms = torch.stack([(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).float().norm().cpu()
+            norms = torch.stack([as_float(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).norm().cpu()
                                  for p in params]).tolist()
         params = [p for p, v in zip(params, norms) if v != 0.0]
         if not params or any(f.kind in ("loss-disconnected", "module-not-registered") for f in self.g.findings):
@@ -251,7 +252,7 @@ class OptimizerParams(Check):
             # on purpose) carry no signal to miss. Read once, when reporting.
             with torch.no_grad():
                 grads = [named[n].grad.detach() for n in missing]
-                norms = torch.stack([(g.coalesce().values() if g.is_sparse else g).float().norm().cpu()
+                norms = torch.stack([as_float(g.coalesce().values() if g.is_sparse else g).norm().cpu()
                                      for g in grads]).tolist()
             missing = [n for n, v in zip(missing, norms) if v != 0.0]
         if missing:

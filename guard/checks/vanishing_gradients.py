@@ -22,6 +22,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..tensors import as_float
 from .base import Check
 
 EVERY = 5
@@ -96,8 +97,8 @@ class VanishingGradients(Check):
                 or gl.layout != torch.strided:
             return
         with torch.no_grad():
-            rf = torch.linalg.vector_norm(gf.float()) / math.sqrt(gf.numel())
-            rl = torch.linalg.vector_norm(gl.float()).to(rf.device) / math.sqrt(gl.numel())
+            rf = torch.linalg.vector_norm(as_float(gf)) / math.sqrt(gf.numel())
+            rl = torch.linalg.vector_norm(as_float(gl)).to(rf.device) / math.sqrt(gl.numel())
             ratio = rf / rl
         step, source = self.g.step, self.g.source()
         self.g.stage(ratio, lambda v: self._seen(v, step, source))
