@@ -1452,3 +1452,29 @@ def test_global_guard_counts_the_model_optimizer_not_an_inner_solve_over_plain_t
     assert g.findings == [] and g.record.notices == [] and g.step == 24
     g = run(5)
     assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 5)]
+
+
+def test_parameters_in_a_plain_list_attribute_are_named_with_the_parameterlist_fix():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 8)
+            self.gains = [nn.Parameter(torch.ones(8)) for _ in range(2)]  # not an nn.ParameterList
+
+        def forward(self, x):
+            h = self.fc(x)
+            for g in self.gains:
+                h = torch.tanh(h * g)
+            return h.sum(1)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(12):
+            loss = (model(torch.randn(16, 4)) - 1).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f.where == "model.gains" and "plain Python list attribute (`model.gains`)" in f.message
+    assert "self.gains = nn.ParameterList([...])" in f.hint
+    assert sorted(f.details["names"]) == ["model.gains[0]", "model.gains[1]"]

@@ -54,12 +54,15 @@ TARGET_FIX = ("Compute what they produce under torch.no_grad() (a DQN/SAC/TD3 ta
               "y = r + gamma * target(next_obs).max(1).values), or freeze them: target.requires_grad_(False).")
 
 
-def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str]]:
+def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str], Dict[str, str]]:
     """Names for parameters outside the watched models, from the user's variables: a module holding them
-    (`target.0.weight`) or the variable bound to one (`log_vars`); the owner's name when one module holds them all."""
+    (`target.0.weight`), a plain list or dict attribute of a module holding them unregistered
+    (`model.gains[0]`), or the variable bound to one (`log_vars`); the owner's name when one module holds them
+    all; and the plain attributes found ({`model.gains`: "list" or "dict"})."""
     ids = {id(p): i for i, p in enumerate(params)}
     names: List[Optional[str]] = [None] * len(params)
     owners: set = set()
+    plain: Dict[str, str] = {}
     for fr in user_frames(12):
         for scope in (frame_locals(fr), fr.f_globals):
             for var, value in list(scope.items()):
@@ -75,6 +78,20 @@ def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str]
                             if k is not None and names[k] is None:
                                 names[k] = f"{var}.{pname}"
                                 owners.add(var)
+                        if all(n is not None for n in names):
+                            continue
+                        for mpath, m in value.named_modules():
+                            for attr, held in list(vars(m).items()):
+                                if attr.startswith("_") or not isinstance(held, (list, tuple, dict)):
+                                    continue
+                                items = list(held.items() if isinstance(held, dict) else enumerate(held))[:256]
+                                for key, p in items:
+                                    k = ids.get(id(p))
+                                    if k is not None and names[k] is None:
+                                        base = f"{var}.{mpath}.{attr}" if mpath else f"{var}.{attr}"
+                                        names[k] = f"{base}[{key!r}]"
+                                        plain[base] = "dict" if isinstance(held, dict) else "list"
+                                        owners.add(var)
                     except Exception:
                         continue
             if all(n is not None for n in names):
@@ -83,7 +100,7 @@ def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str]
             break
     out = [n if n is not None else f"parameter {list(p.shape)}" for n, p in zip(names, params)]
     owner = next(iter(owners)) if len(owners) == 1 and all(n is not None for n in names) else None
-    return out, owner
+    return out, owner, plain
 
 
 def _listing(prefixes: List[str], more: bool) -> str:
@@ -172,10 +189,13 @@ class OptimizerParams(Check):
         if not params or any(f.kind in ("loss-disconnected", "module-not-registered") for f in self.g.findings):
             return
         self._outside_told.update(id(p) for p in params)
-        names, owner = _outside_names(params)
+        names, owner, plain = _outside_names(params)
         prefixes = module_prefixes(names, names, limit=11)
         shown, more = prefixes[:10], len(prefixes) > 10
         opts = ", ".join(type(o).__name__ for o in self.g.optimizers)
+        if plain and all(any(n.startswith(b + "[") for b in plain) for n in names):
+            self._plain_container(params, names, plain, step, opts)
+            return
         what = f"of {owner}, which guard does not watch, " if owner else "outside the watched models "
         message = (f"{len(params)} parameter(s) {what}get gradients from the loss but are in no optimizer ({opts}): "
                    f"{_listing(shown, more)}; backward() computes gradients for them that nothing uses, and they pile "
@@ -191,6 +211,23 @@ class OptimizerParams(Check):
         self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=self.g.source(),
                   details={"modules": shown, "parameters": len(params), "names": names[:20], "appeared_mid_run": False,
                            "outside_watched_models": True, **({"owner": owner} if owner else {})})
+
+    def _plain_container(self, params: list, names: List[str], plain: Dict[str, str], step: int, opts: str) -> None:
+        """Parameters held in a plain list/dict attribute of a module (not nn.ParameterList/ParameterDict)."""
+        bases = list(plain)
+        base, kind = bases[0], plain[bases[0]]
+        attr = base.rsplit(".", 1)[-1]
+        listed = ", ".join(f"`{b}`" for b in bases[:3])
+        message = (f"{len(params)} parameter(s) are held in a plain Python {kind} attribute ({listed}), not an "
+                   f"nn.{'ParameterDict' if kind == 'dict' else 'ParameterList'}: module.parameters() does not list "
+                   f"them, so the optimizer ({opts}) built from it does not hold them and state_dict() does not save "
+                   f"them; backward() computes gradients for them that nothing uses")
+        fix = ("nn.ParameterDict({...})" if kind == "dict" else "nn.ParameterList([...])")
+        hint = (f"Register them: self.{attr} = {fix} in __init__ (then the optimizer over model.parameters() "
+                f"trains them, .to(device) moves them and state_dict() saves them).")
+        self.emit("param-not-in-optimizer", base, message, hint, step=step, source=self.g.source(),
+                  details={"modules": bases, "parameters": len(params), "names": names[:20], "appeared_mid_run": False,
+                           "outside_watched_models": True, "plain_container": kind})
 
     def on_step_pre(self, optimizer):
         groups = optimizer.param_groups
