@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from demos import sigmoid_bce, softmax_cross_entropy, target_out_of_range
-from guard import guard
+from guard import GuardError, guard
 from guard.checks import loss_fn
 
 
@@ -230,3 +230,43 @@ def test_indexerror_carries_the_explanation_as_a_note():
     notes = getattr(err.value, "__notes__", [])
     assert any(n.startswith("guard: target-out-of-range at loss (step 0)") and "[0, 4): [4]" in n for n in notes)
     assert [f.kind for f in g.findings] == ["target-out-of-range"]
+
+
+def _ctc_batch(labels_from=1, pad=-1):
+    """log-prob-ready logits [T=12, N=3, C=6], padded targets [3, 4] (padding `pad` past each length)."""
+    torch.manual_seed(0)
+    targets = torch.randint(labels_from, 6, (3, 4))
+    lengths = torch.tensor([4, 2, 3])
+    targets[torch.arange(4) >= lengths.reshape(-1, 1)] = pad
+    return torch.randn(12, 3, 6, requires_grad=True), targets, torch.full((3,), 12), lengths
+
+
+def test_ctc_healthy_padded_targets_are_silent_and_its_contract_is_checked():
+    logits, targets, in_len, tgt_len = _ctc_batch()
+    with guard(checks="all", live=False) as g:
+        loss = nn.CTCLoss()(logits.log_softmax(-1), targets, in_len, tgt_len)  # padding -1 lies past the lengths
+        loss.backward()
+    assert g.findings == []
+    with guard(checks="all", live=False) as g:
+        nn.CTCLoss()(logits.softmax(-1), targets, in_len, tgt_len).backward()  # probabilities, not log
+    (f,) = g.findings
+    assert f.kind == "softmax-before-cross-entropy" and "ctc_loss() (CTCLoss) got probabilities" in f.message
+    assert "log_softmax(-1)" in f.hint
+    with guard(checks="all", live=False) as g:
+        nn.CTCLoss()(logits.log_softmax(1), targets, in_len, tgt_len).backward()  # over the batch dimension
+    assert [f.details["looks_like"] for f in g.findings] == ["scores"]
+
+
+def test_ctc_targets_past_the_classes_or_on_the_blank():
+    logits, targets, in_len, tgt_len = _ctc_batch()
+    targets[0, 1] = 6  # C = 6: one label too many for the output layer
+    with pytest.raises(GuardError):  # raised before ctc_loss reads past the class dimension (not checked on CPU)
+        with guard(mode="raise", live=False) as g:
+            F.ctc_loss(logits.log_softmax(-1), targets, in_len, tgt_len)
+    f = g.findings[0]
+    assert f.kind == "target-out-of-range" and f.details["bad_values"] == [6] and "C must be at least 7" in f.hint
+    logits, targets, in_len, tgt_len = _ctc_batch(labels_from=0)  # 0-based labels with blank=0
+    with guard(live=False) as g:
+        F.ctc_loss(logits.log_softmax(-1), targets, in_len, tgt_len, zero_infinity=True).backward()
+    (f,) = g.findings
+    assert f.kind == "target-out-of-range" and f.details["blank_targets"] and "1..C-1" in f.hint

@@ -82,9 +82,11 @@ class LossMisuse(Check):
         "sigmoid-before-bce": ("info", "BCELoss after sigmoid; BCEWithLogitsLoss is the stable form"),
         "target-out-of-range": ("error", "class targets outside [0, C)"),
     }
-    description = "probabilities into CrossEntropy/NLL, sigmoid before BCELoss, class targets outside [0, C)"
+    description = ("probabilities into CrossEntropy/NLL/CTC, sigmoid before BCELoss, class targets outside [0, C) "
+                   "(CTC targets also: the blank)")
     patches = {"cross_entropy": "torch.nn.functional.cross_entropy",
                "nll_loss": "torch.nn.functional.nll_loss",
+               "ctc_loss": "torch.nn.functional.ctc_loss",
                "binary_cross_entropy": "torch.nn.functional.binary_cross_entropy"}
 
     def watches(self, module) -> bool:
@@ -101,6 +103,7 @@ class LossMisuse(Check):
         # host copies of accelerator targets of this step: (copy, C, ignore_index, fn, step, source)
         self._copies: Deque[Tuple[torch.Tensor, int, int, str, int, Optional[str]]] = deque(maxlen=MAX_COPIES)
         self._exc: Optional[BaseException] = None  # the exception being explained, if any
+        self._ctc_told = False  # a CTC target finding was made (once per run)
 
     # ------------------------------------------------------------------ cross_entropy / nll_loss
     def on_cross_entropy(self, args, kwargs):
@@ -169,8 +172,82 @@ class LossMisuse(Check):
                 code = bad.float() * (2.0 - probs.float())
                 self.g.stage(code, lambda v, info=info: v and self._report_prob(*info, code=v))
 
+    # ------------------------------------------------------------------ ctc_loss
+    def on_ctc_loss(self, args, kwargs):
+        lp = _arg(args, kwargs, 0, "log_probs")
+        if not isinstance(lp, torch.Tensor) or not _checkable(lp) or not lp.is_floating_point() or lp.dim() < 2:
+            return
+        c = lp.shape[-1]
+        t = _arg(args, kwargs, 1, "targets")
+        # On the CPU ctc_loss does not check its targets (it reads past the class dimension): they are looked at
+        # before the call, on the host (no sync: CPU tensors), until a finding is made.
+        if self._want_tgt and not self._ctc_told and isinstance(t, torch.Tensor) and _checkable(t) \
+                and not t.is_floating_point() and t.device.type == "cpu":
+            self._ctc_targets(t, _arg(args, kwargs, 3, "target_lengths"), c,
+                              int(_arg(args, kwargs, 4, "blank", 0)))
+        step = self.g.step
+        if self._want_prob and self.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0):
+            rows = lp.detach().reshape(-1, c)[:ROWS].float()
+            lse = torch.logsumexp(rows, dim=1)
+            fin = torch.isfinite(lse)
+            bad = torch.where(fin, lse.abs(), 0.0).amax() > _tol(lp)
+            probs = (rows.amin() >= 0) & (rows.amax() <= 1)
+            code = bad.float() * (2.0 - probs.float())
+            info = ("ctc_loss", list(lp.shape), type(lp.grad_fn).__name__ if lp.grad_fn is not None else None,
+                    step, self.g.source())
+            self.g.stage(code, lambda v, info=info: v and self._report_prob(*info, code=v))
+
+    def _ctc_targets(self, t: torch.Tensor, lengths: Any, c: int, blank: int) -> None:
+        """CTC targets outside [0, C), or equal to the blank (a real label encoded as "no output")."""
+        vals = t.detach()
+        if vals.dim() == 2:  # padded [N, S]: only the first target_lengths[n] entries of row n count
+            tl = torch.as_tensor(lengths) if isinstance(lengths, (list, tuple)) else lengths
+            if not isinstance(tl, torch.Tensor) or tl.device.type != "cpu" or tl.numel() != vals.shape[0]:
+                return
+            vals = vals[torch.arange(vals.shape[1]) < tl.reshape(-1, 1)]
+        vals = vals.reshape(-1)
+        out = (vals < 0) | (vals >= c)
+        blanks = vals == blank
+        if not bool(out.any()) and not bool(blanks.any()):
+            return
+        self._ctc_told = True
+        bad = out if bool(out.any()) else blanks
+        values = torch.unique(vals[bad])
+        shown = [int(v) for v in values[:10]]
+        count = int(bad.sum())
+        if bool(out.any()):
+            message = (f"ctc_loss() got targets outside [0, {c}): {shown}" + (" ..." if values.numel() > 10 else "")
+                       + f" ({count} of {vals.numel()} target labels; log_probs has C={c} classes, blank={blank}); "
+                       f"on the CPU ctc_loss does not check them: it reads past the class dimension, so the loss "
+                       f"is wrong and soon NaN (or memory is corrupted)")
+            hint = (f"The output layer needs one unit per label plus the blank: C = len(vocabulary) + 1 (here labels "
+                    f"reach {int(values.max())}, so C must be at least {int(values.max()) + 1}); with blank=0, "
+                    f"encode labels as 1..C-1.")
+        else:
+            message = (f"ctc_loss() got targets equal to the blank index {blank} ({count} of {vals.numel()} target "
+                       f"labels): CTC reads the blank as \"no label\", so that symbol is never learned (and targets "
+                       f"holding it have no valid alignment)")
+            hint = (f"Keep the blank out of the vocabulary: encode labels as 1..C-1 with blank=0 (0-based labels: "
+                    f"y + 1, and C = len(vocabulary) + 1), or pass blank=C-1 with labels 0..C-2.")
+        self.emit("target-out-of-range", "loss", message, hint, step=self.g.step, source=self.g.source(),
+                  details={"loss": "ctc_loss", "classes": c, "blank": blank, "bad_values": shown,
+                           "bad_count": count, **({"blank_targets": True} if not bool(out.any()) else {})})
+
     def _report_prob(self, fn, shape, grad_fn, step, source, code: float) -> None:
         self._want_prob = False  # reported once; no more per-call work
+        if fn == "ctc_loss":
+            probs = code == 1.0
+            what = "probabilities (softmax without log)" if probs else "values that are not log-probabilities"
+            self.emit("softmax-before-cross-entropy", "loss",
+                      f"ctc_loss() (CTCLoss) got {what} over the classes: the rows of its last dimension do not "
+                      f"have logsumexp 0 (input {shape}" + (f", made by {grad_fn}" if grad_fn else "") + "), so "
+                      f"the loss is meaningless",
+                      "CTCLoss expects log-probabilities over the classes, the last dimension of [T, N, C]: "
+                      "log_probs = logits.log_softmax(-1) (not softmax, and not log_softmax over the time or batch "
+                      "dimension).",
+                      step=step, source=source, details={"loss": fn, "input_shape": shape, "grad_fn": grad_fn,
+                                                         "looks_like": "probabilities" if probs else "scores"})
+            return
         if fn == "cross_entropy" and code == 3.0:
             self.emit("softmax-before-cross-entropy", "loss",
                       f"cross_entropy() (CrossEntropyLoss) got rows that are already log-probabilities (each row's "
