@@ -22,6 +22,15 @@ _VALUE, _FLAG, _BATCH = 0, 1, 2
 Collector = Callable[[], List[Tuple[torch.Tensor, Callable[[List[float]], None]]]]
 
 
+def _stored_values(g: torch.Tensor) -> Optional[torch.Tensor]:
+    """The values a sparse (COO, CSR/CSC/BSR) gradient stores, for its norm (duplicates of an uncoalesced COO
+    gradient counted apart: close enough for NaN/Inf and for a scale); None for a layout without them."""
+    try:
+        return g._values() if g.layout is torch.sparse_coo else g.values()
+    except Exception:
+        return None
+
+
 class GradNorms:
     """Per-parameter gradient norms of one step, kept on the device until the step is resolved."""
 
@@ -144,8 +153,21 @@ class Staging:
                     self._flat[optimizer] = flat[:3] + (True,)
                 return GradNorms(ps, namer, grads, flat[2])
         strided = torch.strided
-        ps = [p for p in ps if (gr := p.grad) is not None and gr.layout is strided and not gr.is_meta]
-        return GradNorms(ps, namer)
+        kept, grads, sparse = [], [], False
+        for p in ps:
+            gr = p.grad
+            if gr is None or gr.is_meta:
+                continue
+            if gr.layout is not strided:  # a sparse gradient (an nn.Embedding(sparse=True)'s): its stored values
+                gr = _stored_values(gr)
+                if gr is None:
+                    continue
+                sparse = True
+            kept.append(p)
+            grads.append(gr)
+        # the stored values' shapes change from step to step: no grouping cached for them
+        key = tuple((id(p), tuple(g.shape)) for p, g in zip(kept, grads)) if sparse else None
+        return GradNorms(kept, namer, grads, key)
 
     def forget_grad_norms(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this step's cached norms of `optimizer` (the gradients changed in place)."""

@@ -1063,3 +1063,18 @@ def test_a_standard_layer_subclass_with_its_own_forward_is_the_origin():
             opt.zero_grad(); loss.backward(); opt.step()
     f = next(f for f in g.findings if f.kind == "nonfinite-output")
     assert f.where == "2" and "2 (QLinear) produced NaN/Inf; its inputs were finite" in f.message
+
+
+def test_nan_in_a_sparse_gradient_is_a_nonfinite_grad_not_a_nonfinite_param():
+    """nn.Embedding(sparse=True): the norm of a zero latent code at its sqrt makes its sparse gradient NaN."""
+    codes = nn.Embedding(10, 4, sparse=True)
+    nn.init.zeros_(codes.weight)
+    dec = nn.Linear(4, 1)
+    opt = torch.optim.SparseAdam(codes.parameters(), lr=1e-2)
+    opt2 = torch.optim.Adam(dec.parameters(), lr=1e-2)
+    with guard(live=False) as g:
+        z = codes(torch.tensor([1, 2, 3]))
+        loss = F.mse_loss(dec(z), torch.ones(3, 1)) + 1e-3 * z.pow(2).sum(1).sqrt().mean()  # sqrt at 0
+        opt.zero_grad(); opt2.zero_grad(); loss.backward(); opt.step(); opt2.step()
+    assert [(f.kind, f.where) for f in g.findings] == [("nonfinite-grad", "weight")]
+    assert g.timeline[0]["grad_norm"] != g.timeline[0]["grad_norm"]  # NaN: the sparse gradient is counted
