@@ -512,6 +512,21 @@ def test_loss_disconnected_demo():
     assert "torch.tensor(loss.item(), requires_grad=True)" in f.message and ".item()" in f.hint
 
 
+def test_a_loss_cut_by_numpy_leaves_no_evaluation_finding_for_the_last_forward_still_held():
+    """pred.detach().numpy() -> ... -> loss.requires_grad_(): the last step's `pred` keeps its graph to the end
+    of the run; that graph is the disconnected loss's consequence, not an evaluation outside no_grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for _ in range(10):
+            x = torch.randn(8, 3)
+            pred = model(x)
+            loss = torch.from_numpy(((pred.detach().numpy() - x.numpy()) ** 2).mean(keepdims=True)).requires_grad_()
+            opt.zero_grad(); loss.sum().backward(); opt.step()
+    assert kinds(g) == ["loss-disconnected"]
+
+
 @pytest.mark.parametrize("mode", ["warn", "raise"])
 def test_an_attack_with_its_own_optimizer_over_its_delta_is_no_disconnected_loss(mode):
     """PGD with Adam([delta]) while the model is frozen: that backward reaches only delta, which an optimizer the

@@ -311,9 +311,10 @@ class EvalWithoutNoGrad(Check):
             if not r.eval_mode and not r.short and not r.alive():
                 r.short = True  # gone by now, with no model call after it to tell when: counted as dropped
         if any(f.kind == "loss-disconnected" for f in self.g.findings):
-            # graphs dropped because the loss was cut off from them (loss = torch.tensor(loss.item(), ...)):
-            # that finding is their cause
-            unused = [r for r in unused if r.eval_mode or not r.short]
+            # graphs of training-mode forwards left unused because the loss was cut off from them (loss =
+            # torch.tensor(loss.item(), ...)), dropped at once or still held by the last step's variables: that
+            # finding is their cause
+            unused = [r for r in unused if r.eval_mode]
         drops = self._drops  # counted over the run: once per epoch recurs as surely as thrice in a step
         for r in unused:
             if r.short and not r.eval_mode:
