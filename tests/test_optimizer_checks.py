@@ -1478,3 +1478,26 @@ def test_parameters_in_a_plain_list_attribute_are_named_with_the_parameterlist_f
     assert f.where == "model.gains" and "plain Python list attribute (`model.gains`)" in f.message
     assert "self.gains = nn.ParameterList([...])" in f.hint
     assert sorted(f.details["names"]) == ["model.gains[0]", "model.gains[1]"]
+
+
+def test_global_guard_names_a_teacher_copied_mid_run_and_left_trainable_as_a_second_model():
+    """LwF/distillation: `teacher = copy.deepcopy(model)` mid-run, called outside no_grad and not frozen."""
+    import copy
+
+    torch.manual_seed(0)
+    with guard(live=False) as g:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        teacher = None
+        for step in range(60):
+            if step == 20:
+                teacher = copy.deepcopy(model)
+            x = torch.randn(16, 8)
+            out = model(x)
+            loss = F.cross_entropy(out, torch.randint(0, 3, (16,)))
+            if teacher is not None:
+                loss = loss + F.kl_div(F.log_softmax(out, 1), F.softmax(teacher(x), 1), reduction="batchmean")
+            opt.zero_grad(); loss.backward(); opt.step()
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f.where == "teacher" and "a model that appeared mid-run" in f.message
+    assert "teacher or target network" in f.hint and "torch.no_grad()" in f.hint and f.details["second_model"] == ["teacher"]

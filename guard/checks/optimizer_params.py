@@ -368,6 +368,19 @@ class OptimizerParams(Check):
             hint = ("To freeze them, set requires_grad_(False) on them (or run that part under torch.no_grad()): "
                     "backward() then skips them. If they should still train, put them back in the optimizer.")
             extra = {"removed_from_optimizer": True}
+        elif later and self._whole_models(missing, named):
+            # A whole model called since the last look, none of it in an optimizer, while the optimizer trains
+            # another: a second network (a teacher or target copied from the model) run outside no_grad.
+            models = self._whole_models(missing, named)
+            shown, more = models[:10], len(models) > 10
+            message = (f"{len(missing)} parameter(s) of {_listing(shown, more)}, a model that appeared mid-run (by "
+                       f"step {step}) beside the one {opts} trains, get gradients but are in no optimizer: "
+                       f"backward() computes gradients for them that nothing uses, and they pile up (zero_grad() "
+                       f"never clears them)")
+            hint = ("If it is a teacher or target network (a copy of the model made mid-run for distillation, LwF, "
+                    "or a target): " + TARGET_FIX + " If it should train, add it to the optimizer: "
+                    "optimizer.add_param_group({'params': other_model.parameters()}).")
+            extra = {"second_model": models[:3]}
         elif later:
             # They had no gradient at the earlier looks: unfrozen mid-run (requires_grad_(True)) and never added.
             message = (f"{len(missing)} parameter(s) that had no gradient before get gradients since step {step} or a "
@@ -401,6 +414,24 @@ class OptimizerParams(Check):
         self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=source,
                   details={"modules": shown, "parameters": len(missing), "names": missing[:20],
                            "appeared_mid_run": later, **extra})
+
+    def _whole_models(self, missing: List[str], named: list) -> List[str]:
+        """The outermost models (a global guard's roots) that hold every missing parameter and none held by an
+        optimizer, while another model has parameters an optimizer holds: [] unless that is so."""
+        want = {id(p) for n, p in named if n in set(missing)}
+        held = self._held()
+        whole, other = [], False
+        for root in self.g.roots:
+            ps = [p for p in root.parameters() if p.requires_grad]
+            if not ps:
+                continue
+            if any(id(p) in held for p in ps):
+                other = True
+            elif all(id(p) in want for p in ps):
+                owner = _outside_names(ps[:1])[1]  # the variable holding it (`teacher`), if any
+                whole.append(owner or self.g.path_of(root))
+                want -= {id(p) for p in ps}
+        return whole if whole and other and not want else []
 
     def _masters(self, missing: List[str], named: list) -> bool:
         """Whether the optimizers hold tensors of the missing parameters' shapes in another dtype, with gradients
