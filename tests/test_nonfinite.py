@@ -1078,3 +1078,18 @@ def test_nan_in_a_sparse_gradient_is_a_nonfinite_grad_not_a_nonfinite_param():
         opt.zero_grad(); opt2.zero_grad(); loss.backward(); opt.step(); opt2.step()
     assert [(f.kind, f.where) for f in g.findings] == [("nonfinite-grad", "weight")]
     assert g.timeline[0]["grad_norm"] != g.timeline[0]["grad_norm"]  # NaN: the sparse gradient is counted
+
+
+def test_an_infinite_ctc_loss_gets_the_alignment_fix():
+    """An utterance shorter than its transcript has no CTC alignment: its loss is inf without zero_infinity."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    targets, tgt_len = torch.randint(1, 6, (2, 5)), torch.tensor([5, 5])
+    with guard(model, opt, live=False) as g:
+        for in_len in ([10, 10], [10, 3]):  # the second batch holds a 3-frame input for 5 labels
+            logp = model(torch.randn(10, 2, 4)).log_softmax(-1)
+            loss = nn.CTCLoss()(logp, targets, torch.tensor(in_len), tgt_len)
+            opt.zero_grad(); loss.backward(); opt.step()
+    (f,) = g.findings
+    assert f.kind == "nonfinite-loss" and f.step == 1 and "zero_infinity=True" in f.hint and f.details["ctc"]

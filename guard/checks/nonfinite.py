@@ -94,6 +94,8 @@ def _tensors(obj: Any, prefix: str) -> List[Tuple[str, torch.Tensor]]:
 
 class NonFinite(Check):
     name = "nonfinite"
+    # (a CTC loss of the step gives its infinite loss its own fix: an utterance with no valid alignment)
+    patches = {"ctc_loss": "torch.nn.functional.ctc_loss"}
     kinds = {
         "nonfinite-input": ("error", "NaN/Inf in a tensor fed to the guarded model"),
         "nonfinite-output": ("error", "a module produced NaN/Inf from finite inputs"),
@@ -135,6 +137,8 @@ class NonFinite(Check):
         # id(optimizer) -> (weak reference whose callback checks the weights as it dies, its param_groups):
         # a script whose model and optimizer are locals of main() drops them before guard's exit
         self._ends: Dict[int, Tuple[Any, list]] = {}
+        self._by_hand = False  # the backward under way is of a loss scaled by hand (`_scaled_by_hand`)
+        self._ctc_steps: Deque[int] = deque(maxlen=8)  # the last steps with a ctc_loss call without zero_infinity
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -145,7 +149,6 @@ class NonFinite(Check):
         self._calls: List[_Call] = []
         self._losses: List[Tuple[int, Optional[str], int]] = []
         self._grads: List[Tuple[int, Any, int, Optional[str]]] = []
-        self._by_hand = False  # the backward under way is of a loss scaled by hand (`_scaled_by_hand`)
 
     # staging ---------------------------------------------------------------
     def _flag(self, t: torch.Tensor, own: bool = False) -> int:
@@ -358,6 +361,11 @@ class NonFinite(Check):
             if isinstance(t, torch.Tensor) and screenable(t):
                 # A 0-dim fp32/fp64 loss is its own sum (it is read at the step's end, as the timeline's loss is).
                 self._losses.append((self._flag(t, own=True), self.g.root_source, self.g.step))
+
+    def on_ctc_loss(self, args, kwargs):
+        if not (args[6] if len(args) > 6 else kwargs.get("zero_infinity", False)) and (
+                not self._ctc_steps or self._ctc_steps[-1] != self.g.step):
+            self._ctc_steps.append(self.g.step)
 
     def on_backward_done(self, tensors, kwargs):
         if not self.g.has_optimizer and self.g.sampling and not self._scaled(tensors) and not self._by_hand:
@@ -611,6 +619,11 @@ class NonFinite(Check):
                                   "cross_entropy give NaN there; leave at least one entry per row unmasked. "
                                   + MASK_HINT,
                                   step=step, source=source, details={"masked_outputs": True})
+                    elif step in self._ctc_steps:
+                        self.emit("nonfinite-loss", "loss",
+                                  "the loss passed to backward() is NaN/Inf although the model's outputs were finite; "
+                                  "this step's ctc_loss runs without zero_infinity",
+                                  CTC_HINT, step=step, source=source, details={"ctc": True})
                     else:
                         self.emit("nonfinite-loss", "loss",
                                   "the loss passed to backward() is NaN/Inf although the model's outputs were finite",
@@ -697,6 +710,8 @@ class NonFinite(Check):
             why += ("; it made NaN/Inf on earlier steps too, which were handled after it (the loss and gradients "
                     "stayed finite), but on this step they reached the loss or the gradients")
         hint = _output_hint(call.type, bool(bad_params))
+        if call.type == "CTCLoss" and call.step in self._ctc_steps and not bad_params:
+            hint = CTC_HINT  # a loss module called on its own (a global guard's outermost call)
         if bad_params and all(".parametrizations." in n and n.endswith(".original") for n in bad_params) \
                 and call.step == 0:
             # made when the parametrization was registered: its right_inverse maps the weight to the stored one
@@ -832,6 +847,11 @@ class NonFinite(Check):
                   details={"parameters": bad[:20], "count": len(bad), "grads_screened": screened})
         return True
 
+
+CTC_HINT = ("CTC's loss is infinite for an utterance with no valid alignment: its input (after the model's "
+            "subsampling) is shorter than its target, plus one frame between repeated labels. Pass zero_infinity=True "
+            "(nn.CTCLoss(zero_infinity=True)), or drop such utterances (keep input_lengths >= target_lengths); check "
+            "that input_lengths are counted after subsampling.")
 
 _FORWARD_KINDS = ("nonfinite-input", "nonfinite-output", "nonfinite-loss")
 _NEG_INF = float("-inf")
