@@ -1646,6 +1646,36 @@ def test_a_plain_object_that_keeps_every_steps_graph_is_named_at_its_update():
     assert run(detach=True).findings == []
 
 
+def test_a_dict_updated_from_itself_under_a_variable_key_is_named_at_that_line():
+    """Synaptic intelligence's path integral `W[n] = W[n] - g * (p - prev[n])` outside no_grad: `p` is the live
+    leaf, so W chains every step's graph. Its line is found through the container's writes (`W[n] = ...`)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    named = dict(model.named_parameters())
+    W = {n: torch.zeros_like(p) for n, p in named.items()}
+    prev = {n: p.detach().clone() for n, p in named.items()}
+    with guard(model, opt, live=False) as g:
+        for _ in range(70):
+            loss = F.cross_entropy(model(torch.randn(16, 6)), torch.randint(0, 2, (16,)))
+            opt.zero_grad(); loss.backward()
+            grads = {n: p.grad.clone() for n, p in named.items()}
+            opt.step()
+            for n, p in named.items():
+                W[n] = W[n] - grads[n] * (p - prev[n])  # the update line
+                prev[n] = p.detach().clone()
+    (f,) = g.findings
+    assert f.kind == "loss-graph-retained" and f.where.startswith("W[")
+    assert _line_text(f.source).strip().startswith("W[n] = W[n] - grads[n]")
+    assert "with torch.no_grad(): W[n] = ..." in f.hint
+
+
+def _line_text(source):
+    import linecache
+    path, _, no = source.rpartition(":")
+    return linecache.getline(os.path.abspath(path), int(no))
+
+
 def test_a_graph_built_once_and_reused_every_step_is_not_a_growing_one():
     """A prior computed once from a parameter and back-propagated at every step (retain_graph=True), rebuilt every
     20 steps: the tensor holds nodes older than the last look, but of one interval only."""

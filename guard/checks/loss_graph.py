@@ -198,10 +198,16 @@ def _update_source(name: str, frame: Any, parent: Any) -> Optional[str]:
             if c is not None:
                 places.append((c.co_filename, *_code_range(c)))
     places.append((code.co_filename, 1, 10 ** 9))
-    for filename, lo, hi in places:
-        no = _search(filename, lo, hi, target)
-        if no is not None:
-            return f"{short_path(filename)}:{no}"
+    targets = [target]
+    base = name[:-5] if name.endswith("[...]") else name
+    m = re.match(r"^(.*?)(\w+)\[[^\]]*\]$", base)
+    if m:  # `W['0.weight']` written with a variable key (`W[n] = W[n] - ...`): the container's subscript writes
+        targets.append(r"(?<![\w])" + re.escape(m.group(2)) + r"\s*\[[^\]]*\]")
+    for target in targets:
+        for filename, lo, hi in places:
+            no = _search(filename, lo, hi, target)
+            if no is not None:
+                return f"{short_path(filename)}:{no}"
     return f"{short_path(code.co_filename)}:{frame.f_lineno}"
 
 
@@ -378,6 +384,12 @@ class LossGraph(Check):
         store = f"`{said}.append(x.detach())`" if name.endswith("[...]") else f"`{said}[idx] = x.detach()`"
         hint = (f"Store detached values ({store}, or `= new.detach()`), or update it under torch.no_grad(); keep the "
                 f"graph only for what this step's loss needs.")
+        m = re.match(r"^\s*([\w.\[\]'\"]+)\s*=(?!=)(.*)$", _line_at(src) if src else "")
+        if m and m.group(1) in m.group(2):
+            # updated from itself (a path integral, a running sum of parameter changes `W[n] = W[n] - g * (p - prev)`)
+            hint = (f"Compute the update without autograd: `with torch.no_grad(): {m.group(1)} = ...` (or detach "
+                    f"what enters it, p.detach()); updated from itself with a grad_fn, it chains every step's graph "
+                    f"to the last one.")
         self.emit("loss-graph-retained", base, message, hint, step=step, source=src,
                   details={"holder": name, "holder_source": src, "graph_nodes": nodes, "grad_fn": op,
                            "held_shapes": shapes, "held_with_history": True,
