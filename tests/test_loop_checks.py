@@ -713,6 +713,30 @@ def test_eval_in_train_mode_under_inference_mode_before_training():
     assert f.step == 0 and "torch.inference_mode()" in f.message and "1 (Dropout)" in f.message
 
 
+def test_a_lazy_models_dry_run_under_no_grad_is_no_evaluation_in_train_mode():
+    """The documented lazy-module recipe: `with torch.no_grad(): model(dummy)` sizes the lazy layers, then the
+    optimizer is built. A later evaluation from the same model in train mode is still found."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(16), nn.LazyBatchNorm1d(), nn.ReLU(), nn.Linear(16, 1))
+    with guard(model, live=False) as g:
+        with torch.no_grad():
+            model(torch.randn(4, 8))  # the dry run
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            opt.step()
+    assert [f for f in g.findings if f.severity != "info"] == []
+    with guard(model, opt, live=False) as g:
+        with torch.no_grad():
+            model(torch.randn(16, 8))  # evaluation, the model left in train mode
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            opt.step()
+    assert kinds(g) == ["eval-in-train-mode"]
+
+
 @pytest.mark.parametrize("switched_back", ["dropout", "batchnorm"])
 def test_layers_switched_back_to_train_after_model_eval_are_deliberate(switched_back):
     """Monte Carlo dropout: model.eval(), then a layer's train() on purpose; the same forwards with the model

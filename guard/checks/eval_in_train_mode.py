@@ -39,11 +39,12 @@ import contextlib
 import os
 import sys
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
 
 from ..tensors import iter_tensors
 from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
@@ -118,6 +119,8 @@ class EvalInTrainMode(Check):
         super().__init__(guard)
         self._mods: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
         self._trained = WeakIdSet()  # models seen called with grad enabled
+        self._called = WeakIdSet()  # models seen called under no_grad before any other call of theirs
+        self._dry: Any = None  # the model whose call under way sizes its lazy modules (a dry run)
         # model -> (step, source, names, types, count, inference) of its first train-mode no_grad forward
         self._pending: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
         self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -144,12 +147,20 @@ class EvalInTrainMode(Check):
 
     on_f_dropout = on_f_dropout1d = on_f_dropout2d = on_f_dropout3d = _f_dropout
 
+    def on_forward_pre(self, module, path, args, kwargs, is_root):
+        # a model's first call, under no_grad, with lazy modules not sized yet: the documented dry run
+        if is_root and not torch.is_grad_enabled() and id(module) not in self._called.data:
+            self._called.add(module)
+            if any(is_lazy(p) for p in module.parameters()):
+                self._dry = module
+
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if not is_root:
             self._frozen_call(module, path, output)
             return
         if self._frozen_seen:
             self._judge_frozen()
+        dry, self._dry = self._dry, None
         fdrop, self._fdrop = self._fdrop, None
         if self._sites:
             self._decide()
@@ -167,8 +178,8 @@ class EvalInTrainMode(Check):
                 if pend is not None:
                     self._emit(module, path, *pend)
             return
-        if module in self._reported or module in self._pending or getattr(module, OPT_OUT, False):
-            return
+        if dry is module or module in self._reported or module in self._pending or getattr(module, OPT_OUT, False):
+            return  # (dry: the call that sized its lazy modules, `with torch.no_grad(): model(dummy)`)
         if not module.training:
             return  # model.eval() was called: layers in train mode under it were switched back on purpose (MC dropout)
         mods = self._mods.get(module)
