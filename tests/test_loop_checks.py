@@ -1670,6 +1670,33 @@ def test_a_plain_object_that_keeps_every_steps_graph_is_named_at_its_update():
     assert run(detach=True).findings == []
 
 
+def test_a_dict_cache_written_in_forward_is_traced_to_that_write():
+    class Knn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.head, self.cache = nn.Sequential(nn.Linear(3, 32), nn.ReLU(), nn.Linear(32, 16)), \
+                nn.Linear(16, 2), {}
+
+        def forward(self, pos, sid):
+            h = self.f(pos)
+            d = torch.cdist(h, h)  # used for its kNN indices only: its graph is never back-propagated
+            self.cache[sid] = d  # the bug: d.detach()
+            return self.head(h[d.topk(8, largest=False).indices].max(1).values)
+
+    torch.manual_seed(0)
+    model = Knn()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(20):
+            pos = torch.rand(50, 3)
+            loss = F.cross_entropy(model(pos, step), (pos[:, 2] > 0.5).long())  # a new key every step
+            opt.zero_grad(); loss.backward(); opt.step()
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
+    assert f.where.startswith("model.cache[")
+    assert _line_text(f.source).strip().startswith("self.cache[sid] = d")
+    assert "`self.cache[idx] = z.detach()`" in f.hint
+
+
 def test_a_dict_updated_from_itself_under_a_variable_key_is_named_at_that_line():
     """Synaptic intelligence's path integral `W[n] = W[n] - g * (p - prev[n])` outside no_grad: `p` is the live
     leaf, so W chains every step's graph. Its line is found through the container's writes (`W[n] = ...`)."""

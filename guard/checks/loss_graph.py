@@ -202,7 +202,7 @@ def _update_source(name: str, frame: Any, parent: Any) -> Optional[str]:
     base = name[:-5] if name.endswith("[...]") else name
     m = re.match(r"^(.*?)(\w+)\[[^\]]*\]$", base)
     if m:  # `W['0.weight']` written with a variable key (`W[n] = W[n] - ...`): the container's subscript writes
-        targets.append(r"(?<![\w])" + re.escape(m.group(2)) + r"\s*\[[^\]]*\]")
+        targets.append(r"(?<!\w)" + re.escape(m.group(2)) + r"\b")  # `_search` asks for a write after it
     for target in targets:
         for filename, lo, hi in places:
             no = _search(filename, lo, hi, target)
@@ -231,7 +231,7 @@ def _line_at(source: str) -> str:
 
 def _parent_of(name: str, frame: Any) -> Any:
     """The object owning an attribute holder (`meter` for `meter.sum`, `cy.pool` for `cy.pool.items`)."""
-    m = re.match(r"^(\w+)((?:\.\w+)*)\.\w+(?:\[\.\.\.\])?$", name)  # `meter.sum`, `model.step_losses[...]`
+    m = re.match(r"^(\w+)((?:\.\w+)*)\.\w+(?:\[[^\]]*\])?$", name)  # `meter.sum`, `model.losses[...]`, `m.cache[0]`
     if not m:
         return None
     obj = frame_locals(frame).get(m.group(1), frame.f_globals.get(m.group(1)))
@@ -607,9 +607,11 @@ class LossGraph(Check):
                 mem = f", {fmt_bytes(saved)} of saved tensors"
             base = name[:-5] if name.endswith("[...]") else name
             said = base  # in the fix: as the updating line names it (`self.total` in the model's own methods)
-            if (parent is not None and not isinstance(parent, (dict, list, tuple)) and "." in base and src
-                    and _line_has(src, "self." + base.split(".", 1)[1])):
-                said = "self." + base.split(".", 1)[1]
+            bare = re.sub(r"\[[^\]]*\]$", "", base)  # `model.knn_cache` for an entry `model.knn_cache[0]`
+            if (parent is not None and not isinstance(parent, (dict, list, tuple)) and "." in bare and src
+                    and _line_has(src, "self." + bare.split(".", 1)[1])):
+                said = "self." + bare.split(".", 1)[1] + base[len(bare):]
+            said_bare = re.sub(r"\[[^\]]*\]$", "", said)
             if name.endswith("[...]"):
                 fix = f"`{said}.append(loss.item())`"
             else:
@@ -627,9 +629,11 @@ class LossGraph(Check):
                            f"steps without .detach()")
                 if name.endswith("[...]"):
                     store = f"Store detached values: `{said}.append(z.detach())`"
-                elif src and re.search(re.escape(said.rsplit(".", 1)[-1]) + r"\s*\[[^\]]*\]\s*=(?!=)", _line_at(src)):
-                    # rows written in place (`self.cache[i] = e`, a memory bank slot): what is written must be detached
-                    store = f"Write detached values: `{said}[idx] = z.detach()`"
+                elif src and re.search(re.escape(said_bare.rsplit(".", 1)[-1]) + r"\s*\[[^\]]*\]\s*=(?!=)",
+                                       _line_at(src)):
+                    # rows written in place (`self.cache[i] = e`, a memory bank slot, a dict cache entry): what is
+                    # written must be detached
+                    store = f"Write detached values: `{said_bare}[idx] = z.detach()`"
                 elif type(ts[0].grad_fn).__name__ in ("AddBackward0", "LerpBackward0", "LerpBackward1"):
                     # updated from itself (a running statistic, an EMA): the new value's part must be detached
                     store = ("Detach what enters it, as a running average does: `running = momentum * running + "
