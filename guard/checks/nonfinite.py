@@ -712,8 +712,8 @@ class NonFinite(Check):
         hint = _output_hint(call.type, bool(bad_params))
         if call.type == "CTCLoss" and call.step in self._ctc_steps and not bad_params:
             hint = CTC_HINT  # a loss module called on its own (a global guard's outermost call)
-        if bad_params and all(".parametrizations." in n and n.endswith(".original") for n in bad_params) \
-                and call.step == 0:
+        if bad_params and call.step == 0 and all(n.rsplit(".", 1)[-1].startswith("original") for n in bad_params) \
+                and (call.type == "ParametrizationList" or all(".parametrizations." in n for n in bad_params)):
             # made when the parametrization was registered: its right_inverse maps the weight to the stored one
             hint = ("The stored weight of a parametrization is already NaN/Inf before training: registering it ran "
                     "its right_inverse on the layer's weight (log(W) of a weight with negative entries, a division "
