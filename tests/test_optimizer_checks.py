@@ -1501,3 +1501,27 @@ def test_global_guard_names_a_teacher_copied_mid_run_and_left_trainable_as_a_sec
     (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
     assert f.where == "teacher" and "a model that appeared mid-run" in f.message
     assert "teacher or target network" in f.hint and "torch.no_grad()" in f.hint and f.details["second_model"] == ["teacher"]
+
+
+def test_a_weight_rebound_to_a_new_parameter_in_every_forward_gets_the_in_place_fix():
+    class SNLinear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+        def forward(self, x):
+            with torch.no_grad():
+                sigma = torch.linalg.matrix_norm(self.weight, 2)
+            self.weight = nn.Parameter(self.weight / sigma)  # a new Parameter at every call
+            return x @ self.weight.t()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(SNLinear(), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for _ in range(12):
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f.where == "0" and "replaced by a new nn.Parameter again and again" in f.message
+    assert "self.weight.copy_(" in f.hint and f.details["rebound_per_call"]

@@ -35,7 +35,7 @@ from ..tensors import as_float
 from ._graphs import Budget, user_frames, walk
 from ._params import WatchedParams, module_prefixes
 from .base import Check
-from .._weak import WeakIdMap
+from .._weak import WeakIdMap, WeakIdSet
 
 
 #: primary optimizer steps between the look at the missing parameters and the report: optimizers that step less
@@ -124,6 +124,8 @@ class OptimizerParams(Check):
         self._missing_done = False
         self._cand = None  # (names missing at a look, that step, its line): confirmed CONFIRM_STEPS later
         self._was_held: set = set()  # ids of the parameters the optimizers held at the last look that found none
+        self._rebinds: Dict[Tuple[int, str], int] = {}  # (id(module), name) -> times its parameter was replaced
+        self._rebound = WeakIdSet()  # parameters that replaced one at least the second time (re-bound per call)
         self._held_step = 0  # the step of that look
         self._looked = 0  # step of the last look at the missing parameters
         self._told: set = set()  # names already reported as missing
@@ -340,6 +342,15 @@ class OptimizerParams(Check):
 
     def on_register_parameter(self, args, kwargs):
         self._params.forget()  # a parameter assigned since: list the parameters again
+        if len(args) >= 3 and isinstance(args[0], nn.Module) and isinstance(args[2], nn.Parameter) \
+                and args[0]._parameters.get(args[1]) is not None:
+            # a parameter replaced by a new nn.Parameter: more than once is a re-binding at every call
+            key = (id(args[0]), args[1])
+            n = self._rebinds[key] = self._rebinds.get(key, 0) + 1
+            if n >= 2:
+                self._rebound.add(args[2])
+            if len(self._rebinds) > 4096:
+                self._rebinds.clear()
 
     def _missing(self, missing: List[str], step: int, source, later: bool = False) -> None:
         named = self.g.named_parameters()
@@ -390,6 +401,16 @@ class OptimizerParams(Check):
             hint = ("When unfreezing or replacing a layer mid-run, add its parameters to the optimizer too: "
                     "optimizer.add_param_group({'params': model.<module>.parameters()}) (with the learning rate "
                     "you want for them), or build a new optimizer over model.parameters().")
+        elif any(id(p) in self._rebound.data for n, p in named if n in set(missing)):
+            message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
+                       f"{_listing(shown, more)}; each is replaced by a new nn.Parameter again and again (`self.weight "
+                       f"= nn.Parameter(...)` in forward, to renormalize it), so the optimizer holds the first one, "
+                       f"which gets no gradient any more, and the new ones are never updated")
+            hint = ("Change the weight in place instead of re-binding it: `with torch.no_grad(): "
+                    "self.weight.copy_(self.weight / sigma)`, or compute the normalized weight as a tensor used in "
+                    "forward (w = self.weight / sigma), or register a parametrization "
+                    "(torch.nn.utils.parametrizations.spectral_norm, parametrize.register_parametrization).")
+            extra = {"rebound_per_call": True}
         elif self._masters(missing, named):
             message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
                        f"{_listing(shown, more)}; {opts} holds copies of them in another dtype (fp32 master "
