@@ -366,6 +366,7 @@ def test_nan_made_from_a_minus_inf_mask_by_the_loops_own_arithmetic_is_explained
     assert (f.kind, f.where, f.step) == ("nonfinite-output", "_MaskedPolicy", 0)
     assert "produced -inf (and no NaN or +inf)" in f.message and f.details["only_neg_inf"] is True
     assert "0 * -inf" in f.hint and "Categorical(logits=...).entropy()" in f.hint and "xlogy" in f.hint
+    assert "log(0)" in f.hint and "torch.log(x + 1e-6)" in f.hint  # an -inf that is no mask: a log of zero
     f = _entropy_run(form, start=3).findings[0]
     if form == "product":
         assert (f.kind, f.step) == ("nonfinite-loss", 3) and "0 * -inf" in f.hint

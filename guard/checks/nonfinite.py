@@ -725,7 +725,9 @@ class NonFinite(Check):
                       f"{what} produced -inf (and no NaN or +inf) from finite inputs, and NaN/Inf followed in the "
                       f"loss or the gradients: if the -inf is a mask (masked_fill(~mask, float('-inf'))), what is "
                       f"computed from it made the NaN",
-                      MASK_HINT + " If the -inf is not meant, this module overflowed: clamp its inputs or lower the "
+                      MASK_HINT + " If the -inf is not meant, it is most often log(0) (the log power of a silent or "
+                      "padded frame, a zero probability): add an epsilon inside the log (torch.log(x + 1e-6), "
+                      "x.clamp_min(1e-10).log()); otherwise this module overflowed: clamp its inputs or lower the "
                       "learning rate.",
                       step=call.step, source=call.source,
                       details={"module": call.type, "counts": {n: nonfinite_counts(t) for n, i in call.outputs
