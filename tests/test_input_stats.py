@@ -162,3 +162,19 @@ def test_an_image_to_image_model_in_unit_range_is_not_reported(scale):
     assert train(sr, [torch.rand(4, 3, 8, 8) for _ in range(3)]).findings == []
     assert [f.kind for f in train(convnet(), [torch.rand(4, 3, 8, 8) for _ in range(3)]).findings] == [
         "input-not-normalized"]
+
+
+def test_an_inf_marking_no_return_in_a_range_image_says_nothing_of_its_scale():
+    class RangeNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = convnet(1)
+
+        def forward(self, x):
+            return self.net(torch.where(torch.isfinite(x), x / 50, 0.0))  # +inf: no laser return, masked here
+
+    x = torch.rand(4, 1, 16, 16) * 45
+    x[:, :, :2] = float("inf")
+    assert train(RangeNet(), [x, x], checks=["input-stats"]).findings == []
+    assert [f.kind for f in train(RangeNet(), [x.nan_to_num(posinf=300.0)], checks=["input-stats"]).findings] == [
+        "input-not-normalized"]  # the same scale check on a finite input

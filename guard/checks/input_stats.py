@@ -101,7 +101,8 @@ class InputStats(Check):
         if d.dtype in (torch.float16, torch.bfloat16):
             d = d.float()
         mn, mx, mean = d.amin(), d.amax(), d.mean()
-        raw = (mn >= 0) & (mx > RAW_MAX)
+        # (an inf in the input, a range sensor's "no return" the model masks itself, says nothing of its scale)
+        raw = (mn >= 0) & (mx > RAW_MAX) & torch.isfinite(mx)
         bad = raw | ((mn >= 0) & (mx <= 1) & (mean > MEAN_01)) if conv else raw
         # per-channel numbers for the report, kept tiny on the device; read only if the flag fires
         stats = torch.stack([d.mean(dim=(0, 2, 3)), d.std(dim=(0, 2, 3)), d.amin(dim=(0, 2, 3)),
