@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .. import tensors as _tensor_mod
-from ..tensors import (distinct_view, finite_stats, fused_norms, iter_named_tensors, nonfinite_counts, screenable,
-                       stored_values)
+from ..tensors import (distinct_view, finite_stats, fused_norms, iter_named_tensors, iter_tensors, nonfinite_counts,
+                       screenable, stored_values)
 from .._weak import WeakIdMap
 from .base import Check
 
@@ -491,6 +491,13 @@ class NonFinite(Check):
     def _capture(self, module, args, kwargs, output) -> None:
         """The origin's tensors were gone at resolution: record exact counts from this next call."""
         path = self._armed.pop(id(module))
+        with torch.no_grad():
+            broken = any(not bool(torch.isfinite(t).all()) for t in list(module.parameters())
+                         + list(iter_tensors((args, kwargs))) if screenable(t))
+        if broken:  # the NaN update came first: this call's counts would be those of broken weights, not the origin's
+            self.g.update_details("nonfinite-output", path,
+                                  counts_unavailable="its weights or inputs were NaN/Inf by its next call")
+            return
         counts = {n: nonfinite_counts(t) for n, t in iter_named_tensors(output, "output") if screenable(t)}
         stats_in = {n: finite_stats(t) for n, t in iter_named_tensors((args, kwargs), "inputs") if screenable(t)}
         self.g.update_details("nonfinite-output", path, counts=counts, input_stats=stats_in,
