@@ -907,3 +907,22 @@ def test_a_model_recreated_from_a_checkpoint_while_the_optimizer_keeps_the_old_p
         f = g.findings[0]
         assert "the watched model is not called any more" in f.message and "model.load_state_dict(...)" in f.message
         assert f.details["model_not_called"] is True and "optimizer = torch.optim.Adam(model.parameters()" in f.hint
+
+
+def test_an_optimizer_over_the_members_of_a_stacked_ensemble_names_the_stacked_copies():
+    from torch.func import functional_call, stack_module_state
+
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)) for _ in range(3)]
+    params, buffers = stack_module_state(members)
+    opt = torch.optim.Adam([p for m in members for p in m.parameters()], lr=1e-3)  # the bug: params.values()
+    base = copy.deepcopy(members[0]).to("meta")
+    x, y = torch.randn(3, 16, 3), torch.randn(3, 16, 1)
+    with guard(live=False) as g:
+        for _ in range(3):
+            pred = torch.vmap(lambda p, b, xb: functional_call(base, (p, b), (xb,)))(params, buffers, x)
+            loss = F.mse_loss(pred, y)
+            opt.zero_grad(); loss.backward(); opt.step()
+    f = only(g, "loss-disconnected")[0]
+    assert f.step == 0 and "stack_module_state" in f.message and f.details["stacked_copies"]
+    assert "params.values()" in f.hint

@@ -206,7 +206,10 @@ class LossDisconnected(Check):
                 continue
             shapes = {tuple(p.shape) for grp in optimizer.param_groups for p in grp["params"]}
             copies = bool(live) and all(l.grad_fn is None and l.dim() and tuple(l.shape) in shapes for l, _ in live)
-            self._emit(optimizer, descr, src, step, shape, copies)
+            # `torch.func.stack_module_state(members)`: copies stacked along a new first dimension
+            stacked = not copies and bool(live) and all(l.grad_fn is None and l.dim() >= 1 and tuple(l.shape[1:]) in shapes
+                                                        for l, _ in live)
+            self._emit(optimizer, descr, src, step, shape, copies or stacked, stacked)
             self._done = True  # a code property: reported once, then no more walks
             return
 
@@ -239,7 +242,7 @@ class LossDisconnected(Check):
                            "model_not_called": True})
 
     def _emit(self, optimizer, descr: List[str], src: Optional[str], step: int, shape: List[int],
-              copies: bool = False) -> None:
+              copies: bool = False, stacked: bool = False) -> None:
         opt = type(optimizer).__name__
         if not descr:
             reaches = "nothing that requires a gradient"
@@ -250,6 +253,12 @@ class LossDisconnected(Check):
         elif all(d.startswith("a parameter") for d in descr):
             reaches = (f"only {len(descr)} parameter(s) that no optimizer holds: {'; '.join(descr[:4])}"
                        + (" ..." if len(descr) > 4 else "") + " (left out when the optimizer was built)")
+        elif stacked:
+            reaches = (f"only {len(descr)} leaf tensor(s) that stack tensors shaped like {opt}'s parameters along a "
+                       f"first dimension: {'; '.join(descr[:4])}" + (" ..." if len(descr) > 4 else "")
+                       + " (an ensemble's parameters from torch.func.stack_module_state(members), used by vmap: they "
+                       "are new tensors, and the optimizer holds the members' own parameters, which the forward never "
+                       "uses)")
         elif copies:
             reaches = (f"only {len(descr)} leaf tensor(s) shaped like {opt}'s parameters: {'; '.join(descr[:4])}"
                        + (" ..." if len(descr) > 4 else "") + " (copies used in the parameters' place, such as a "
@@ -275,9 +284,14 @@ class LossDisconnected(Check):
                     "(an init function assigning new nn.Parameter objects, a layer swapped, a model re-created and "
                     "loaded from a checkpoint, `model = Net(); model.load_state_dict(...)`) are not the ones it "
                     "holds.")
+        elif stacked:
+            hint = ("Build the optimizer over the stacked tensors the vmapped forward uses: params, buffers = "
+                    "stack_module_state(members); optimizer = torch.optim.Adam(params.values(), ...) (copy them back "
+                    "into the members, if you need them, after training).")
         elif copies:
             hint = ("Build the optimizer over the tensors the forward uses (torch.optim.Adam(params.values()) for a "
                     "functional_call params dict), or pass the module's own parameters (dict(model.named_parameters())) "
                     "to functional_call.")
         self.emit("loss-disconnected", "loss", message, hint, step=step, source=src,
-                  details={"reaches": descr[:MAX_LEAVES], "optimizer": opt, "loss_shape": shape})
+                  details={"reaches": descr[:MAX_LEAVES], "optimizer": opt, "loss_shape": shape,
+                           **({"stacked_copies": True} if stacked else {})})
