@@ -1525,3 +1525,27 @@ def test_a_weight_rebound_to_a_new_parameter_in_every_forward_gets_the_in_place_
     (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
     assert f.where == "0" and "replaced by a new nn.Parameter again and again" in f.message
     assert "self.weight.copy_(" in f.hint and f.details["rebound_per_call"]
+
+
+@pytest.mark.parametrize("lr", [1e-5, 0.5])
+def test_half_precision_weights_stepped_directly_whose_updates_round_away(lr):
+    """model.half() stepped by SGD: lr x gradient below half an fp16 step of weights of order 1 rounds away."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.sign(p) * (1 + p.abs()))  # "pretrained" weights of order 1
+    model = model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(52):
+            loss = F.mse_loss(model(x.half()).float(), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+    found = [f for f in g.findings if f.kind == "params-not-updating"]
+    if lr == 0.5:
+        assert found == []
+        return
+    (f,) = found
+    assert f.where == "0.weight" and f.step == 0 and f.details["rounded_away"] and "torch.autocast" in f.hint
+    assert "float16 weights the optimizer steps directly" in f.message

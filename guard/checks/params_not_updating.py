@@ -35,6 +35,15 @@ STEPS = 20  # sampled optimizer steps with lr = 0 and non-zero gradients before 
 TINY_LR = 1e-12
 
 
+#: half-precision weights stepped directly: every HALF_EVERY-th step of the main optimizer, whether a sample of
+#: them changed; HALF_LOOKS such looks in a row with none changed while their gradients are non-zero are reported
+HALF_EVERY = 16
+HALF_LOOKS = 4
+HALF_SAMPLE = 4096  # elements of each sampled weight compared
+HALF_MOVED = 0.01  # below this fraction of them changed by one update, the weights are taken as not updating
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class _Run:
     __slots__ = ("count", "since", "source", "reported", "lr")
 
@@ -86,6 +95,9 @@ class ParamsNotUpdating(Check):
         self._copy_done = False
         self._held_first: Optional[set] = None  # ids of the watched models an optimizer held at the first step
         self._versions: Dict[int, int] = {}  # the watched models' parameters' version counters at the first step
+        self._half_before: Optional[Any] = None  # (step, [(weight, sample copy)]) taken before this step's update
+        self._half_run: list = []  # steps of the looks in a row at which no sampled half-precision weight moved
+        self._half_told = False
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
@@ -112,9 +124,54 @@ class ParamsNotUpdating(Check):
             held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
             self._held_first = {id(m) for m in self.g.models if any(id(p) in held for p in m.parameters())}
             self._versions = {id(p): p._version for m in self.g.models for p in m.parameters()}
+        if self.g.step % HALF_EVERY == 0 and not self._half_told and self.g.is_primary(optimizer):
+            self._half_snapshot(optimizer)
         if not self._copy_done and self.g.is_primary(optimizer) and self.g.step >= STEPS - 1:
             self._copy_done = True
             self._other_copy()
+
+    def _half_snapshot(self, optimizer) -> None:
+        """Before the update: a copy of a sample of the float16/bfloat16 weights with non-zero-able gradients."""
+        ps = [p for g in optimizer.param_groups if _lr(g) > TINY_LR for p in g["params"]
+              if p.dtype in _HALF and p.grad is not None and p.grad.layout is torch.strided and not p.is_meta][:4]
+        if ps:
+            self._half_before = (self.g.step, [(p, p.detach().reshape(-1)[:HALF_SAMPLE].clone()) for p in ps])
+
+    def on_step_post(self, optimizer):
+        before, self._half_before = self._half_before, None
+        if before is None or not self.g.is_primary(optimizer):
+            return
+        step, pairs = before
+        with torch.no_grad():  # 1: (almost) no sampled element moved although the gradients are not all zero
+            moved = torch.cat([(p.detach().reshape(-1)[:HALF_SAMPLE] != old).float() for p, old in pairs]).mean()
+            grads = torch.stack([p.grad.detach().float().abs().amax() for p, _ in pairs if p.grad is not None]).amax()
+            flag = ((moved < HALF_MOVED) & (grads > 0)).float()
+        names = [p for p, _ in pairs]
+        self.g.stage(flag, lambda v, step=step, source=self.g.source(): self._half_seen(v, step, source, names))
+
+    def _half_seen(self, v: float, step: int, source, params) -> None:
+        if v != 1.0:  # moved, or no gradient to apply: not this signal
+            self._half_run = []
+            return
+        self._half_run.append(step)
+        if len(self._half_run) < HALF_LOOKS or self._half_told:
+            return
+        self._half_told = True
+        names = [self.g.param_name(p) for p in params]
+        dtype = str(params[0].dtype).replace("torch.", "")
+        since = self._half_run[0]
+        self.emit("params-not-updating", names[0],
+                  f"the {dtype} weights the optimizer steps directly ({', '.join(names[:4])}) hardly change: fewer "
+                  f"than {HALF_MOVED:.0%} of their elements moved in the update at each of {len(self._half_run)} "
+                  f"looks since step {since}, although their gradients are non-zero: each "
+                  f"update (learning rate x gradient) is below half the spacing of {dtype} numbers near the weights "
+                  f"and rounds away, so the model does not learn",
+                  "Keep the weights in float32 and compute in half precision with torch.autocast (and a GradScaler "
+                  "for float16), or keep float32 master weights that the optimizer updates and copy them into the "
+                  "half-precision model after each step; a larger learning rate only hides it.",
+                  step=since, seen=self.g.step, source=source,
+                  details={"dtype": dtype, "looks": len(self._half_run), "every": HALF_EVERY,
+                           "parameters": names[:4], "rounded_away": True})
 
     def _seen(self, oref, i: int, v: float, step: int, source) -> None:
         opt = oref()
