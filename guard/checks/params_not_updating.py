@@ -98,6 +98,7 @@ class ParamsNotUpdating(Check):
         self._half_before: Optional[Any] = None  # (step, [(weight, sample copy)]) taken before this step's update
         self._half_run: list = []  # steps of the looks in a row at which no sampled half-precision weight moved
         self._half_told = False
+        self._has_half = WeakIdMap()  # optimizer -> (its number of param groups, whether it holds half weights)
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
@@ -132,7 +133,14 @@ class ParamsNotUpdating(Check):
 
     def _half_snapshot(self, optimizer) -> None:
         """Before the update: a copy of a sample of the float16/bfloat16 weights with non-zero-able gradients."""
-        ps = [p for g in optimizer.param_groups if _lr(g) > TINY_LR for p in g["params"]
+        groups = optimizer.param_groups
+        known = self._has_half.data.get(id(optimizer))
+        if known is None or known[0] != len(groups):  # decided once per optimizer (and per number of groups)
+            known = (len(groups), any(p.dtype in _HALF for g in groups for p in g["params"]))
+            self._has_half[optimizer] = known
+        if not known[1]:
+            return
+        ps = [p for g in groups if _lr(g) > TINY_LR for p in g["params"]
               if p.dtype in _HALF and p.grad is not None and p.grad.layout is torch.strided and not p.is_meta][:4]
         if ps:
             self._half_before = (self.g.step, [(p, p.detach().reshape(-1)[:HALF_SAMPLE].clone()) for p in ps])
