@@ -316,7 +316,7 @@ class Watched:
                     self.seen_optimizers.append(weakref.ref(opt))
                 plain = not models and not _holds_parameters(opt)
                 if self.primary is None or self.primary() is None:
-                    became = self.primary is None or self._plain_primary
+                    became = self.primary is None or (self._plain_primary and early and not plain)
                     self.primary = weakref.ref(opt)
                     self._plain_primary = plain
                 elif self._plain_primary and not plain and early:
