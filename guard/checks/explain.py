@@ -22,7 +22,9 @@ without the saving module.
 """
 from __future__ import annotations
 
+import functools
 import gc
+import os
 import re
 import signal
 import sys
@@ -131,17 +133,30 @@ def _backward_roots(exc: BaseException) -> Tuple[List[torch.Tensor], Any]:
     return roots, user
 
 
+@functools.lru_cache(maxsize=8)
+def _parsed(filename: str, stamp: int) -> Tuple[str, Any]:
+    """(source, its ast) of a file as of `stamp` (its mtime), parsed once for the several candidates of one
+    explanation."""
+    import ast
+    import linecache
+
+    source = "".join(linecache.getlines(filename))
+    return source, ast.parse(source)
+
+
 def _assignment(code: Any, name: str) -> Optional[Tuple[str, str, str]]:
     """How the function of `code` carries `name` (``h``, ``self.h``) over: (``file:line: `text```, how, the value
     written) for an assignment from an expression using it (how "self": ``out, h = rnn(x, h)``; "sum":
     ``total += loss``) or an in-place write into it (how "write": ``buf[:] = out``, ``buf.copy_(out)``)."""
     import ast
-    import linecache
 
     lines = [ln for _, _, ln in code.co_lines() if ln is not None]
     lo, hi = code.co_firstlineno, max(lines, default=code.co_firstlineno)
-    source = "".join(linecache.getlines(code.co_filename))
-    tree = ast.parse(source)
+    try:
+        stamp = os.stat(code.co_filename).st_mtime_ns
+    except OSError:
+        stamp = 0
+    source, tree = _parsed(code.co_filename, stamp)
     want = ast.dump(ast.parse(name, mode="eval").body)
 
     def at(node: Any) -> str:
