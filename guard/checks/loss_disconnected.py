@@ -206,9 +206,13 @@ class LossDisconnected(Check):
                 continue
             shapes = {tuple(p.shape) for grp in optimizer.param_groups for p in grp["params"]}
             copies = bool(live) and all(l.grad_fn is None and l.dim() and tuple(l.shape) in shapes for l, _ in live)
-            # `torch.func.stack_module_state(members)`: copies stacked along a new first dimension
-            stacked = not copies and bool(live) and all(l.grad_fn is None and l.dim() >= 1 and tuple(l.shape[1:]) in shapes
-                                                        for l, _ in live)
+            # `torch.func.stack_module_state(members)`: the K members' parameters stacked along a new first dimension,
+            # one leaf per parameter name, while the optimizer holds all K members' own
+            held = sorted(tuple(p.shape) for grp in optimizer.param_groups for p in grp["params"])
+            ks = {l.shape[0] for l, _ in live if l.grad_fn is None and l.dim() >= 1}
+            k = ks.pop() if len(ks) == 1 else 0
+            stacked = (not copies and k >= 2 and len(live) * k == len(held)
+                       and sorted(tuple(l.shape[1:]) for l, _ in live for _ in range(k)) == held)
             self._emit(optimizer, descr, src, step, shape, copies or stacked, stacked)
             self._done = True  # a code property: reported once, then no more walks
             return
