@@ -12,7 +12,7 @@ import torch
 
 from .findings import GuardError
 from . import tensors as _tensors
-from .tensors import Norms, without_grad
+from .tensors import Norms, stored_values, without_grad
 from ._weak import WeakIdMap
 
 MAX_STAGED = 8192
@@ -20,15 +20,6 @@ MAX_STAGED = 8192
 _VALUE, _FLAG, _BATCH = 0, 1, 2
 
 Collector = Callable[[], List[Tuple[torch.Tensor, Callable[[List[float]], None]]]]
-
-
-def _stored_values(g: torch.Tensor) -> Optional[torch.Tensor]:
-    """The values a sparse (COO, CSR/CSC/BSR) gradient stores, for its norm (duplicates of an uncoalesced COO
-    gradient counted apart: close enough for NaN/Inf and for a scale); None for a layout without them."""
-    try:
-        return g._values() if g.layout is torch.sparse_coo else g.values()
-    except Exception:
-        return None
 
 
 class GradNorms:
@@ -159,7 +150,7 @@ class Staging:
             if gr is None or gr.is_meta:
                 continue
             if gr.layout is not strided:  # a sparse gradient (an nn.Embedding(sparse=True)'s): its stored values
-                gr = _stored_values(gr)
+                gr = stored_values(gr)
                 if gr is None:
                     continue
                 sparse = True
