@@ -1695,6 +1695,8 @@ def test_a_dict_cache_written_in_forward_is_traced_to_that_write():
     assert f.where.startswith("model.cache[")
     assert _line_text(f.source).strip().startswith("self.cache[sid] = d")
     assert "`self.cache[idx] = z.detach()`" in f.hint
+    # each entry holds one step's graph: said as such (not "the autograd graphs of 1 steps")
+    assert f"carry the autograd graph of step {f.step} (" in f.message and "1 steps" not in f.message
 
 
 def test_a_dict_updated_from_itself_under_a_variable_key_is_named_at_that_line():

@@ -616,17 +616,18 @@ class LossGraph(Check):
                 fix = f"`{said}.append(loss.item())`"
             else:
                 fix = f"`{said} += loss.item()`"
-            message = (f"`{name}` ({src}) holds the autograd graphs of {n} steps (since step {min(steps)}; "
-                       f"{nodes} graph nodes{mem}); use `loss.item()`")
+            # one step's graph held ("graphs of 1 steps (since step 0" read as a typo)
+            span = (f"the autograd graph of step {min(steps)} (" if n == 1 else
+                    f"the autograd graphs of {n} steps (since step {min(steps)}; ")
+            message = f"`{name}` ({src}) holds {span}{nodes} graph nodes{mem}); use `loss.item()`"
             hint = (f"Accumulate Python numbers, e.g. {fix}, or keep `loss.detach()`; every tensor that still "
                     f"has a grad_fn keeps its whole step's graph alive, so memory and time grow each step.")
             if any(t.numel() > 1 for t in ts):
                 # not a loss but features kept across steps (a memory bank, a queue, a cached hidden state)
                 shapes = sorted({str(list(t.shape)) for t in ts})[:3]
                 details["held_shapes"] = shapes
-                message = (f"`{name}` ({src}) holds tensors ({', '.join(shapes)}) that carry the autograd graphs of "
-                           f"{n} steps (since step {min(steps)}; {nodes} graph nodes{mem}): features kept across "
-                           f"steps without .detach()")
+                message = (f"`{name}` ({src}) holds tensors ({', '.join(shapes)}) that carry {span}{nodes} graph "
+                           f"nodes{mem}): features kept across steps without .detach()")
                 if name.endswith("[...]"):
                     store = f"Store detached values: `{said}.append(z.detach())`"
                 elif src and re.search(re.escape(said_bare.rsplit(".", 1)[-1]) + r"\s*\[[^\]]*\]\s*=(?!=)",
