@@ -1774,3 +1774,28 @@ def test_a_bank_written_row_by_row_without_detach_gets_the_row_write_fix():
     f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
     assert f.where == "m.cache" and f.source.endswith(f"test_loop_checks.py:{Cached.forward.__code__.co_firstlineno + 2}")
     assert "`self.cache[idx] = z.detach()`" in f.hint
+
+
+def test_a_matrix_of_evaluation_losses_is_named_by_its_outer_list():
+    """Continual learning's accuracy matrix: each row holds one evaluation's loss tensors (graphs kept, no
+    no_grad); the rows together hold every evaluation's graph. The outer list is the holder, not `logits`
+    (which holds the last evaluation only)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    acc_matrix = []
+    with guard(model, opt, live=False) as g:
+        for t in range(4):
+            x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+            for _ in range(10):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+            row = []
+            for _ in range(t + 1):
+                logits = model(x)  # the bug: no torch.no_grad()
+                row.append(F.cross_entropy(logits, y))
+            acc_matrix.append(row)
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
+    assert f.where == "acc_matrix" and f.step == 10
+    assert _line_text(f.source).strip() == "acc_matrix.append(row)"
+    assert "`row.append(loss.item())` for the rows of `acc_matrix`" in f.hint

@@ -94,6 +94,13 @@ def graph_holders(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, 
         ts = [v for v in items if isinstance(v, torch.Tensor) and v.grad_fn is not None]
         if ts:
             yield f"{name}[...]", value, ts
+        # rows of tensors (a per-epoch matrix of losses): the rows together, since each row alone holds
+        # one step's graphs and would lose to the variable that last filled it
+        rows = [v for v in items if isinstance(v, (list, tuple)) and v]
+        if len(rows) > 1:
+            inner = [t for r in rows for t in r[-MAX_ITEMS:] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            if inner:
+                yield f"{name}[...][...]", value, inner
         for i, v in enumerate(items[:64]):
             if isinstance(v, (dict, list, tuple)) or hasattr(v, "__dict__"):
                 if not isinstance(v, torch.Tensor):

@@ -605,14 +605,17 @@ class LossGraph(Check):
             if saved:
                 details["saved_bytes"] = saved
                 mem = f", {fmt_bytes(saved)} of saved tensors"
-            base = name[:-5] if name.endswith("[...]") else name
+            rows = name.endswith("[...][...]")  # a list of rows (a per-epoch matrix of losses)
+            base = name[:-10] if rows else name[:-5] if name.endswith("[...]") else name
             said = base  # in the fix: as the updating line names it (`self.total` in the model's own methods)
             bare = re.sub(r"\[[^\]]*\]$", "", base)  # `model.knn_cache` for an entry `model.knn_cache[0]`
             if (parent is not None and not isinstance(parent, (dict, list, tuple)) and "." in bare and src
                     and _line_has(src, "self." + bare.split(".", 1)[1])):
                 said = "self." + bare.split(".", 1)[1] + base[len(bare):]
             said_bare = re.sub(r"\[[^\]]*\]$", "", said)
-            if name.endswith("[...]"):
+            if rows:
+                fix = f"`row.append(loss.item())` for the rows of `{said}`"
+            elif name.endswith("[...]"):
                 fix = f"`{said}.append(loss.item())`"
             else:
                 fix = f"`{said} += loss.item()`"
