@@ -1549,3 +1549,32 @@ def test_half_precision_weights_stepped_directly_whose_updates_round_away(lr):
     (f,) = found
     assert f.where == "0.weight" and f.step == 0 and f.details["rounded_away"] and "torch.autocast" in f.hint
     assert "float16 weights the optimizer steps directly" in f.message
+
+
+def test_weight_decay_stays_quiet_about_zero_gradients_that_follow_a_nan():
+    """Auto-decoder codes at zero with a `sqrt(sum z^2)` regulariser: NaN gradients at step 0 make the codes NaN,
+    and the decoder fed NaN then gets all-zero gradients (l1's backward of NaN). The NaN is the one finding; the
+    zero gradients after it are its consequence, not a frozen phase for weight decay."""
+    torch.manual_seed(0)
+
+    class AutoDec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.codes = nn.Embedding(40, 8, sparse=True)
+            nn.init.zeros_(self.codes.weight)
+            self.dec = nn.Sequential(nn.Linear(11, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def forward(self, sid, xyz):
+            z = self.codes(sid)
+            return self.dec(torch.cat([z[:, None].expand(-1, xyz.size(1), -1), xyz], -1)).squeeze(-1), z
+
+    model = AutoDec()
+    sopt = torch.optim.SparseAdam(list(model.codes.parameters()), lr=1e-2)
+    dopt = torch.optim.Adam(model.dec.parameters(), lr=1e-3)
+    with guard(model, [sopt, dopt], live=False) as g:
+        for _ in range(10):
+            sid, xyz = torch.randint(0, 40, (6,)), torch.rand(6, 64, 3) * 2 - 1
+            pred, z = model(sid, xyz)
+            loss = F.l1_loss(pred, xyz.norm(dim=-1).clamp(-0.1, 0.1)) + 1e-3 * z.pow(2).sum(-1).sqrt().mean()
+            sopt.zero_grad(); dopt.zero_grad(); loss.backward(); sopt.step(); dopt.step()
+    assert [(f.kind, f.where, f.step) for f in g.findings] == [("nonfinite-grad", "codes.weight", 0)]

@@ -325,6 +325,9 @@ class WeightDecayWithoutGrad(Check):
         return out
 
     def _report(self, opt, due: List[_Track], source: Optional[str]) -> None:
+        # Once NaN/Inf has been reported, zero gradients are its consequence (a NaN activation's
+        # backward, a layer fed NaN), not a phase of training: the NaN finding is the one to fix.
+        broken = any(f.kind.startswith("nonfinite-") for f in self.g.findings)
         names: Dict[int, str] = {}
         by_group: Dict[int, List[_Track]] = {}
         for t in due:
@@ -332,6 +335,8 @@ class WeightDecayWithoutGrad(Check):
             if p is None:
                 continue
             t.reported = True
+            if broken:
+                continue
             names[id(t)] = self.g.param_name(p)
             by_group.setdefault(t.group, []).append(t)
         model_names = [n for n, _ in self.g.named_parameters()]
