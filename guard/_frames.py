@@ -151,3 +151,36 @@ def frame_locals(frame: Any) -> Dict[str, Any]:
     if sys.getrefcount(d) <= 3:  # the frame's own reference, `d` and getrefcount's argument
         d.clear()  # the fast locals are untouched; the next read of f_locals fills it again
     return out
+
+
+
+def variable_naming(obj: Any, limit: int = 12) -> Optional[str]:
+    """The name of a variable of the user's code (innermost frame first, then its module's globals) whose
+    value is `obj` itself (`weights` for ``weights = nn.Parameter(torch.ones(3))``), else an entry of a dict or
+    list a variable holds (`params['0.weight']` of ``stack_module_state``). None when none is."""
+    scopes = []
+    try:
+        f = sys._getframe(1)
+    except ValueError:
+        return None
+    while f is not None and len(scopes) < 2 * limit:
+        if not is_skipped(f.f_code.co_filename):
+            scopes += [frame_locals(f), f.f_globals]
+        f = f.f_back
+    for scope in scopes:
+        for k, v in scope.items():
+            if v is obj and not k.startswith("_"):
+                return k
+    for scope in scopes:
+        for k, v in scope.items():
+            if k.startswith("_"):
+                continue
+            if type(v) is dict and len(v) <= 1024:
+                for key, item in v.items():
+                    if item is obj and isinstance(key, (str, int)):
+                        return f"{k}[{key!r}]"
+            elif type(v) in (list, tuple) and len(v) <= 1024:
+                for i, item in enumerate(v):
+                    if item is obj:
+                        return f"{k}[{i}]"
+    return None

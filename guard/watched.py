@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._frames import CO_OPTIMIZED, frame_locals
+from ._frames import CO_OPTIMIZED, frame_locals, variable_naming
 from ._modules import tree_stats
 from .record import Record
 from .tensors import first_tensor
@@ -362,6 +362,11 @@ class Watched:
                         names[p] = f"{pre}.{n}" if pre else n
             name = names.data.get(id(param))
         if name is None:
+            # a parameter outside every model (GradNorm's task weights, a learned temperature): its variable
+            var = variable_naming(param)
+            if var is not None:
+                names[param] = var
+                return var
             for o in optimizers:
                 for gi, group in enumerate(o.param_groups):
                     for pi, p in enumerate(group["params"]):

@@ -1799,3 +1799,32 @@ def test_a_matrix_of_evaluation_losses_is_named_by_its_outer_list():
     assert f.where == "acc_matrix" and f.step == 10
     assert _line_text(f.source).strip() == "acc_matrix.append(row)"
     assert "`row.append(loss.item())` for the rows of `acc_matrix`" in f.hint
+
+
+def test_a_parameter_outside_the_model_is_named_by_its_variable():
+    """GradNorm's task weights in their own optimizer, never zeroed: named `weights` (the script's variable),
+    not `param_groups[0].params[0]`; a stacked ensemble's parameters by their dict entries."""
+    torch.manual_seed(0)
+    model = mlp()
+    weights = nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    w_opt = torch.optim.SGD([weights], lr=0.01)
+    with guard(model, [opt, w_opt], live=False) as g:
+        for x, y in batches(4):
+            opt.zero_grad()  # the bug: w_opt.zero_grad() is never called
+            out = model(x)
+            (weights[0] * F.mse_loss(out, y) + weights[1] * out.abs().mean()).backward()
+            opt.step(); w_opt.step()
+    f = [f for f in g.findings if f.kind == "missing-zero-grad"][0]
+    assert f.where == "SGD" and "(weights)" in f.message
+
+    members = [mlp() for _ in range(2)]
+    params, _ = torch.func.stack_module_state(members)
+    ens_opt = torch.optim.SGD(params.values(), lr=1e-2)
+    with guard(None, live=False) as g:
+        for x, y in batches(3):
+            out = torch.vmap(lambda w, x: torch.func.functional_call(members[0], w, (x,)), in_dims=(0, None))(params, x)
+            F.mse_loss(out, y.expand(2, -1, -1)).backward()  # the bug: no ens_opt.zero_grad()
+            ens_opt.step()
+    f = [f for f in g.findings if f.kind == "missing-zero-grad"][0]
+    assert "params['0.weight']" in f.message
