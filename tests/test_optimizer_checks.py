@@ -1527,6 +1527,32 @@ def test_a_weight_rebound_to_a_new_parameter_in_every_forward_gets_the_in_place_
     assert "self.weight.copy_(" in f.hint and f.details["rebound_per_call"]
 
 
+def test_a_weight_rebound_after_every_step_is_told_from_the_step_it_began():
+    """A sparse autoencoder's decoder renormalised by a new nn.Parameter after each step: the optimizer keeps
+    the first one from step 1 on. Not "a layer unfrozen mid-run" (whose add_param_group fix would add a group
+    per step), and at the step the re-binding began, not the look that found it."""
+    class SAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.W_dec = nn.Linear(16, 32), nn.Parameter(F.normalize(torch.randn(32, 16), dim=1))
+
+        def forward(self, x):
+            return F.relu(self.enc(x)) @ self.W_dec
+
+    torch.manual_seed(0)
+    m = SAE()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    with guard(m, opt, live=False) as g:
+        for _ in range(40):
+            x = torch.randn(64, 16)
+            loss = F.mse_loss(m(x), x)
+            opt.zero_grad(); loss.backward(); opt.step()
+            m.W_dec = nn.Parameter(F.normalize(m.W_dec.detach(), dim=1))  # the bug
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert (f.where, f.step) == ("W_dec", 1) and "again and again" in f.message and "since step 1" in f.message
+    assert "self.weight.copy_(" in f.hint and f.details["rebound_per_call"] and not f.details["appeared_mid_run"]
+
+
 @pytest.mark.parametrize("lr", [1e-5, 0.5])
 def test_half_precision_weights_stepped_directly_whose_updates_round_away(lr):
     """model.half() stepped by SGD: lr x gradient below half an fp16 step of weights of order 1 rounds away."""

@@ -35,7 +35,7 @@ from ..tensors import as_float
 from ._graphs import Budget, user_frames, walk
 from ._params import WatchedParams, module_prefixes
 from .base import Check
-from .._weak import WeakIdMap, WeakIdSet
+from .._weak import WeakIdMap
 
 
 #: primary optimizer steps between the look at the missing parameters and the report: optimizers that step less
@@ -124,8 +124,10 @@ class OptimizerParams(Check):
         self._missing_done = False
         self._cand = None  # (names missing at a look, that step, its line): confirmed CONFIRM_STEPS later
         self._was_held: set = set()  # ids of the parameters the optimizers held at the last look that found none
-        self._rebinds: Dict[Tuple[int, str], int] = {}  # (id(module), name) -> times its parameter was replaced
-        self._rebound = WeakIdSet()  # parameters that replaced one at least the second time (re-bound per call)
+        # (id(module), name) -> (times its parameter was replaced, the step of the first time)
+        self._rebinds: Dict[Tuple[int, str], Tuple[int, int]] = {}
+        # parameters that replaced one at least the second time (re-bound per call or per step) -> first step
+        self._rebound = WeakIdMap()
         self._held_step = 0  # the step of that look
         self._looked = 0  # step of the last look at the missing parameters
         self._told: set = set()  # names already reported as missing
@@ -346,9 +348,10 @@ class OptimizerParams(Check):
                 and args[0]._parameters.get(args[1]) is not None:
             # a parameter replaced by a new nn.Parameter: more than once is a re-binding at every call
             key = (id(args[0]), args[1])
-            n = self._rebinds[key] = self._rebinds.get(key, 0) + 1
-            if n >= 2:
-                self._rebound.add(args[2])
+            n, first = self._rebinds.get(key, (0, self.g.step))
+            self._rebinds[key] = (n + 1, first)
+            if n + 1 >= 2:
+                self._rebound[args[2]] = first  # the step of the first re-binding
             if len(self._rebinds) > 4096:
                 self._rebinds.clear()
 
@@ -359,7 +362,23 @@ class OptimizerParams(Check):
         opts = ", ".join(type(o).__name__ for o in self.g.optimizers)
         synced = [n for n in missing if n in self._moved]
         extra: dict = {}
-        if later and len(synced) == len(missing):
+        gone = set(missing)
+        rebound = [self._rebound.data[id(p)] for n, p in named if n in gone and id(p) in self._rebound.data]
+        if rebound:
+            # re-bound again and again (in forward, or after each step): the optimizer holds the first one; before
+            # the `later` cases, which would take the new ones for a layer unfrozen mid-run
+            step = min(rebound)
+            message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
+                       f"{_listing(shown, more)}; each is replaced by a new nn.Parameter again and again (`self.weight "
+                       f"= nn.Parameter(...)` in forward or after each step, to renormalize it) since step {step}, so "
+                       f"the optimizer holds the first one, "
+                       f"which gets no gradient any more, and the new ones are never updated")
+            hint = ("Change the weight in place instead of re-binding it: `with torch.no_grad(): "
+                    "self.weight.copy_(self.weight / sigma)`, or compute the normalized weight as a tensor used in "
+                    "forward (w = self.weight / sigma), or register a parametrization "
+                    "(torch.nn.utils.parametrizations.spectral_norm, parametrize.register_parametrization).")
+            later, extra = False, {"rebound_per_call": True}
+        elif later and len(synced) == len(missing):
             # Seen with gradients before, but overwritten in place meanwhile: a copy synced now and then (a target
             # network's load_state_dict every N steps) that a forward outside no_grad gives gradients to.
             step = min(self._moved[n] for n in synced)
@@ -401,16 +420,6 @@ class OptimizerParams(Check):
             hint = ("When unfreezing or replacing a layer mid-run, add its parameters to the optimizer too: "
                     "optimizer.add_param_group({'params': model.<module>.parameters()}) (with the learning rate "
                     "you want for them), or build a new optimizer over model.parameters().")
-        elif any(id(p) in self._rebound.data for n, p in named if n in set(missing)):
-            message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
-                       f"{_listing(shown, more)}; each is replaced by a new nn.Parameter again and again (`self.weight "
-                       f"= nn.Parameter(...)` in forward, to renormalize it), so the optimizer holds the first one, "
-                       f"which gets no gradient any more, and the new ones are never updated")
-            hint = ("Change the weight in place instead of re-binding it: `with torch.no_grad(): "
-                    "self.weight.copy_(self.weight / sigma)`, or compute the normalized weight as a tensor used in "
-                    "forward (w = self.weight / sigma), or register a parametrization "
-                    "(torch.nn.utils.parametrizations.spectral_norm, parametrize.register_parametrization).")
-            extra = {"rebound_per_call": True}
         elif self._masters(missing, named):
             message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
                        f"{_listing(shown, more)}; {opts} holds copies of them in another dtype (fp32 master "
