@@ -582,6 +582,26 @@ def test_vanishing_gradients_demo_names_first_and_last_layer_and_twin_is_clean()
     assert vanishing_gradients.train(fixed=True, checks="all", live=False).findings == []
 
 
+def test_first_layers_cut_off_by_round_get_the_straight_through_fix():
+    """torch.round between encoder and decoder without a straight-through estimator: the encoder's gradients are
+    exactly 0 (no saturating layer anywhere). Told as a cut path, with the straight-through fix."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+    dec = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 20))
+    model = nn.Sequential(enc, dec)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    with guard(model, opt, live=False) as g:
+        for _ in range(40):
+            x = torch.randn(50, 20)
+            q = torch.round(enc(x) * 2)  # the bug: z + (torch.round(z) - z).detach()
+            loss = F.mse_loss(dec(q), x)
+            opt.zero_grad(); loss.backward(); opt.step()
+    f = only(g, "vanishing-gradients")
+    assert (f.where, f.step) == ("0.0", 0) and f.details["cut"] and f.details["ratio"] == 0.0
+    assert "exactly 0" in f.message and "torch.round" in f.message
+    assert "z + (torch.round(z) - z).detach()" in f.hint and "sigmoid" not in f.hint
+
+
 class EmbedNet(nn.Module):
     """A pretrained embedding with tiny gradients (scaled down on the way back) before a healthy MLP."""
 

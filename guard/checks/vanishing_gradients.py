@@ -115,13 +115,24 @@ class VanishingGradients(Check):
             self._done = True
             fp, _, lp, _, n = self._pair
             worst = max(self._ratios)
-            self.emit("vanishing-gradients", fp,
-                      f"the gradients of the first layer {fp} are {worst:.1e}x those of the last layer {lp} "
-                      f"(per-element RMS, under {RATIO:g} at {self._run} sampled steps since step {self._since}, "
-                      f"{n} layers): the first layers barely learn",
-                      "Gradients shrink through each saturating layer: use ReLU/GELU instead of sigmoid/tanh in deep "
-                      "stacks, add normalization (nn.LayerNorm/nn.BatchNorm1d) or residual connections "
-                      "(x = x + f(x)), and a suitable init (nn.init.kaiming_normal_ / xavier_uniform_).",
+            if worst == 0.0:
+                # Not shrinking but cut: nothing reaches the first layer at all (a round/argmax between them)
+                message = (f"the gradients of the first layer {fp} are exactly 0 at {self._run} sampled steps since "
+                           f"step {self._since}, while those of the last layer {lp} are not ({n} layers): no "
+                           f"gradient reaches the first layers, so they do not learn at all; an operation without a "
+                           f"gradient cuts the path between them (torch.round, sign, argmax, a comparison or an "
+                           f"integer cast), or every unit before it is dead (ReLUs whose inputs are all negative)")
+                hint = ("Give the cut a gradient: a straight-through estimator `z + (torch.round(z) - z).detach()` "
+                        "(the same for sign), a relaxed choice (softmax or F.gumbel_softmax(logits, hard=True) "
+                        "instead of argmax); for dead ReLUs, a smaller learning rate, LeakyReLU or a better init.")
+            else:
+                message = (f"the gradients of the first layer {fp} are {worst:.1e}x those of the last layer {lp} "
+                           f"(per-element RMS, under {RATIO:g} at {self._run} sampled steps since step {self._since}, "
+                           f"{n} layers): the first layers barely learn")
+                hint = ("Gradients shrink through each saturating layer: use ReLU/GELU instead of sigmoid/tanh in "
+                        "deep stacks, add normalization (nn.LayerNorm/nn.BatchNorm1d) or residual connections "
+                        "(x = x + f(x)), and a suitable init (nn.init.kaiming_normal_ / xavier_uniform_).")
+            self.emit("vanishing-gradients", fp, message, hint,
                       step=self._since, seen=self.g.step, source=self._source,
                       details={"first": fp, "last": lp, "ratio": worst, "ratios": self._ratios,
-                               "layers": n, "sampled_every": EVERY, "threshold": RATIO})
+                               "layers": n, "sampled_every": EVERY, "threshold": RATIO, "cut": worst == 0.0})
