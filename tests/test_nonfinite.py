@@ -76,6 +76,32 @@ def test_nonfinite_param_after_step_with_finite_grads():
     assert "nonfinite-grad" not in [x.kind for x in g.findings]
 
 
+def test_nonfinite_param_from_the_update_has_the_overflow_fix_and_one_changed_after_it_says_so():
+    """The demo's NaN comes from the update itself (the weights are not touched after it). A SAM-style perturbation
+    by hand, `p.add_(rho * g / grad_norm)` at a zero norm (0/0), makes them NaN after the update returned: the
+    message says they were changed in place since, and the hint looks there first."""
+    f = only(nan_param.train(live=False), "nonfinite-param")
+    assert "changed in place" not in f.message and "changed_after_update" not in f.details
+    assert f.hint.startswith("The update itself overflowed")
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for it in range(8):
+            x = torch.randn(20, 4)
+            if it == 5:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.05 * torch.zeros_like(p) / torch.tensor(0.0))  # rho * g / grad_norm with g = 0
+            loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
+            opt.zero_grad(); loss.backward(); opt.step()
+    f = only(g, "nonfinite-param")
+    assert f.details["changed_after_update"] == ["weight", "bias"]
+    assert "changed in place after that update" in f.message and "before step 5's forward" in f.message
+    assert "rho / (grad_norm + 1e-12)" in f.hint
+
+
 @pytest.mark.parametrize("demo", [nan_input, nan_module, nan_loss, nan_grad, nan_param])
 def test_clean_twins_have_no_findings(demo):
     g = demo.train(fixed=True, live=False, checks="all")

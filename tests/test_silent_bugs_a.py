@@ -2,6 +2,7 @@
 loss-disconnected, init-loss-high. Each: the demo's bug, its --fixed twin, and the healthy patterns the issue lists."""
 import copy
 import inspect
+import linecache
 import math
 import os
 import warnings
@@ -452,6 +453,81 @@ def test_partial_zero_grad_and_gradient_surgery_are_silent():
                 p.grad = (g0 + g1) / 2
             opt.step()
     assert g.findings == []
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_between_two_backwards_loses_the_first_losss_gradients(set_to_none):
+    """A policy and a value head on one optimizer, zero_grad() between their backwards: the policy's gradients are
+    wiped before the step every time and it never trains. Told at the third step in a row, from step 0, naming the
+    lost parameters; a one-off diagnostic backward before the real one (all parameters recomputed) is silent."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"pi": nn.Linear(8, 4), "v": nn.Linear(8, 1)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for step in range(6):
+            s = torch.randn(32, 8)
+            if step == 0:  # a diagnostic backward: every gradient is recomputed by the real one
+                opt.zero_grad()
+                (model["pi"](s).sum() + model["v"](s).sum()).backward()
+            loss_pi = F.cross_entropy(model["pi"](s), s[:, :4].argmax(-1))
+            loss_v = F.mse_loss(model["v"](s).squeeze(-1), s[:, 0])
+            opt.zero_grad(set_to_none=set_to_none)
+            loss_pi.backward()
+            opt.zero_grad(set_to_none=set_to_none)  # the bug
+            loss_v.backward()
+            opt.step()
+    f = only(g, "zero-grad-before-step")[0]
+    assert f.where == "SGD" and f.step == 0 and f.details["lost"] == ["pi.weight", "pi.bias"]
+    path, _, no = f.details["zero_grad_source"].rpartition(":")
+    assert linecache.getline(os.path.abspath(path), int(no)).strip().startswith("opt.zero_grad(set_to_none=set_to_none)  # the bug")
+    assert "only the gradients of the backward() after zero_grad()" in f.message
+    assert "loss_b.backward(); opt.step()" in f.hint
+
+
+def test_zero_grad_by_a_wrapper_sharing_the_base_optimizers_groups_is_found():
+    """SAM's second_step with its zero_grad() before base_optimizer.step() (lines swapped): the wrapper, which never
+    steps itself, zeroes the base optimizer's gradients. Found from step 0; the right order (and first_step's
+    zero_grad between the two passes) is silent."""
+
+    class SAM(torch.optim.Optimizer):
+        def __init__(self, params, base, swapped, **kw):
+            super().__init__(params, dict(rho=0.05, **kw))
+            self.base_optimizer = base(self.param_groups, **kw)
+            self.param_groups, self.swapped = self.base_optimizer.param_groups, swapped
+
+        @torch.no_grad()
+        def first_step(self):
+            for grp in self.param_groups:
+                for p in grp["params"]:
+                    self.state[p]["e"] = e = p.grad * 0.05 / (p.grad.norm() + 1e-12)
+                    p.add_(e)
+            self.zero_grad()
+
+        @torch.no_grad()
+        def second_step(self):
+            for grp in self.param_groups:
+                for p in grp["params"]:
+                    p.sub_(self.state[p]["e"])
+            if self.swapped:
+                self.zero_grad()  # the bug: after the base step
+            self.base_optimizer.step()
+            if not self.swapped:
+                self.zero_grad()
+
+    for swapped in (True, False):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = SAM(model.parameters(), torch.optim.SGD, swapped, lr=0.1)
+        with guard(live=False) as g:
+            for _ in range(5):
+                x = torch.randn(16, 8)
+                model(x).pow(2).mean().backward(); opt.first_step()
+                model(x).pow(2).mean().backward(); opt.second_step()
+        if swapped:
+            f = only(g, "zero-grad-before-step")[0]
+            assert (f.where, f.step, f.details["grads"]) == ("SGD", 0, "None")
+        else:
+            assert g.findings == []
 
 
 def test_gradient_surgery_on_sparse_gradients_is_silent_and_a_wiped_sparse_step_is_not():

@@ -31,6 +31,7 @@ _HALF = (torch.float16, torch.bfloat16)
 _WIDE_SUM = (torch.float32, torch.float64)  # 0-dim tensors of these dtypes are used as their own sum
 _MAX_WINDOW = 4096  # screened tensors per resolution window
 _FEW = 16  # CPU sums read one by one up to this many (more: one stack)
+_VERSIONS = 8  # weights per optimizer whose version counters are kept after each update
 
 
 class _Call:
@@ -139,6 +140,7 @@ class NonFinite(Check):
         self._ends: Dict[int, Tuple[Any, list]] = {}
         self._by_hand = False  # the backward under way is of a loss scaled by hand (`_scaled_by_hand`)
         self._ctc_steps: Deque[int] = deque(maxlen=8)  # the last steps with a ctc_loss call without zero_infinity
+        self._post_versions: Dict[int, int] = {}  # id(weight) -> its version counter after the last update
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -459,6 +461,12 @@ class NonFinite(Check):
         self._in_update = self._pending_update = None
         call = self._step_call  # the same optimizer.step() call as its pre-hook: its line is known
         self._update = call if call is not None and call[0] == self.g.step else (self.g.step, self.g.source())
+        # The version counters of a few of its weights as the update left them (a constant cost): a weight
+        # found NaN later whose counter moved since was changed in place after the update (SAM's perturbation,
+        # an EMA swap), which may have broken it instead.
+        groups = optimizer.param_groups
+        if groups:
+            self._post_versions = {id(p): p._version for p in groups[0]["params"][:_VERSIONS]}
 
     def on_exit(self):
         """At the end the weights are looked at once: the last update may have broken them."""
@@ -839,7 +847,18 @@ class NonFinite(Check):
         if not new or caused:
             return False  # already known, or the step's gradients were NaN/Inf (reported upstream)
         screened = step in self._screened
-        if screened:
+        versions = self._post_versions
+        edited = [self.g.param_name(p) for p in group if versions.get(id(p), p._version) != p._version]
+        if screened and edited:
+            # changed in place after the update returned: the change, not the update, may have made the NaN
+            why = (f"; they were changed in place after that update ({', '.join(edited[:3])}: their version counters "
+                   f"moved since optimizer.step() returned), so that change, made before step {step + 1}'s forward, "
+                   f"may have made them NaN/Inf rather than the update")
+            hint = ("Look at what changes the weights in place between optimizer.step() and the next forward (a "
+                    "SAM-style perturbation rho * g / grad_norm: 0/0 when every gradient is 0, so add an eps, "
+                    "rho / (grad_norm + 1e-12); an EMA or Lookahead swap; an update by hand). If it is innocent, the "
+                    "update overflowed: lower the learning rate, check eps=0 or a huge momentum, and clip gradients.")
+        elif screened:
             why = ""
             hint = ("The update itself overflowed although the gradients were finite: lower the learning rate, "
                     "check optimizer settings such as eps=0 or a huge momentum, and clip gradients.")
@@ -853,7 +872,8 @@ class NonFinite(Check):
                   f"after optimizer.step() {len(bad)} parameter(s) are NaN/Inf: {', '.join(bad[:5])}"
                   + (" ..." if len(bad) > 5 else "") + why,
                   hint, step=step, source=source,
-                  details={"parameters": bad[:20], "count": len(bad), "grads_screened": screened})
+                  details={"parameters": bad[:20], "count": len(bad), "grads_screened": screened,
+                           **({"changed_after_update": edited[:20]} if screened and edited else {})})
         return True
 
 

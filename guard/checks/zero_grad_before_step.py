@@ -47,7 +47,8 @@ def _stored(g: torch.Tensor) -> bool:
 
 
 class _Opt:
-    __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids", "had_grads")
+    __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids", "had_grads", "wiped", "wiped_src", "run",
+                 "run_src", "run_step")
 
     def __init__(self, stepped_at: int) -> None:
         self.zero_at = -1  # backward count at its latest zero_grad()
@@ -56,6 +57,11 @@ class _Opt:
         self.n_params = -1
         self.ids: frozenset = frozenset()
         self.had_grads = True  # whether its parameters held gradients when its latest zero_grad() began
+        # parameters whose gradients its latest zero_grad() wiped after a backward (before a step), and that
+        # backward's line: a backward after the wipe that leaves some of them without gradient lost theirs
+        self.wiped: Optional[list] = None
+        self.wiped_src: Optional[str] = None
+        self.run, self.run_src, self.run_step = 0, None, -1  # steps in a row with such a partial wipe
 
 
 class ZeroGradBeforeStep(Check):
@@ -93,7 +99,9 @@ class ZeroGradBeforeStep(Check):
         if self._backwards > st.stepped_at:
             # Only the suspicious order pays for this look: no gradient to wipe means none of this optimizer's
             # parameters was reached by those backwards (it is built over another copy of the model).
-            st.had_grads = any(p.grad is not None for grp in args[0].param_groups for p in grp["params"])
+            wiped = [p for grp in args[0].param_groups for p in grp["params"] if p.grad is not None]
+            st.had_grads = bool(wiped)
+            st.wiped, st.wiped_src = wiped or None, self._backward_src
 
     def on_order_opt_zero_grad_done(self, args, kwargs, result):
         if not args or not isinstance(args[0], torch.optim.Optimizer):
@@ -106,6 +114,14 @@ class ZeroGradBeforeStep(Check):
         st.zero_at = self._backwards
         # Only a zero_grad() after a backward (and before the step) can be reported: the line is looked up then.
         st.zero_src = self.g.source() if st.zero_at > st.stepped_at else None
+        if st.zero_src is not None:
+            # a wrapper sharing its base optimizer's param_groups (SAM, Lookahead) zeroes the base's gradients
+            for o, _ in self._st.items():
+                if o is not args[0] and getattr(o, "param_groups", None) is args[0].param_groups:
+                    other = self._state(o)
+                    if self._backwards > other.stepped_at:
+                        other.zero_at, other.zero_src = st.zero_at, st.zero_src
+                        other.wiped, other.wiped_src = st.wiped, st.wiped_src
 
     def on_order_module_zero_grad_done(self, args, kwargs, result):
         if not args or self._backwards == 0:
@@ -128,7 +144,13 @@ class ZeroGradBeforeStep(Check):
 
     def on_step_pre(self, optimizer):
         st = self._st.data.get(id(optimizer))
-        if st is None or st.zero_at != self._backwards or st.zero_at <= st.stepped_at:
+        if st is None:
+            st = self._first_step(optimizer)
+        if st is None or st.zero_at <= st.stepped_at:
+            return
+        if st.zero_at != self._backwards:
+            if st.wiped is not None:
+                self._partial(optimizer, st)
             return
         present = [g for grp in optimizer.param_groups for p in grp["params"] if (g := p.grad) is not None]
         if not present:
@@ -153,6 +175,71 @@ class ZeroGradBeforeStep(Check):
                 self._emit(opt, st, none=False, info=info)
 
         self.g.stage(total, verdict)
+
+    def _first_step(self, optimizer) -> Optional[_Opt]:
+        """An optimizer first seen at its step: a base optimizer whose wrapper (SAM, sharing its param_groups)
+        zeroed the gradients just before calling it; the wrapper's zero_grad() counts for it."""
+        for o, other in self._st.items():  # (a wrapper that never steps itself is no watched optimizer)
+            if o is not optimizer and getattr(o, "param_groups", None) is optimizer.param_groups:
+                if other.zero_at > other.stepped_at:
+                    st = self._state(optimizer)
+                    st.zero_at, st.zero_src, st.wiped, st.wiped_src = (other.zero_at, other.zero_src, other.wiped,
+                                                                       other.wiped_src)
+                    return st
+        return None
+
+    def _partial(self, optimizer, st: _Opt) -> None:
+        """A backward came after the zero_grad(): the step applies its gradients. The parameters that only the
+        backward before the zero_grad() reached have none (None, or zeros left by set_to_none=False): that
+        backward's work was thrown away (`opt.zero_grad(); loss_pi.backward(); opt.zero_grad(); loss_v.backward();
+        opt.step()`). Told at the third step in a row (a one-off diagnostic backward is no bug)."""
+        wiped, st.wiped = st.wiped, None
+        lost = [p for p in wiped if p.grad is None]
+        kept = [p for p in wiped if p.grad is not None and p.grad.layout is torch.strided and not p.grad.is_meta]
+        info = (st.zero_src, st.wiped_src, self.g.source(), self.g.step)
+        oref = weakref.ref(optimizer)
+        if not kept:
+            self._lost(oref, st, lost, info)
+            return
+        with torch.no_grad():
+            grads = [p.grad for p in kept]
+            try:
+                norms = torch.stack(list(torch._foreach_norm(grads)))
+            except RuntimeError:  # mixed devices or dtypes (a model split across GPUs)
+                norms = torch.stack([torch.linalg.vector_norm(g.float()).cpu() for g in grads])
+        prefs = [weakref.ref(p) for p in kept]
+
+        def verdict(n_zero: float) -> None:
+            # which ones are read only when some are zero (the buggy order: one more read then)
+            zeros = [r() for r, v in zip(prefs, norms.tolist()) if v == 0.0] if n_zero > 0 else []
+            self._lost(oref, st, lost + [p for p in zeros if p is not None], info)
+
+        self.g.stage((norms == 0).sum().float(), verdict)
+
+    def _lost(self, oref, st: _Opt, lost: list, info: Tuple) -> None:
+        zero_src, wiped_src, src, step = info
+        if not lost:
+            st.run = 0
+            return
+        st.run = st.run + 1 if st.run_src == zero_src and st.run_step == step - 1 else 1
+        st.run_src, st.run_step = zero_src, step
+        opt = oref()
+        if st.run < 3 or opt is None:
+            return
+        names = [self.g.param_name(p) for p in lost if p is not None]
+        where = self._label(opt)
+        shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
+        message = (f"{where}.step() applies only the gradients of the backward() after zero_grad() ({zero_src}): "
+                   f"that zero_grad() came after an earlier backward() ({wiped_src}) and wiped its gradients before "
+                   f"any step used them; {len(names)} parameter(s) that only the earlier one reaches get no gradient "
+                   f"at the step ({shown}), at every step since step {step - st.run + 1}, and do not learn")
+        hint = ("Zero the gradients once per step, before the first backward(): opt.zero_grad(); "
+                "loss_a.backward(); loss_b.backward(); opt.step() (the gradients add up), or (loss_a + loss_b)."
+                "backward().")
+        self.emit("zero-grad-before-step", where, message, hint, source=src, step=step - st.run + 1,
+                  details={"optimizer": type(opt).__name__, "zero_grad_source": zero_src,
+                           "backward_source": wiped_src, "grads": "wiped then partly recomputed",
+                           "lost": names[:20]})
 
     def on_step_post(self, optimizer):
         self._state(optimizer).stepped_at = self._backwards
