@@ -484,6 +484,26 @@ def test_zero_grad_between_two_backwards_loses_the_first_losss_gradients(set_to_
     assert "loss_b.backward(); opt.step()" in f.hint
 
 
+def test_alternating_architecture_and_weight_steps_drop_leftover_gradients_silently():
+    """GDAS/DARTS: the architecture step's backward also fills the weights' gradients; the weights' zero_grad()
+    drops them, and the next batch samples other ops, whose weights get no gradient. The architecture optimizer
+    stepped after that backward: leftovers, not lost work."""
+    torch.manual_seed(0)
+    ops = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+    alpha = nn.Parameter(torch.zeros(3))
+    w_opt, a_opt = torch.optim.SGD(ops.parameters(), lr=0.05), torch.optim.Adam([alpha], lr=1e-2)
+
+    def forward(x):
+        k = int(torch.randint(0, 3, ()))  # one sampled op per forward
+        return ops[k](x) * torch.softmax(alpha, 0)[k]
+
+    with guard(ops, [w_opt, a_opt], live=False) as g:
+        for _ in range(8):
+            a_opt.zero_grad(); forward(torch.randn(4, 8)).pow(2).mean().backward(); a_opt.step()
+            w_opt.zero_grad(); forward(torch.randn(4, 8)).pow(2).mean().backward(); w_opt.step()
+    assert "zero-grad-before-step" not in [f.kind for f in g.findings]
+
+
 def test_zero_grad_by_a_wrapper_sharing_the_base_optimizers_groups_is_found():
     """SAM's second_step with its zero_grad() before base_optimizer.step() (lines swapped): the wrapper, which never
     steps itself, zeroes the base optimizer's gradients. Found from step 0; the right order (and first_step's

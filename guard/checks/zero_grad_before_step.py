@@ -81,6 +81,7 @@ class ZeroGradBeforeStep(Check):
         self._backwards = 0
         self._backward_src: Optional[str] = None
         self._st = WeakIdMap()  # optimizer -> _Opt
+        self._any_step = 0  # backward count at the latest step() of any optimizer
 
     def _state(self, opt) -> _Opt:
         st = self._st.data.get(id(opt))
@@ -101,7 +102,11 @@ class ZeroGradBeforeStep(Check):
             # parameters was reached by those backwards (it is built over another copy of the model).
             wiped = [p for grp in args[0].param_groups for p in grp["params"] if p.grad is not None]
             st.had_grads = bool(wiped)
-            st.wiped, st.wiped_src = wiped or None, self._backward_src
+            # Gradients a step of any optimizer came after are leftovers (GDAS/DARTS: the architecture step's
+            # backward also fills the weights' gradients, which the weights' zero_grad() rightly drops): only a
+            # backward no step has followed yet can have its work lost.
+            st.wiped = wiped if wiped and self._backwards > self._any_step else None
+            st.wiped_src = self._backward_src
 
     def on_order_opt_zero_grad_done(self, args, kwargs, result):
         if not args or not isinstance(args[0], torch.optim.Optimizer):
@@ -242,7 +247,7 @@ class ZeroGradBeforeStep(Check):
                            "lost": names[:20]})
 
     def on_step_post(self, optimizer):
-        self._state(optimizer).stepped_at = self._backwards
+        self._state(optimizer).stepped_at = self._any_step = self._backwards
 
     def _emit(self, opt, st: _Opt, none: bool, info: Optional[Tuple] = None) -> None:
         zero_src, backward_src, src, step = info or (st.zero_src, self._backward_src, self.g.source(), self.g.step)
