@@ -126,7 +126,9 @@ class Staging:
         flat = self._flat.data.get(id(optimizer)) if optimizer is not None else None
         shape = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups) if optimizer is not None else None
         if flat is None or flat[0] != shape:
-            ps = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else params()
+            # (a model's "parameters" replaced by non-leaf tensors, learn2learn's clones: reading their .grad warns)
+            ps = ([p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else
+                  [p for p in params() if p.is_leaf])
             flat = (shape, ps, tuple(map(id, ps)), False)
             if optimizer is not None:
                 self._flat[optimizer] = flat

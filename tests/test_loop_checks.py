@@ -1828,3 +1828,34 @@ def test_a_parameter_outside_the_model_is_named_by_its_variable():
             ens_opt.step()
     f = [f for f in g.findings if f.kind == "missing-zero-grad"][0]
     assert "params['0.weight']" in f.message
+
+
+def test_a_learn2learn_clone_with_non_leaf_parameters_is_no_retained_graph_and_no_torch_warning():
+    """learn2learn/MAML's clone: a deep copy whose module `_parameters` are replaced by differentiable clones and
+    adapted as `p - lr * g`, rebuilt every step. Its plain-tensor "parameters" carry this step's graph on purpose
+    (not an EMA updated in place), and guard reads no `.grad` of them (torch warns about non-leaf `.grad`)."""
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with guard(live=False) as g:
+            for _ in range(20):
+                learner = copy.deepcopy(model)
+                for mod, src in zip(learner.modules(), model.modules()):
+                    for k, p in src._parameters.items():
+                        mod._parameters[k] = p.clone()
+                xs = torch.randn(10, 1)
+                grads = torch.autograd.grad(F.mse_loss(learner(xs), torch.sin(xs)), list(learner.parameters()),
+                                            create_graph=True)
+                it = iter(grads)
+                for mod in learner.modules():
+                    for k in list(mod._parameters):
+                        mod._parameters[k] = mod._parameters[k] - 0.01 * next(it)
+                opt.zero_grad()
+                F.mse_loss(learner(xs + 0.1), torch.sin(xs + 0.1)).backward()
+                opt.step()
+    assert [f.kind for f in g.findings if f.severity != "info"] == [] and g.internal_errors == []

@@ -399,7 +399,9 @@ class LossGraph(Check):
         """Parameters with a grad_fn: a frozen weight (a target or EMA network) updated in place with autograd on
         (``tp.mul_(1 - tau).add_(tau * p)`` outside ``torch.no_grad()``) joins the graph, which grows at every
         update and is never freed. Trainable leaves cannot get there (torch refuses in-place ops on them)."""
-        held = [p for p in self._params() if p.grad_fn is not None]
+        # Still an nn.Parameter: updated in place. A plain tensor put in a module's _parameters (a learn2learn or
+        # MAML clone adapted as `p - lr * g`, rebuilt every step) carries this step's graph on purpose.
+        held = [p for p in self._params() if p.grad_fn is not None and isinstance(p, torch.nn.Parameter)]
         if not held:
             return
         self._params_told = True
