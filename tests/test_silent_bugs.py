@@ -602,6 +602,35 @@ def test_first_layers_cut_off_by_round_get_the_straight_through_fix():
     assert "z + (torch.round(z) - z).detach()" in f.hint and "sigmoid" not in f.hint
 
 
+def test_a_first_layer_applied_to_zeros_is_no_cut_path():
+    """Unrolled ISTA (LISTA) starts from x0 = 0: the first S layer's weight gradient is exactly 0 by construction,
+    while the next layer's is not. No cut, no vanishing: silent (the layers after it are paired instead)."""
+
+    class Unrolled(nn.Module):
+        def __init__(self, k=4, n=16, m=8):
+            super().__init__()
+            self.We = nn.ModuleList([nn.Linear(m, n, bias=False) for _ in range(k)])
+            self.S = nn.ModuleList([nn.Linear(n, n, bias=False) for _ in range(k)])
+            self.n = n
+
+        def forward(self, y):
+            x = torch.zeros(y.shape[0], self.n)
+            for We, S in zip(self.We, self.S):
+                x = F.softshrink(S(x) + We(y), 0.05)
+            return x
+
+    torch.manual_seed(0)
+    model = Unrolled()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    A = torch.randn(8, 16) / 8 ** 0.5
+    with guard(model, opt, live=False) as g:
+        for _ in range(60):
+            x = torch.randn(32, 16) * (torch.rand(32, 16) < 0.2)
+            loss = F.mse_loss(model(x @ A.t()), x)
+            opt.zero_grad(); loss.backward(); opt.step()
+    assert g.findings == []
+
+
 class EmbedNet(nn.Module):
     """A pretrained embedding with tiny gradients (scaled down on the way back) before a healthy MLP."""
 

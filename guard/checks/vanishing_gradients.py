@@ -45,6 +45,8 @@ class VanishingGradients(Check):
         self._run, self._since, self._source = 0, 0, None
         self._ratios: List[float] = []
         self._done = False
+        self._second: Optional[weakref.ref] = None  # the layer called after the first one
+        self._skip: set = set()  # first layers whose exact-zero gradient is their own (their input is zero)
 
     def _layers(self, optimizer) -> Optional[Tuple[str, weakref.ref, str, weakref.ref, int]]:
         """The first and last weight layers of one model, all of whose weights `optimizer` updates.
@@ -67,7 +69,7 @@ class VanishingGradients(Check):
             for path, info in self.g.modules.items():  # in the order of first calls
                 kind = types.get(path, info.get("type"))
                 key = path if path in by_module else "" if path == kind else None  # the root: its class name
-                if key not in by_module or kind in ("Embedding", "EmbeddingBag"):
+                if key not in by_module or kind in ("Embedding", "EmbeddingBag") or path in self._skip:
                     continue
                 order.append((path, by_module[key]))
             if len(order) > len(best):
@@ -75,6 +77,7 @@ class VanishingGradients(Check):
         if len(best) < MIN_LAYERS:
             return None
         (fp, fw), (lp, lw) = best[0], best[-1]
+        self._second = weakref.ref(best[1][1])
         return fp, weakref.ref(fw), lp, weakref.ref(lw), len(best)
 
     def on_step_pre(self, optimizer):
@@ -115,6 +118,14 @@ class VanishingGradients(Check):
             self._done = True
             fp, _, lp, _, n = self._pair
             worst = max(self._ratios)
+            second = self._second() if self._second is not None else None
+            if worst == 0.0 and second is not None and second.grad is not None and bool(second.grad.any()):
+                # Only the first layer's gradient is 0 while the next one's is not: no cut between the layers but
+                # a zero input (unrolled ISTA's S applied to x0 = 0). Pair again without it.
+                self._done, self._pair = False, None
+                self._skip.add(fp)
+                self._run, self._ratios, self._tried_at = 0, [], -1
+                return
             if worst == 0.0:
                 # Not shrinking but cut: nothing reaches the first layer at all (a round/argmax between them)
                 message = (f"the gradients of the first layer {fp} are exactly 0 at {self._run} sampled steps since "
