@@ -1527,6 +1527,30 @@ def test_a_weight_rebound_to_a_new_parameter_in_every_forward_gets_the_in_place_
     assert "self.weight.copy_(" in f.hint and f.details["rebound_per_call"]
 
 
+def test_a_hyperparameter_whose_optimizer_steps_once_per_inner_loop_is_in_an_optimizer():
+    """Bilevel tuning: `log_wd` is in its own optimizer, which steps after each inner loop of 10 steps. The inner
+    backward reaches it; guard, which knows an optimizer from its first step, must not call it "in no optimizer"
+    before that step. A bare parameter really left out is still told."""
+    for left_out in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(5, 1)
+        log_wd = nn.Parameter(torch.tensor(-3.0))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        hopt = torch.optim.SGD([torch.zeros(1, requires_grad=True)] if left_out else [log_wd], lr=0.1)
+        x, y = torch.randn(50, 5), torch.randn(50, 1)
+        with guard(live=False) as g:
+            for _ in range(3):
+                for _ in range(10):
+                    loss = F.mse_loss(model(x), y) + log_wd.exp() * model.weight.pow(2).sum()
+                    opt.zero_grad(); loss.backward(); opt.step()
+                hopt.zero_grad()
+                if not left_out:
+                    log_wd.grad = torch.tensor(0.1)  # a stand-in hypergradient
+                hopt.step()
+        found = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+        assert [f.where for f in found] == (["log_wd"] if left_out else [])
+
+
 def test_a_weight_rebound_after_every_step_is_told_from_the_step_it_began():
     """A sparse autoencoder's decoder renormalised by a new nn.Parameter after each step: the optimizer keeps
     the first one from step 1 on. Not "a layer unfrozen mid-run" (whose add_param_group fix would add a group

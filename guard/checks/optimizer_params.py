@@ -54,6 +54,19 @@ TARGET_FIX = ("Compute what they produce under torch.no_grad() (a DQN/SAC/TD3 ta
               "y = r + gamma * target(next_obs).max(1).values), or freeze them: target.requires_grad_(False).")
 
 
+def _frame_optimizers() -> set:
+    """ids of the parameters held by the optimizers the user's frames name (locals, then their globals)."""
+    ids: set = set()
+    seen: set = set()
+    for fr in user_frames():
+        for scope in (frame_locals(fr), fr.f_globals):
+            for v in list(scope.values()):
+                if isinstance(v, torch.optim.Optimizer) and id(v) not in seen:
+                    seen.add(id(v))
+                    ids.update(id(p) for grp in v.param_groups for p in grp["params"])
+    return ids
+
+
 def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str], Dict[str, str]]:
     """Names for parameters outside the watched models, from the user's variables: a module holding them
     (`target.0.weight`), a plain list or dict attribute of a module holding them unregistered
@@ -190,6 +203,11 @@ class OptimizerParams(Check):
             norms = torch.stack([as_float(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).norm().cpu()
                                  for p in params]).tolist()
         params = [p for p, v in zip(params, norms) if v != 0.0]
+        if params:
+            # an optimizer of the user's that has not stepped yet (a hyper-optimizer stepping once per inner loop
+            # of 10 steps) holds them: guard knows optimizers from their first step
+            waiting = _frame_optimizers()
+            params = [p for p in params if id(p) not in waiting]
         if not params or any(f.kind in ("loss-disconnected", "module-not-registered") for f in self.g.findings):
             return
         self._outside_told.update(id(p) for p in params)
