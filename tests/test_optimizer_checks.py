@@ -1551,6 +1551,40 @@ def test_a_hyperparameter_whose_optimizer_steps_once_per_inner_loop_is_in_an_opt
         assert [f.where for f in found] == (["log_wd"] if left_out else [])
 
 
+def test_darts_unrolled_copy_made_every_step_is_no_parameter_left_out():
+    """Second-order DARTS under a global guard: a deep copy of the model (the virtual step) is made at every step,
+    back-propagated, and its architecture gradient read by hand. No optimizer should hold it; the copy guard looked
+    at is gone by the time it would be told."""
+    import copy
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head, self.alpha = nn.Linear(4, 8), nn.Linear(8, 2), nn.Parameter(torch.zeros(8))
+
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)) * self.alpha.sigmoid())
+
+    torch.manual_seed(0)
+    model = Net()
+    weights = [p for n, p in model.named_parameters() if n != "alpha"]
+    w_opt, a_opt = torch.optim.SGD(weights, lr=0.05), torch.optim.Adam([model.alpha], lr=3e-3)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    with guard(live=False) as g:
+        for _ in range(20):
+            a_opt.zero_grad()
+            unrolled = copy.deepcopy(model)
+            grads = torch.autograd.grad(F.cross_entropy(model(x[:32]), y[:32]), weights)
+            with torch.no_grad():
+                for p, gi in zip([q for n, q in unrolled.named_parameters() if n != "alpha"], grads):
+                    p.sub_(0.05 * gi)
+            F.cross_entropy(unrolled(x[32:]), y[32:]).backward()
+            model.alpha.grad = unrolled.alpha.grad.clone()
+            a_opt.step()
+            w_opt.zero_grad(); F.cross_entropy(model(x[:32]), y[:32]).backward(); w_opt.step()
+    assert [f for f in g.findings if f.severity != "info"] == []
+
+
 def test_a_weight_rebound_after_every_step_is_told_from_the_step_it_began():
     """A sparse autoencoder's decoder renormalised by a new nn.Parameter after each step: the optimizer keeps
     the first one from step 1 on. Not "a layer unfrozen mid-run" (whose add_param_group fix would add a group

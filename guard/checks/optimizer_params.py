@@ -271,7 +271,8 @@ class OptimizerParams(Check):
         if self._cand is None:
             self._looked = self.g.step
             missing = self._loose()
-            versions = {n: (p._version, weakref.ref(p.grad), p.grad._version) for n, p in missing if n not in self._told}
+            versions = {n: (p._version, weakref.ref(p.grad), p.grad._version, weakref.ref(p)) for n, p in missing
+                        if n not in self._told}
             if not versions:
                 self._missing_done = self._looked_before = True  # every parameter with a gradient is held
                 # what the optimizers held then: a parameter missing at a later look was taken out of them since
@@ -299,11 +300,16 @@ class OptimizerParams(Check):
         # A parameter changed in place since (its version counter moved) was updated after all: by an
         # optimizer guard was not given (a probe's own), or by hand. One whose gradient is the same tensor, unchanged,
         # gets no more gradients: what is left of a finished run (an earlier round's model kept in a list).
-        missing = [n for n, (v, gref, gv) in versions.items() if n in still and n in named and named[n]._version == v
+        # The same parameter object still (or one re-bound in its place: `self.weight = nn.Parameter(...)` per
+        # step): a model copied anew at every step (DARTS's unrolled model, whose gradients are read by hand) has
+        # another one under the same name by now, and the first is gone.
+        rebound = self._rebound.data
+        missing = [n for n, (v, gref, gv, pref) in versions.items() if n in still and n in named
+                   and (named[n] is pref() or id(named[n]) in rebound) and named[n]._version == v
                    and (named[n].grad is not gref() or named[n].grad._version != gv)]
         # Moved in place, yet in no optimizer: overwritten now and then (a target network synced by load_state_dict)
         # or trained elsewhere; if a later look finds them unmoved, that says which (and since when)
-        for n, (v, _, _) in versions.items():
+        for n, (v, _, _, _) in versions.items():
             if n in still and n in named and named[n]._version != v:
                 self._moved.setdefault(n, step)
         if missing:
