@@ -1859,3 +1859,36 @@ def test_a_learn2learn_clone_with_non_leaf_parameters_is_no_retained_graph_and_n
                 F.mse_loss(learner(xs + 0.1), torch.sin(xs + 0.1)).backward()
                 opt.step()
     assert [f.kind for f in g.findings if f.severity != "info"] == [] and g.internal_errors == []
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+def test_the_averaged_model_evaluated_in_train_mode_is_told(kind):
+    """SWA's AveragedModel after update_bn (which leaves it in train mode), or an EMA deep copy updated under
+    no_grad, evaluated under no_grad without .eval(): the delivered network normalises with batch statistics and
+    overwrites the running statistics. It is never trained with autograd, yet it is the run's model."""
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel, update_bn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    avg = AveragedModel(model) if kind == "swa" else copy.deepcopy(model)
+    x, y = torch.randn(128, 12), torch.randint(0, 2, (128,))
+    with guard(live=False) as g:
+        for _ in range(3):
+            for i in range(0, 128, 32):
+                opt.zero_grad(); F.cross_entropy(model(x[i:i + 32]), y[i:i + 32]).backward(); opt.step()
+                if kind == "ema":
+                    with torch.no_grad():
+                        for pe, p in zip(avg.parameters(), model.parameters()):
+                            pe.lerp_(p, 0.1)
+            if kind == "swa":
+                avg.update_parameters(model)
+        if kind == "swa":
+            update_bn([(x[i:i + 32], y[i:i + 32]) for i in range(0, 128, 32)], avg)
+        with torch.no_grad():  # the bug: avg.eval() missing
+            acc = (avg(x).argmax(1) == y).float().mean().item()
+    f = [f for f in g.findings if f.kind == "eval-in-train-mode"]
+    assert len(f) == 1 and f[0].details["types"] == ["BatchNorm1d"] and acc >= 0
+    assert f[0].where == ("AveragedModel" if kind == "swa" else "Sequential#2")

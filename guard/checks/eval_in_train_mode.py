@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
+from torch.optim.swa_utils import AveragedModel
 
 from ..tensors import iter_tensors
 from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
@@ -70,6 +71,11 @@ def _recalibrating(m: nn.Module) -> bool:
     return isinstance(m, _BatchNorm) and (m.momentum is None or m.momentum == 1.0)
 
 
+def _version_sum(module) -> int:
+    """The sum of the version counters of (up to 8 of) a module's parameters: moves when they change in place."""
+    return sum(p._version for _, p in zip(range(8), module.parameters()))
+
+
 def _called_by_torch() -> bool:
     """Whether the model call came from ``torch.optim`` (BatchNorm recalibration) rather than from the user."""
     f = sys._getframe(2)
@@ -77,6 +83,9 @@ def _called_by_torch() -> bool:
         fn = os.path.abspath(f.f_code.co_filename)
         if fn.startswith(_GUARD_DIR) or fn in _MODULE_FILES or fn == _CONTEXTLIB:
             f = f.f_back
+            continue
+        if fn.startswith(_TORCH_OPTIM) and f.f_code.co_name == "forward":
+            f = f.f_back  # swa_utils.AveragedModel passing the call on: who called it decides
             continue
         return fn.startswith(_TORCH_OPTIM)
     return False
@@ -123,6 +132,8 @@ class EvalInTrainMode(Check):
         self._dry: Any = None  # the model whose call under way sizes its lazy modules (a dry run)
         # model -> (step, source, names, types, count, inference) of its first train-mode no_grad forward
         self._pending: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+        # models never trained with autograd: their weights' version counters at their first evaluation
+        self._versions: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
         self._reported: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         # call sites (id(model), line) of no_grad forwards in training mode, not yet judged: (model ref, path, the
         # first one's info, the steps they ran at); and those found to run at training steps (`_decide`)
@@ -260,6 +271,8 @@ class EvalInTrainMode(Check):
         ent = self._sites.get(key)
         if ent is None:
             self._sites[key] = (weakref.ref(module), path, info, {info[0]})
+            if module not in self._trained and module not in self._versions:
+                self._versions[module] = _version_sum(module)
         else:
             ent[3].add(info[0])
 
@@ -274,7 +287,8 @@ class EvalInTrainMode(Check):
             # Dropout noise may be meant there; BatchNorm running statistics overwritten by the extra pass are not
             # (pseudo-labels computed in training mode feed the unlabeled batches' statistics into them).
             bn = any("Norm" in t for t in info[3])
-            if not bn and any(first + k in steps for k in range(1, RECUR + 1)):
+            recurs = any(first + k in steps for k in range(1, RECUR + 1))
+            if not bn and recurs:
                 self._recurring.add(key)  # it runs at training steps: part of training
                 continue
             module = ref()
@@ -282,8 +296,28 @@ class EvalInTrainMode(Check):
                 continue
             if module in self._trained:
                 self._emit(module, path, *info)
+            elif self._averaged(module):
+                # an averaged copy called at every step is a target network (BYOL, MoCo: train mode on purpose)
+                if recurs:
+                    self._recurring.add(key)
+                else:
+                    self._emit(module, path, *info)
             elif not final:
                 self._pending[module] = info  # told at its first training forward
+
+    def _averaged(self, module) -> bool:
+        """A model never trained with autograd that is the run's averaged network: an `AveragedModel` (SWA), or
+        a copy whose weights the loop changes in place (an EMA updated under no_grad). Its evaluation is the
+        delivered model's."""
+        if isinstance(module, AveragedModel):
+            return True
+        before = self._versions.get(module)
+        if before is not None and _version_sum(module) != before:
+            return True
+        # changed in place again and again before its first evaluation (a deep copy is at version 0, a checkpoint
+        # loaded into it at 1; an EMA updated after every step is at the number of updates)
+        versions = [p._version for _, p in zip(range(8), module.parameters())]
+        return bool(versions) and min(versions) >= 2
 
     def on_exit(self):
         self._decide(final=True)
