@@ -29,6 +29,10 @@ from .base import Check
 
 IDENTICAL = 8  # steps in a row with the very same loss value and non-zero gradients
 MIN_NORM = 1e-4  # gradients below this are a converged fit's, whose loss may stay put
+#: ... and so are gradients below this fraction of the run's first ones (the largest of its first FIRST steps):
+#: a full-batch GLM, GP or Cox fit under Adam sits at 1e-4 of its first gradient, its float32 loss unchanged
+REL_NORM = 1e-3
+FIRST = 10
 
 
 def _coarse(v: float) -> bool:
@@ -61,6 +65,7 @@ class LossConstant(Check):
         self._same = 0
         self._seen_step = -1
         self._same_done = False
+        self._first_norm, self._firsts = 0.0, 0  # the largest gradient norm of the run's first steps
 
     def on_resolved(self):
         g = self.g
@@ -72,7 +77,11 @@ class LossConstant(Check):
             return
         self._seen_step = step
         loss, norm = entry.get("loss"), entry.get("grad_norm")
-        if loss != self._same_value or not isinstance(norm, float) or not norm > MIN_NORM:
+        if isinstance(norm, float) and self._firsts < FIRST and math.isfinite(norm):
+            self._firsts += 1
+            self._first_norm = max(self._first_norm, norm)
+        if (loss != self._same_value or not isinstance(norm, float) or not norm > MIN_NORM
+                or not norm > REL_NORM * self._first_norm):
             # (most steps end here: a new value; the rest of the tests runs for repeats only)
             self._same_value, self._same_from, self._same = loss, step, 1
             return
