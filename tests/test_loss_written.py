@@ -44,6 +44,7 @@ BUGGY = {
     "hand-written Huber": lambda p, x, y: torch.where((p - y).abs() < 1, 0.5 * (p - y) ** 2, (p - y).abs() - 0.5).mean(),
     "1-d prediction, [N, 1] target": lambda p, x, y: ((p.squeeze(-1) - y.unsqueeze(1)) ** 2).sum(),
     "inside a sum of terms": lambda p, x, y: 0.5 * ((p - y) ** 2).mean() + 1e-3 * p.pow(2).mean(),
+    "pinball (quantile) loss": lambda p, x, y: (lambda e: torch.maximum(0.9 * e, (0.9 - 1) * e))(y - p).mean(),
 }
 
 

@@ -166,12 +166,26 @@ def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
                 found.append(hit)
                 continue
         fitted = fitted or name in _FITS or (name == "MulBackward0" and len(nexts) == 2
-                                             and nexts[0][0] is not None and nexts[0][0] is nexts[1][0])
+                                             and nexts[0][0] is not None and nexts[0][0] is nexts[1][0]) \
+            or (name in ("MaximumBackward0", "MinimumBackward0") and _pinball(nexts))
         for fn, _ in nexts:
             if fn is not None and id(fn) not in seen:
                 seen.add(id(fn))
                 todo.append((fn, fitted))
     return found
+
+
+def _pinball(nexts: Any) -> bool:
+    """``maximum(tau * e, (tau - 1) * e)``: the pinball (quantile) loss, a fit of `e` like an absolute value."""
+    firsts = []
+    for fn, _ in nexts:
+        if fn is None or not type(fn).__name__.startswith("MulBackward"):
+            return False
+        inner = [f for f, _ in fn.next_functions if f is not None]
+        if len(inner) != 1:
+            return False  # a product of two tensors: no multiple of one difference
+        firsts.append(inner[0])
+    return len(firsts) == 2 and firsts[0] is firsts[1]
 
 
 def _judge(node: Any, op: str, nexts: Any) -> Optional[Dict[str, Any]]:
