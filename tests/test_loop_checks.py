@@ -1892,3 +1892,29 @@ def test_the_averaged_model_evaluated_in_train_mode_is_told(kind):
     f = [f for f in g.findings if f.kind == "eval-in-train-mode"]
     assert len(f) == 1 and f[0].details["types"] == ["BatchNorm1d"] and acc >= 0
     assert f[0].where == ("AveragedModel" if kind == "swa" else "Sequential#2")
+
+
+def test_sam_without_zero_grad_between_its_two_passes_names_the_optimizer():
+    """SAM written inline, no zero_grad() before the second backward: the step applies g(w) + g(w + e). The
+    perturbation between the backwards is no update by hand: the optimizer is named (it is known to guard only
+    from its first step, so the frames' optimizers are looked at)."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with guard(live=False) as g:
+        for x, y in batches(6):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                gn = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+                eps = [p.grad * (0.05 / (gn + 1e-12)) for p in model.parameters()]
+                for p, e in zip(model.parameters(), eps):
+                    p.add_(e)
+            F.mse_loss(model(x), y).backward()  # the bug: opt.zero_grad() missing before it
+            with torch.no_grad():
+                for p, e in zip(model.parameters(), eps):
+                    p.sub_(e)
+            opt.step()
+    f = [f for f in g.findings if f.kind == "missing-zero-grad"][0]
+    assert f.where == "SGD" and f.details["optimizer"] == "SGD" and f.details["changed_in_between"]
+    assert "g(w) + g(w + e)" in f.message and "before the second backward()" in f.hint

@@ -4,6 +4,11 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+import torch
+
+from .._frames import frame_locals
+from ._graphs import user_frames
+
 
 def module_prefixes(names: Iterable[str], all_names: Sequence[str], limit: int = 10) -> List[str]:
     """The shortest module prefixes that cover exactly `names` among `all_names`.
@@ -61,3 +66,16 @@ class WatchedParams:
             self._plist = plist = (key, [weakref.ref(m) for m in roots],
                                    [weakref.ref(p) for _, p in self.g.named_parameters()])
         return [p for r in plist[2] if (p := r()) is not None]
+
+
+def frame_optimizers() -> list:
+    """The optimizers the user's frames name (locals, then their globals), innermost first: also those guard has
+    not seen step yet (it knows an optimizer from its first step). Report-time only (a walk of the frames)."""
+    found, seen = [], set()
+    for fr in user_frames():
+        for scope in (frame_locals(fr), fr.f_globals):
+            for v in list(scope.values()):
+                if isinstance(v, torch.optim.Optimizer) and id(v) not in seen:
+                    seen.add(id(v))
+                    found.append(v)
+    return found

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..tensors import as_float, fused_norms
+from ._params import frame_optimizers
 from .base import Check
 from .._weak import WeakIdMap
 
@@ -318,6 +319,23 @@ class MissingZeroGrad(Check):
         self._manual_told = True
         self._manual = []
         names = [self.g.param_name(p) for p in stale]
+        ids = {id(p) for p in stale}
+        opt = next((o for o in [*self.g.optimizers, *frame_optimizers()]
+                    if any(id(q) in ids for grp in o.param_groups for q in grp["params"])), None)
+        if opt is not None:
+            # Known only since its first step: the change in place between the two backwards was no update but a
+            # perturbation (SAM's `p.add_(e)`), and the optimizer's step applies the sum of both gradients.
+            name = type(opt).__name__
+            self.emit("missing-zero-grad", name,
+                      f"{name}.step() applies the sum of two backward()s: the parameters were changed in place after "
+                      f"the first (a SAM-style perturbation, `p.add_(e)`), and this backward() added onto its "
+                      f"gradients, which were not cleared ({', '.join(names[:6])}); the update is g(w) + g(w + e), "
+                      f"not the gradient at the perturbed point",
+                      "Clear the gradients between the two passes: optimizer.zero_grad() after computing the "
+                      "perturbation from the first backward's gradients, before the second backward().",
+                      step=step, source=src, details={"parameters": names, "optimizer": name,
+                                                      "changed_in_between": True})
+            return
         self.emit("missing-zero-grad", "parameters (no optimizer)",
                   f"the parameters were updated by hand after the last backward(), but their gradients were not "
                   f"cleared: this backward() adds onto gradients that were already applied ({', '.join(names)}), so "

@@ -33,7 +33,7 @@ from torch import nn
 from .._frames import frame_locals
 from ..tensors import as_float
 from ._graphs import Budget, user_frames, walk
-from ._params import WatchedParams, module_prefixes
+from ._params import WatchedParams, frame_optimizers, module_prefixes
 from .base import Check
 from .._weak import WeakIdMap
 
@@ -52,19 +52,6 @@ OUTSIDE_EVERY = 64
 OUTSIDE_NODES = 20_000  # graph nodes one such walk visits at most
 TARGET_FIX = ("Compute what they produce under torch.no_grad() (a DQN/SAC/TD3 target: with torch.no_grad(): "
               "y = r + gamma * target(next_obs).max(1).values), or freeze them: target.requires_grad_(False).")
-
-
-def _frame_optimizers() -> set:
-    """ids of the parameters held by the optimizers the user's frames name (locals, then their globals)."""
-    ids: set = set()
-    seen: set = set()
-    for fr in user_frames():
-        for scope in (frame_locals(fr), fr.f_globals):
-            for v in list(scope.values()):
-                if isinstance(v, torch.optim.Optimizer) and id(v) not in seen:
-                    seen.add(id(v))
-                    ids.update(id(p) for grp in v.param_groups for p in grp["params"])
-    return ids
 
 
 def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str], Dict[str, str]]:
@@ -206,7 +193,7 @@ class OptimizerParams(Check):
         if params:
             # an optimizer of the user's that has not stepped yet (a hyper-optimizer stepping once per inner loop
             # of 10 steps) holds them: guard knows optimizers from their first step
-            waiting = _frame_optimizers()
+            waiting = {id(q) for o in frame_optimizers() for grp in o.param_groups for q in grp["params"]}
             params = [p for p in params if id(p) not in waiting]
         if not params or any(f.kind in ("loss-disconnected", "module-not-registered") for f in self.g.findings):
             return
