@@ -589,7 +589,16 @@ class Wiring:
             except Exception as exc:
                 self.contain(None, exc)
             self.meter.own += _clock() - t0
-            result = call(*args, **kwargs)
+            try:
+                result = call(*args, **kwargs)
+            except RuntimeError as exc:
+                # explained later, once the exception has left the user's `with torch.no_grad():`: the mode it
+                # ran under is noted now
+                try:
+                    exc._guard_grad_enabled = torch.is_grad_enabled()  # type: ignore[attr-defined]
+                except Exception:
+                    pass
+                raise
             t0 = _clock()
             try:
                 self.graph_seq = _newest_node(tensors, self.graph_seq)

@@ -524,6 +524,22 @@ def test_backward_on_a_tensor_without_a_graph_is_explained(case, scope):
         assert "create_graph=True" in note and f.details["model_frozen"] is False
 
 
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_backward_inside_no_grad_is_told_as_recording_off_although_explained_after_the_block(scope):
+    """`with torch.no_grad(): loss = ...; loss.backward()`: explained once the exception has left the block, where
+    recording is on again; the mode backward() ran under is the one told."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(*((model, opt) if scope == "model" else ()), checks=["explain"], live=False) as g:
+            with torch.no_grad():
+                loss = F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 2, (8,)))
+                loss.backward()
+    (f,) = _explained(g)
+    assert f.details["grad_enabled"] is False and "gradient recording is off where it ran" in _notes(ei.value)
+
+
 @pytest.mark.parametrize("case", ["negative-scale", "nan-loc"])
 def test_a_distribution_argument_out_of_its_range_is_explained(case):
     """A DeepAR-style head whose sigma is the raw output (no softplus), or a NaN mean from upstream."""
