@@ -1918,3 +1918,25 @@ def test_sam_without_zero_grad_between_its_two_passes_names_the_optimizer():
     f = [f for f in g.findings if f.kind == "missing-zero-grad"][0]
     assert f.where == "SGD" and f.details["optimizer"] == "SGD" and f.details["changed_in_between"]
     assert "g(w) + g(w + e)" in f.message and "before the second backward()" in f.hint
+
+
+def test_an_ema_updated_with_autograd_on_is_one_finding_under_a_global_guard():
+    """`for e, p in zip(ema.parameters(), model.parameters()): e.mul_(d).add_((1 - d) * p)` with autograd on:
+    told once, at the EMA copy's weights. The loop variable `e` still bound to one of them is no second holder."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 2))
+    ema = copy.deepcopy(model).requires_grad_(False).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with guard(live=False) as g:
+        for _ in range(80):
+            x, y = torch.randn(16, 16), torch.randint(0, 2, (16,))
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+            for e, p in zip(ema.parameters(), model.parameters()):
+                e.mul_(0.99).add_(0.01 * p)  # the bug: outside torch.no_grad()
+            with torch.no_grad():
+                ema(x)
+    found = [f for f in g.findings if f.kind == "loss-graph-retained"]
+    assert len(found) == 1 and found[0].details["parameters_with_history"] is True

@@ -361,7 +361,11 @@ class LossGraph(Check):
                 seen_objs.add(id(value))
                 try:
                     for cname, _, ts in graph_holders(name, value):
-                        yield cname, fr, ts
+                        # a weight with history (an EMA updated in place with autograd on, still bound to the loop
+                        # variable `e`) is the parameter look's to tell, at its module
+                        ts = [t for t in ts if not isinstance(t, torch.nn.Parameter)]
+                        if ts:
+                            yield cname, fr, ts
                 except Exception:
                     continue
 
