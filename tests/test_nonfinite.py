@@ -102,6 +102,28 @@ def test_nonfinite_param_from_the_update_has_the_overflow_fix_and_one_changed_af
     assert "rho / (grad_norm + 1e-12)" in f.hint
 
 
+def test_nonfinite_param_from_a_nan_learning_rate_says_so():
+    """A Polyak step size `loss / ||g||^2` set as the learning rate: 0/0 on a batch the model fits exactly makes the
+    rate NaN, and the update NaN. Not an overflow: the message names the rate, the hint the eps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 1), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model[0].weight.fill_(0.1); model[0].bias.fill_(0.0)
+    with guard(model, opt, live=False) as g:
+        for i in range(6):
+            x = torch.randn(20, 8) if i != 3 else torch.full((20, 8), -5.0)  # all ReLUs off: loss 0, gradient 0
+            y = torch.relu(x.sum(1, keepdim=True)) if i != 3 else torch.zeros(20, 1)
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad(); loss.backward()
+            gsq = sum(p.grad.pow(2).sum() for p in model.parameters())
+            opt.param_groups[0]["lr"] = (loss / gsq).item()  # the bug: no eps
+            opt.step()
+    f = only(g, "nonfinite-param")
+    assert f.step == 3 and "the learning rate of their optimizer is nan" in f.message
+    assert "loss / (gsq + 1e-8)" in f.hint
+
+
 @pytest.mark.parametrize("demo", [nan_input, nan_module, nan_loss, nan_grad, nan_param])
 def test_clean_twins_have_no_findings(demo):
     g = demo.train(fixed=True, live=False, checks="all")

@@ -840,6 +840,16 @@ class NonFinite(Check):
                   details={"parameters": names[:20], "count": len(names), **({"masked_outputs": True} if masked else {}),
                            **({"taken_input": taken_input[1]} if taken_input is not None else {})})
 
+    def _bad_lr(self, params: List[torch.Tensor]) -> Optional[str]:
+        """The NaN/Inf learning rate of a param group holding one of `params` (as text), if any."""
+        ids = {id(p) for p in params}
+        for o in self.g.optimizers:
+            for grp in o.param_groups:
+                lr = grp.get("lr")
+                if isinstance(lr, float) and not math.isfinite(lr) and any(id(p) in ids for p in grp["params"]):
+                    return repr(lr)
+        return None
+
     def _report_params(self, group: List[torch.Tensor], step: int, source: Optional[str], caused: bool) -> bool:
         bad = [self.g.param_name(p) for p in group if not bool(torch.isfinite(p.detach()).all())]
         new = [n for n in bad if n not in self._bad_param_names]
@@ -858,6 +868,12 @@ class NonFinite(Check):
                     "SAM-style perturbation rho * g / grad_norm: 0/0 when every gradient is 0, so add an eps, "
                     "rho / (grad_norm + 1e-12); an EMA or Lookahead swap; an update by hand). If it is innocent, the "
                     "update overflowed: lower the learning rate, check eps=0 or a huge momentum, and clip gradients.")
+        elif screened and self._bad_lr(group):
+            # the rate itself is NaN/Inf (a Polyak step loss / ||g||^2 at 0/0, a schedule's factor): no overflow
+            why = f"; the learning rate of their optimizer is {self._bad_lr(group)}"
+            hint = ("The learning rate itself became NaN/Inf: a step size computed from the batch (loss / ||g||^2, "
+                    "a Polyak or line-search step) divides by zero when the gradients are 0; add an eps to the "
+                    "denominator (loss / (gsq + 1e-8)) and skip the update when it is not finite.")
         elif screened:
             why = ""
             hint = ("The update itself overflowed although the gradients were finite: lower the learning rate, "
