@@ -524,6 +524,33 @@ def test_backward_on_a_tensor_without_a_graph_is_explained(case, scope):
         assert "create_graph=True" in note and f.details["model_frozen"] is False
 
 
+def test_a_weight_renormalised_between_forward_and_backward_is_named():
+    """DistMult scores against `E.weight.t()` (saved for backward); the entity renormalisation under no_grad sits
+    between the loss and backward(): the weight is named, and the fix moves the block below optimizer.step()."""
+
+    class DistMult(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.E, self.R = nn.Embedding(30, 8), nn.Embedding(4, 8)
+
+        def forward(self, h, r):
+            return (self.E(h) * self.R(r)) @ self.E.weight.t()
+
+    torch.manual_seed(0)
+    model = DistMult()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError):
+        with guard(model, opt, checks=["explain"], live=False) as g:
+            h, r = torch.randint(0, 30, (16,)), torch.randint(0, 4, (16,))
+            loss = F.cross_entropy(model(h, r), (h + 1) % 30)
+            with torch.no_grad():
+                model.E.weight.div_(model.E.weight.norm(dim=1, keepdim=True))  # the bug: before backward()
+            opt.zero_grad(); loss.backward(); opt.step()
+    (f,) = _explained(g)
+    assert f.details["parameter"] == "E.weight" and "it is the weight `E.weight`" in f.message
+    assert "below optimizer.step()" in f.hint
+
+
 @pytest.mark.parametrize("scope", ["model", "global"])
 def test_backward_inside_no_grad_is_told_as_recording_off_although_explained_after_the_block(scope):
     """`with torch.no_grad(): loss = ...; loss.backward()`: explained once the exception has left the block, where

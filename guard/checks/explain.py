@@ -367,7 +367,7 @@ class ExplainErrors(Check):
             fn = t.grad_fn  # PyTorch's message names the op that made the tensor: kept for ours
             made = f"output {t.output_nr} of {type(fn).__name__}" if fn is not None else None
             # A weight or a view of one (Linear saves ``weight.t()``): an update changes it between steps.
-            param = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+            param = t if isinstance(t, nn.Parameter) else t._base if isinstance(t._base, nn.Parameter) else None
             return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)), made, self.g.step, param)
         except Exception:  # e.g. no version counter: keep PyTorch's own handling for this tensor
             return t.detach()
@@ -381,8 +381,11 @@ class ExplainErrors(Check):
         if now != version:
             self._inplace = {"module": path, "shape": list(t.shape), "dtype": str(t.dtype),
                              "saved_version": version, "version": now, "step": self.g.step}
-            if param and step < self.g.step:
+            if param is not None and step < self.g.step:
                 self._inplace["saved_at_step"] = step  # a weight an update changed since: an earlier step's graph
+            elif param is not None:
+                # a weight changed between this step's forward and its backward (a renormalisation placed there)
+                self._inplace["parameter"] = self.g.param_name(param)
             by = f"saved by module `{path}`" if path else "saved outside any module call"
             which = f", which is {made}" if made else ""
             raise RuntimeError(
@@ -549,6 +552,12 @@ class ExplainErrors(Check):
                 fix = ("Detach what is carried from one step to the next (truncated BPTT: state = state.detach(), "
                        "or tuple(s.detach() for s in state) for an LSTM) and drop retain_graph=True, so each "
                        "backward() ends at its own step's start.")
+            elif info and "parameter" in info:
+                cause += (f": it is the weight `{info['parameter']}`, changed in place after the forward that saved "
+                          f"it and before this backward() (a renormalisation, clamp or copy under torch.no_grad() "
+                          f"placed between the loss and backward())")
+                fix = ("Change weights by hand after optimizer.step() (or before the forward), not between the forward "
+                       "and backward(): move the `with torch.no_grad(): ...` block below optimizer.step().")
             return path or "backward", cause, fix, details
         if isinstance(exc, RuntimeError) and "a leaf Variable that requires grad is being used in an in-place" in text:
             cause = ("an in-place operation on a leaf tensor that requires grad (a parameter: p.div_(...), "
