@@ -1940,3 +1940,38 @@ def test_an_ema_updated_with_autograd_on_is_one_finding_under_a_global_guard():
                 ema(x)
     found = [f for f in g.findings if f.kind == "loss-graph-retained"]
     assert len(found) == 1 and found[0].details["parameters_with_history"] is True
+
+
+def test_lbfgs_closure_without_zero_grad_that_diverges_inside_its_first_step_is_told():
+    """A GP's marginal likelihood under L-BFGS whose closure never zeroes: the summed gradients send the line search
+    to a NaN covariance inside the first step(), which raises. That step never ends; the missing zero_grad() is told
+    as the run ends, beside the explained error."""
+    torch.manual_seed(0)
+    x = torch.rand(50, 1) * 5
+    y = torch.sin(x).squeeze() + 0.1 * torch.randn(50)
+
+    class GP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.raw = nn.Parameter(torch.tensor([0.0, 0.0, -2.0]))
+
+        def forward(self, x, y):
+            ls, scale, noise = F.softplus(self.raw)
+            k = scale * torch.exp(-0.5 * torch.cdist(x, x).pow(2) / ls ** 2) + (noise + 1e-5) * torch.eye(len(x))
+            mvn = torch.distributions.MultivariateNormal(torch.zeros(len(x)), covariance_matrix=k)
+            return -mvn.log_prob(y) / len(x)
+
+    gp = GP()
+    opt = torch.optim.LBFGS(gp.parameters(), lr=0.5, max_iter=10)
+
+    def closure():
+        loss = gp(x, y)  # the bug: no opt.zero_grad() first
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError):
+        with guard(gp, opt, live=False) as g:
+            for _ in range(5):
+                opt.step(closure)
+    f = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    assert len(f) == 1 and f[0].where == "LBFGS" and "LBFGS.step(closure) ran backward()" in f[0].message

@@ -392,12 +392,22 @@ class MissingZeroGrad(Check):
         if opt is not None and st.step_seen:
             self._judge(opt, st)
 
+    def on_exception(self, exc):
+        """The run ends inside an L-BFGS step (its summed gradients diverged to NaN there): the closure's
+        backwards without zero_grad() are told now, since that step never ends."""
+        for counts in list(self._during.values()):
+            opt = counts[2]()
+            if opt is not None and counts[0] >= 2 and not counts[1] and not self._closure_done:
+                self._closure_done = True
+                self._emit_closure(opt, counts[0])
+        self._during.clear()
+
     def on_step_pre(self, optimizer):
         if self._polluted is not None:
             self._judge_inputs(optimizer)
         if not self._closure_done and isinstance(optimizer, torch.optim.LBFGS):
             # the optimizer that re-evaluates its closure within one step(): backwards inside it come from there
-            self._during[id(optimizer)] = [0, 0]
+            self._during[id(optimizer)] = [0, 0, weakref.ref(optimizer)]
         st = self._st.data.get(id(optimizer))
         if st is None or not st.cands:
             return
