@@ -1551,6 +1551,50 @@ def test_a_hyperparameter_whose_optimizer_steps_once_per_inner_loop_is_in_an_opt
         assert [f.where for f in found] == (["log_wd"] if left_out else [])
 
 
+class _HandSGD(torch.optim.Optimizer):
+    """Momentum SGD written by hand; `how` is how step() writes a parameter."""
+
+    def __init__(self, params, how, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+        self.how = how
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for grp in self.param_groups:
+            for p in grp["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(0.9).add_(p.grad)
+                if self.how == "rebind":
+                    p = p - grp["lr"] * buf  # the bug: re-binds the loop variable
+                elif self.how == "data":
+                    p.data = p.data - grp["lr"] * buf  # old style, correct
+                else:
+                    p.add_(buf, alpha=-grp["lr"])
+
+
+@pytest.mark.parametrize("how", ["rebind", "data", "in place"])
+def test_a_hand_written_step_that_writes_nothing_is_not_updating(how):
+    """A hand-written optimizer whose step() re-binds the loop variable (`p = p - lr * buf`) never changes the
+    model: told after two 16-step windows without a change, from the first. Writing `.data` or in place is fine."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 2))
+    opt = _HandSGD(model.parameters(), how)
+    with guard(model, opt, live=False) as g:
+        for _ in range(50):
+            x, y = torch.randn(24, 10), torch.randint(0, 2, (24,))
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+    found = [f for f in g.findings if f.kind == "params-not-updating"]
+    if how != "rebind":
+        assert g.findings == []
+        return
+    assert len(found) == 1 and (found[0].where, found[0].step) == ("0.weight", 0)
+    assert found[0].details["step_writes_nothing"] and "_HandSGD.step() has not changed" in found[0].message
+    assert "p.add_(d, alpha=-lr)" in found[0].hint
+
+
 def test_darts_unrolled_copy_made_every_step_is_no_parameter_left_out():
     """Second-order DARTS under a global guard: a deep copy of the model (the virtual step) is made at every step,
     back-propagated, and its architecture gradient read by hand. No optimizer should hold it; the copy guard looked

@@ -44,6 +44,14 @@ HALF_MOVED = 0.01  # below this fraction of them changed by one update, the weig
 _HALF = (torch.float16, torch.bfloat16)
 
 
+#: an optimizer class written outside torch (a hand-written LARS, LAMB or momentum SGD): every STUCK_EVERY-th step of
+#: it, whether a sample of its parameters changed since the look before; STUCK_LOOKS looks in a row with none
+#: changed while their gradients are non-zero are reported (its step() never writes them)
+STUCK_EVERY = 16
+STUCK_LOOKS = 2
+STUCK_SAMPLE = 256  # elements of each sampled parameter compared
+
+
 class _Run:
     __slots__ = ("count", "since", "source", "reported", "lr")
 
@@ -99,6 +107,10 @@ class ParamsNotUpdating(Check):
         self._half_run: list = []  # steps of the looks in a row at which no sampled half-precision weight moved
         self._half_told = False
         self._has_half = WeakIdMap()  # optimizer -> (its number of param groups, whether it holds half weights)
+        self._own_class = WeakIdMap()  # optimizer -> whether its class is written outside torch
+        self._stuck_before: Optional[Any] = None  # (step, [(parameter, sample copy)]) of the last look
+        self._stuck_run: list = []  # first steps of the windows in a row in which no sampled parameter changed
+        self._stuck_told = False
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
@@ -127,9 +139,62 @@ class ParamsNotUpdating(Check):
             self._versions = {id(p): p._version for m in self.g.models for p in m.parameters()}
         if self.g.step % HALF_EVERY == 0 and not self._half_told and self.g.is_primary(optimizer):
             self._half_snapshot(optimizer)
+        if self.g.step % STUCK_EVERY == 0 and not self._stuck_told and self.g.is_primary(optimizer):
+            self._stuck_look(optimizer)
         if not self._copy_done and self.g.is_primary(optimizer) and self.g.step >= STEPS - 1:
             self._copy_done = True
             self._other_copy()
+
+    def _stuck_look(self, optimizer) -> None:
+        """A hand-written optimizer whose step() writes nothing (`p = p - lr * d` re-binds a local name): a sample
+        of its parameters, compared with the one taken STUCK_EVERY steps before, while their gradients are not 0."""
+        known = self._own_class.data.get(id(optimizer))
+        if known is None:  # torch's optimizers always write their parameters: decided once per optimizer
+            known = self._own_class[optimizer] = not type(optimizer).__module__.startswith("torch.")
+        if not known:
+            return
+        before, self._stuck_before = self._stuck_before, None
+        # (a group without a learning rate, Adafactor's relative step, counts; one at 0 is the lr=0 rule's)
+        ps = [p for g in optimizer.param_groups if _lr(g) > TINY_LR or g.get("lr") is None for p in g["params"]
+              if p.grad is not None and p.grad.layout is torch.strided and not p.is_meta and p.dtype not in _HALF][:4]
+        if not ps:
+            return
+        with torch.no_grad():
+            # (weak references: a model released between looks is not kept alive by guard)
+            if before is not None and [r() for r, _ in before[1]] == ps:
+                same = torch.stack([(p.detach().reshape(-1)[:STUCK_SAMPLE] == old).all()
+                                    for p, (_, old) in zip(ps, before[1])]).all()
+                grads = torch.stack([p.grad.detach().float().abs().amax() for p in ps]).amax()
+                flag = (same & (grads > 0)).float()
+                step, src, name, refs = before[0], self.g.source(), type(optimizer).__name__, [r for r, _ in before[1]]
+                self.g.stage(flag, lambda v: self._stuck_seen(v, step, src, name, refs))
+            self._stuck_before = (self.g.step, [(weakref.ref(p), p.detach().reshape(-1)[:STUCK_SAMPLE].clone())
+                                                for p in ps])
+
+    def _stuck_seen(self, v: float, since: int, source, opt_name: str, params) -> None:
+        if v != 1.0:
+            self._stuck_run = []
+            return
+        self._stuck_run.append(since)
+        if len(self._stuck_run) < STUCK_LOOKS or self._stuck_told:
+            return
+        params = [p for p in (r() for r in params) if p is not None]
+        if not params:
+            return
+        self._stuck_told = True
+        first = self._stuck_run[0]
+        names = [self.g.param_name(p) for p in params]
+        steps = self.g.step - first
+        self.emit("params-not-updating", names[0],
+                  f"{opt_name}.step() has not changed its parameters ({', '.join(names[:4])}) in {steps} steps since "
+                  f"step {first}, although their gradients are non-zero and the learning rate is not 0: the "
+                  f"hand-written step() does not write them (a name re-bound, `p = p - lr * d`, instead of an update "
+                  f"in place), so the model does not learn",
+                  "Update the parameters in place inside step(), under torch.no_grad(): p.add_(d, alpha=-lr) (or "
+                  "p -= lr * d); `p = p - lr * d` only re-binds the loop variable and leaves the parameter as it was.",
+                  step=first, seen=self.g.step, source=source,
+                  details={"optimizer": opt_name, "parameters": names[:4], "looks": len(self._stuck_run),
+                           "every": STUCK_EVERY, "step_writes_nothing": True})
 
     def _half_snapshot(self, optimizer) -> None:
         """Before the update: a copy of a sample of the float16/bfloat16 weights with non-zero-able gradients."""
