@@ -31,7 +31,6 @@ _HALF = (torch.float16, torch.bfloat16)
 _WIDE_SUM = (torch.float32, torch.float64)  # 0-dim tensors of these dtypes are used as their own sum
 _MAX_WINDOW = 4096  # screened tensors per resolution window
 _FEW = 16  # CPU sums read one by one up to this many (more: one stack)
-_VERSIONS = 8  # weights per optimizer whose version counters are kept after each update
 
 
 class _Call:
@@ -140,7 +139,7 @@ class NonFinite(Check):
         self._ends: Dict[int, Tuple[Any, list]] = {}
         self._by_hand = False  # the backward under way is of a loss scaled by hand (`_scaled_by_hand`)
         self._ctc_steps: Deque[int] = deque(maxlen=8)  # the last steps with a ctc_loss call without zero_infinity
-        self._post_versions: Dict[int, int] = {}  # id(weight) -> its version counter after the last update
+        self._post_version: Tuple[int, int] = (0, 0)  # (id, version counter) of the first weight after the last update
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -461,12 +460,13 @@ class NonFinite(Check):
         self._in_update = self._pending_update = None
         call = self._step_call  # the same optimizer.step() call as its pre-hook: its line is known
         self._update = call if call is not None and call[0] == self.g.step else (self.g.step, self.g.source())
-        # The version counters of a few of its weights as the update left them (a constant cost): a weight
-        # found NaN later whose counter moved since was changed in place after the update (SAM's perturbation,
-        # an EMA swap), which may have broken it instead.
+        # The version counter of its first weight as the update left them (one read): when weights are found NaN
+        # later and it moved since, they were changed in place after the update (SAM's perturbation, an EMA swap),
+        # which may have broken them instead.
         groups = optimizer.param_groups
-        if groups:
-            self._post_versions = {id(p): p._version for p in groups[0]["params"][:_VERSIONS]}
+        if groups and groups[0]["params"]:
+            p0 = groups[0]["params"][0]
+            self._post_version = (id(p0), p0._version)
 
     def on_exit(self):
         """At the end the weights are looked at once: the last update may have broken them."""
@@ -840,6 +840,15 @@ class NonFinite(Check):
                   details={"parameters": names[:20], "count": len(names), **({"masked_outputs": True} if masked else {}),
                            **({"taken_input": taken_input[1]} if taken_input is not None else {})})
 
+    def _edited_since_update(self) -> bool:
+        """Whether the first weight of the last stepped optimizer was changed in place since that update."""
+        pid, version = self._post_version
+        for o in self.g.optimizers:
+            groups = o.param_groups
+            if groups and groups[0]["params"] and id(groups[0]["params"][0]) == pid:
+                return groups[0]["params"][0]._version != version
+        return False
+
     def _bad_lr(self, params: List[torch.Tensor]) -> Optional[str]:
         """The NaN/Inf learning rate of a param group holding one of `params` (as text), if any."""
         ids = {id(p) for p in params}
@@ -857,8 +866,7 @@ class NonFinite(Check):
         if not new or caused:
             return False  # already known, or the step's gradients were NaN/Inf (reported upstream)
         screened = step in self._screened
-        versions = self._post_versions
-        edited = [self.g.param_name(p) for p in group if versions.get(id(p), p._version) != p._version]
+        edited = [self.g.param_name(p) for p in group] if self._edited_since_update() else []
         if screened and edited:
             # changed in place after the update returned: the change, not the update, may have made the NaN
             why = (f"; they were changed in place after that update ({', '.join(edited[:3])}: their version counters "
