@@ -595,7 +595,7 @@ class Wiring:
                 # explained later, once the exception has left the user's `with torch.no_grad():`: the mode it
                 # ran under is noted now
                 try:
-                    exc._guard_grad_enabled = torch.is_grad_enabled()  # type: ignore[attr-defined]
+                    exc.guard_grad_enabled = torch.is_grad_enabled()  # type: ignore[attr-defined]
                 except Exception:
                     pass
                 raise

@@ -86,7 +86,9 @@ def test_weights_broken_by_the_last_update_are_reported_at_exit():
                 opt.param_groups[0]["lr"] = float("inf")  # finite gradients, an update that overflows
             opt.step()  # the last one: no forward sees the broken weights
     assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-param", 1)]
-    assert "lower the learning rate" in g.findings[0].hint
+    # (the rate itself is infinite: named as the cause, not an overflow of the update)
+    assert "learning rate of their optimizer is inf" in g.findings[0].message
+    assert "The learning rate itself became NaN/Inf" in g.findings[0].hint
 
 
 def test_inplace_error_after_the_tagged_steps_is_still_explained():

@@ -1969,7 +1969,8 @@ def test_lbfgs_closure_without_zero_grad_that_diverges_inside_its_first_step_is_
         loss.backward()
         return loss
 
-    with pytest.raises(ValueError):
+    # (a NaN covariance or one not positive-definite, depending on the thread count's rounding)
+    with pytest.raises((ValueError, RuntimeError)):
         with guard(gp, opt, live=False) as g:
             for _ in range(5):
                 opt.step(closure)

@@ -771,7 +771,7 @@ class ExplainErrors(Check):
         params = [p for m in (self.g.models or self.g.roots) for p in m.parameters()]
         frozen = bool(params) and not any(p.requires_grad for p in params)
         # the mode backward() ran under (noted as it raised), else the mode where the exception left the user's code
-        grad_off = not getattr(exc, "_guard_grad_enabled", torch.is_grad_enabled())
+        grad_off = not getattr(exc, "guard_grad_enabled", torch.is_grad_enabled())
         fn = None
         tb = exc.__traceback__
         while tb is not None:  # autograd.grad's own frame: its create_graph
