@@ -1976,3 +1976,4 @@ def test_lbfgs_closure_without_zero_grad_that_diverges_inside_its_first_step_is_
                 opt.step(closure)
     f = [f for f in g.findings if f.kind == "missing-zero-grad"]
     assert len(f) == 1 and f[0].where == "LBFGS" and "LBFGS.step(closure) ran backward()" in f[0].message
+    assert _line_text(f[0].source).strip() == "opt.step(closure)"  # the step's line, kept as it began

@@ -399,7 +399,7 @@ class MissingZeroGrad(Check):
             opt = counts[2]()
             if opt is not None and counts[0] >= 2 and not counts[1] and not self._closure_done:
                 self._closure_done = True
-                self._emit_closure(opt, counts[0])
+                self._emit_closure(opt, counts[0], counts[3])
         self._during.clear()
 
     def on_step_pre(self, optimizer):
@@ -407,7 +407,8 @@ class MissingZeroGrad(Check):
             self._judge_inputs(optimizer)
         if not self._closure_done and isinstance(optimizer, torch.optim.LBFGS):
             # the optimizer that re-evaluates its closure within one step(): backwards inside it come from there
-            self._during[id(optimizer)] = [0, 0, weakref.ref(optimizer)]
+            # (with the step's line: told from the exception hook, no user frame is on the stack)
+            self._during[id(optimizer)] = [0, 0, weakref.ref(optimizer), self.g.source()]
         st = self._st.data.get(id(optimizer))
         if st is None or not st.cands:
             return
@@ -483,7 +484,7 @@ class MissingZeroGrad(Check):
                   details={"optimizer": type(opt).__name__, "parameters": len(stale), "with_grad": total,
                            "names": names, "stale_since_step": since, "backward_source": bsrc})
 
-    def _emit_closure(self, opt, backwards: int) -> None:
+    def _emit_closure(self, opt, backwards: int, source: Optional[str] = None) -> None:
         """One step() ran its closure's backward() several times (L-BFGS re-evaluates it) and nothing zeroed
         the gradients in between: each evaluation added onto the last, and the first onto what was there."""
         where = self._label(opt)
@@ -492,7 +493,7 @@ class MissingZeroGrad(Check):
                    f"previous ones, so the line search and the update see running sums, not the gradient")
         hint = ("Call optimizer.zero_grad() at the start of the closure: def closure(): optimizer.zero_grad(); "
                 "loss = loss_fn(model(x), y); loss.backward(); return loss.")
-        self.emit("missing-zero-grad", where, message, hint, source=self.g.source(),
+        self.emit("missing-zero-grad", where, message, hint, source=source or self.g.source(),
                   details={"optimizer": type(opt).__name__, "closure_backwards": backwards})
 
     def _per_parameter(self, opt) -> list:
