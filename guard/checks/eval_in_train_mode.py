@@ -71,9 +71,9 @@ def _recalibrating(m: nn.Module) -> bool:
     return isinstance(m, _BatchNorm) and (m.momentum is None or m.momentum == 1.0)
 
 
-def _version_sum(module) -> int:
-    """The sum of the version counters of (up to 8 of) a module's parameters: moves when they change in place."""
-    return sum(p._version for _, p in zip(range(8), module.parameters()))
+def _versions(module) -> List[int]:
+    """The version counters of (up to 8 of) a module's parameters: they move when the weights change in place."""
+    return [p._version for _, p in zip(range(8), module.parameters())]
 
 
 def _called_by_torch() -> bool:
@@ -272,7 +272,7 @@ class EvalInTrainMode(Check):
         if ent is None:
             self._sites[key] = (weakref.ref(module), path, info, {info[0]})
             if module not in self._trained and module not in self._versions:
-                self._versions[module] = _version_sum(module)
+                self._versions[module] = sum(_versions(module))
         else:
             ent[3].add(info[0])
 
@@ -311,12 +311,12 @@ class EvalInTrainMode(Check):
         delivered model's."""
         if isinstance(module, AveragedModel):
             return True
+        versions = _versions(module)
         before = self._versions.get(module)
-        if before is not None and _version_sum(module) != before:
+        if before is not None and sum(versions) != before:
             return True
         # changed in place again and again before its first evaluation (a deep copy is at version 0, a checkpoint
         # loaded into it at 1; an EMA updated after every step is at the number of updates)
-        versions = [p._version for _, p in zip(range(8), module.parameters())]
         return bool(versions) and min(versions) >= 2
 
     def on_exit(self):
