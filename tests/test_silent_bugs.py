@@ -505,6 +505,25 @@ def test_lr_zero_typo_names_the_group():
     g = _steps(model, opt, 25)
     f = only(g, "params-not-updating")
     assert f.where == "2" and f.step == 0 and f.details["group"] == 1 and "param group 1 of Adam" in f.message
+    # a group set to 0 by hand beside one that trains is told as the run ends, still at 0
+    assert f.details["whole_run"] is True and f.details["steps"] == 25 and "to the end of the run" in f.message
+
+
+def test_a_group_frozen_by_hand_then_given_its_lr_is_a_staged_start():
+    """LSQ step sizes (or a backbone) held at lr=0 by hand while the rest warms up, then given a rate by
+    setting param_groups[1]["lr"]: no lr=0 typo, nothing to tell."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.0}],
+                          lr=0.05, momentum=0.9)
+    with guard(model, opt, live=False, checks="all") as g:
+        for i in range(60):
+            if i == 40:
+                opt.param_groups[1]["lr"] = 0.01
+            x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []
 
 
 @pytest.mark.parametrize("comes_back", [True, False])

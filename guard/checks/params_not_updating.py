@@ -53,10 +53,11 @@ STUCK_SAMPLE = 256  # elements of each sampled parameter compared
 
 
 class _Run:
-    __slots__ = ("count", "since", "source", "reported", "lr")
+    __slots__ = ("count", "since", "source", "reported", "lr", "deferred")
 
     def __init__(self) -> None:
         self.count, self.since, self.source, self.reported = 0, 0, None, False
+        self.deferred = False  # a group set apart at lr=0 by hand: told at the run's end if still there
         self.lr = 0.0  # the learning rate when the run was reported (0, or a tiny one)
 
 
@@ -82,6 +83,16 @@ def _scheduled_back(opt: Any, i: int) -> bool:
         except Exception:  # a factor that cannot be asked about the future: not known to come back
             continue
     return False
+
+
+def _set_apart(opt: Any, i: int) -> bool:
+    """Whether group `i` sits at exactly lr=0 by hand (no scheduler) while another group trains: a per-group
+    freeze the script may lift later by setting the lr (LSQ step sizes learned after a warm-up, a backbone
+    unfrozen in stage 2). A typo'd rate is global or comes with the schedule; this one is told only at the end."""
+    groups = opt.param_groups
+    g = groups[i]
+    return (len(groups) > 1 and _lr(g) == 0.0 and "initial_lr" not in g
+            and any(_lr(o) > TINY_LR for j, o in enumerate(groups) if j != i))
 
 
 def _lr(group) -> float:
@@ -257,14 +268,25 @@ class ParamsNotUpdating(Check):
         if run.count == 0:
             run.since, run.source = step, source
         run.count += 1
-        if run.count >= STEPS and not run.reported:
+        if run.count >= STEPS and not run.reported and not run.deferred:
             if _lr(opt.param_groups[i]) == 0.0 and _scheduled_back(opt, i):
                 run.count = 0  # a LambdaLR holds the group at 0 on purpose for a while (a delayed start): look later
+                return
+            if _set_apart(opt, i):
+                run.deferred = True  # a staged freeze raises it later by hand: only a whole run at 0 is told
                 return
             run.reported = True
             self._report_lr(opt, i, run)
 
-    def _report_lr(self, opt, i: int, run: _Run) -> None:
+    def on_exit(self):
+        for opt, runs in list(self._runs.items()):
+            for i, run in runs.items():
+                if (run.deferred and not run.reported and run.count >= STEPS and i < len(opt.param_groups)
+                        and _lr(opt.param_groups[i]) == 0.0):
+                    run.reported = True
+                    self._report_lr(opt, i, run, to_end=True)
+
+    def _report_lr(self, opt, i: int, run: _Run, to_end: bool = False) -> None:
         group = opt.param_groups[i]
         run.lr = lr = max(_lr(group), 0.0)
         params = [p for p in group["params"] if p.grad is not None]
@@ -278,7 +300,13 @@ class ParamsNotUpdating(Check):
         groups = len(opt.param_groups)
         which = f"param group {i} of {type(opt).__name__}" if groups > 1 else type(opt).__name__
         sched = " (a learning-rate scheduler may have driven it there)" if "initial_lr" in group else ""
-        if lr == 0.0:
+        if lr == 0.0 and to_end:
+            has = "was set to lr=0 (the other groups train)"
+            effect = "optimizer.step() never changed them, to the end of the run"
+            hint = ("If this group is meant to train, give it its learning rate (the value set for it in the "
+                    "param-group dict or the config it reads). To freeze it on purpose, set requires_grad=False "
+                    "on its parameters instead: the same result without computing their gradients.")
+        elif lr == 0.0:
             has = f"has lr=0{sched}"
             effect = "optimizer.step() does not change them"
             hint = ("Check the learning rate in the config (a typo such as lr=0 or an int division) and the "
@@ -301,7 +329,7 @@ class ParamsNotUpdating(Check):
                   step=run.since, seen=self.g.step, source=run.source,
                   details={"optimizer": type(opt).__name__, "group": i, "lr": lr, "steps": run.count,
                            "initial_lr": group.get("initial_lr"), "modules": prefixes[:5],
-                           "parameters": len(params)})
+                           "parameters": len(params), "whole_run": to_end})
 
     def _other_copy(self) -> None:
         tensors = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]]
