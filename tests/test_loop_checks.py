@@ -776,6 +776,42 @@ def test_batchnorm_statistics_recomputed_by_hand_are_deliberate():
                 for _ in range(3):
                     model(x)
         assert kinds(g) == ([] if momentum is None else ["eval-in-train-mode"]), momentum
+        if momentum is not None:  # told as the re-estimation it is, not as an evaluation in train mode
+            f = g.findings[0]
+            assert f.details["reestimation"] is True and f.details["batches"] == 3 and f.details["modules"] == ["1"]
+            assert f.details["reset_left"] == pytest.approx(0.9 ** 3, abs=1e-3) and "73%" in f.message
+            assert "momentum = None" in f.hint and f.step == 1
+
+
+@pytest.mark.parametrize("n", [10, 60])
+def test_batchnorm_reestimation_with_the_usual_momentum_is_judged_by_what_it_leaves(n):
+    """BN re-estimation after training (reset_running_stats(), forwards in train mode under no_grad) with
+    momentum 0.1: over 10 batches 35% of the reset values (mean 0, variance 1) stay in the statistics; over 60,
+    0.2%: nothing to tell. Judged when training resumes."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = batches(1)[0]
+    with guard(model, opt, live=False) as g:
+        for _ in range(4):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        model[1].reset_running_stats()
+        with torch.no_grad():
+            for _ in range(n):
+                model(x)
+        assert g.findings == []  # not judged while it runs
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        found = list(g.findings)
+    if n == 60:
+        assert found == []
+    else:
+        assert [f.kind for f in found] == ["eval-in-train-mode"]
+        f = found[0]
+        assert f.where == "Sequential" and f.step == 4 and f.details["batches"] == 10
+        assert "35%" in f.message and "1 (BatchNorm1d)" in f.message and "reset_running_stats()" in f.message
 
 
 def test_eval_in_train_mode_clean_patterns():

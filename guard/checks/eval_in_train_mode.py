@@ -54,6 +54,8 @@ from .._weak import WeakIdMap, WeakIdSet
 
 MAX_NAMED = 4
 _NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
+#: BatchNorm statistics re-estimated after a reset keep (1 - momentum)^batches of the reset values: above this, told
+REESTIMATE_LEFT = 0.01
 RECUR = 3  # training steps after a call site's first no_grad forward in training mode within which it may come back
 OPT_OUT = "guard_train_mode_ok"
 
@@ -97,7 +99,7 @@ class EvalInTrainMode(Check):
         "eval-in-train-mode": ("warning", "no_grad forward while dropout/BatchNorm are in training mode"),
     }
     description = "no_grad/inference_mode forward while dropout/BatchNorm modules are in training mode"
-    patches = dict(F_DROPOUT_PATCHES)
+    patches = dict(F_DROPOUT_PATCHES, bn_reset="torch.nn.modules.batchnorm._NormBase.reset_running_stats")
 
     def watches(self, module) -> bool:
         # Root calls are judged per model call. Of the layers, only a frozen network holding BatchNorm (a loss
@@ -147,6 +149,9 @@ class EvalInTrainMode(Check):
         self._frozen_bns: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
         self._frozen_roots = WeakIdMap()  # model -> whether it is a frozen network (looked up at every model call)
         self._frozen_seen: List[tuple] = []
+        # BatchNorm -> [step of its reset_running_stats() after training began, no_grad train-mode calls since,
+        # then (model ref, model path, its name, the first such call's line)]: statistics re-estimated on purpose
+        self._reset = WeakIdMap()
 
     def _f_dropout(self, args: tuple, kwargs: dict) -> None:
         # Every dropout call of a training forward comes here (nn.Dropout's too): one test for the usual ones.
@@ -183,6 +188,8 @@ class EvalInTrainMode(Check):
                 self._frozen_call(module, path, output, root=True)
                 if self._frozen_seen:
                     self._judge_frozen()
+            if self._reset.data:
+                self._judge_reestimation()  # training resumed: the re-estimation, if any, is over
             if id(module) not in self._trained.data:
                 self._trained.add(module)
                 pend = self._pending.pop(module, None)
@@ -198,8 +205,11 @@ class EvalInTrainMode(Check):
             mods = self._mods[module] = mode_sensitive(module)
         if not mods and fdrop is None:
             return
-        training = [(n, type(m).__name__) for n, r in mods if (m := r()) is not None and m.training
-                    and not getattr(m, OPT_OUT, False) and not _recalibrating(m)]
+        live = [(n, m) for n, r in mods if (m := r()) is not None and m.training
+                and not getattr(m, OPT_OUT, False) and not _recalibrating(m)]
+        if self._reset.data:
+            live = self._reestimation(module, path, live)
+        training = [(n, type(m).__name__) for n, m in live]
         if not training and fdrop is not None and not getattr(fdrop[0], OPT_OUT, False):
             owner, line = fdrop
             training = [(f"{self.g.known_path(owner) or type(owner).__name__} (F.dropout at {line})",
@@ -213,6 +223,58 @@ class EvalInTrainMode(Check):
         info = (self.g.step, self.g.root_source, [n for n, _ in training], [t for _, t in training],
                 torch.is_inference_mode_enabled())
         self._defer(module, path, info)
+
+    def on_bn_reset(self, args, kwargs):
+        bn = args[0] if args else None
+        if isinstance(bn, _BatchNorm) and self._trained.data:  # (not the reset of a BatchNorm being built)
+            self._reset[bn] = [self.g.step, 0]
+
+    def _reestimation(self, module, path: str, live: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
+        """The BatchNorms reset after training (``reset_running_stats()``) re-estimate their statistics in this
+        no_grad call, on purpose: counted (judged when training resumes or at the end), not told as an
+        evaluation in train mode. The others are returned."""
+        kept = []
+        for n, m in live:
+            ent = self._reset.data.get(id(m))
+            if ent is None:
+                kept.append((n, m))
+                continue
+            ent[1] += 1
+            if len(ent) == 2:
+                ent.extend((weakref.ref(module), path, n, self.g.root_source))
+        return kept
+
+    def _judge_reestimation(self) -> None:
+        """Re-estimation with a BatchNorm's usual momentum keeps (1 - momentum)^batches of the reset statistics
+        (mean 0, variance 1): over too few batches the running statistics match no data."""
+        entries, self._reset = list(self._reset.items()), WeakIdMap()
+        by_model: Dict[int, list] = {}
+        for bn, ent in entries:
+            if len(ent) < 6 or ent[2]() is None or not isinstance(bn.momentum, float) or _recalibrating(bn):
+                continue
+            left = (1.0 - bn.momentum) ** ent[1]
+            if left > REESTIMATE_LEFT:
+                by_model.setdefault(id(ent[2]()), []).append((bn, ent, left))
+        for bad in by_model.values():
+            bn, (step, batches, ref, path, _, source), left = max(bad, key=lambda e: e[2])
+            module = ref()
+            if module is None or module in self._reported:
+                continue
+            self._reported.add(module)
+            names = [e[1][4] for e in bad]
+            shown = ", ".join(f"{e[1][4]} ({type(e[0]).__name__})" for e in bad[:MAX_NAMED]) + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED
+                                                    else "")
+            self.emit("eval-in-train-mode", path,
+                      f"the running statistics of {shown} were reset (reset_running_stats()) and "
+                      f"re-estimated under no_grad at {source} over {batches} batch(es) with momentum "
+                      f"{bn.momentum:g}: {left:.0%} of the reset values (mean 0, variance 1) are still in them, so "
+                      f"evaluation normalises with statistics that match no data",
+                      "Set momentum = None on the BatchNorm layers for the re-estimation passes (a cumulative "
+                      "average over all of them, as torch.optim.swa_utils.update_bn does) and restore it after, "
+                      "or call torch.optim.swa_utils.update_bn(loader, model).",
+                      step=step, source=source,
+                      details={"modules": names[:20], "batches": batches, "momentum": bn.momentum,
+                               "reset_left": round(left, 4), "reestimation": True})
 
     def _frozen_call(self, module, path: str, output, root: bool = False) -> None:
         """A frozen network's call: on the gradient path (its output carries gradient back to trained layers:
@@ -320,6 +382,8 @@ class EvalInTrainMode(Check):
         return bool(versions) and min(versions) >= 2
 
     def on_exit(self):
+        if self._reset.data:
+            self._judge_reestimation()
         self._decide(final=True)
         if self._frozen_seen:
             self._judge_frozen()
