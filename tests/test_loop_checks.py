@@ -814,6 +814,29 @@ def test_batchnorm_reestimation_with_the_usual_momentum_is_judged_by_what_it_lea
         assert "35%" in f.message and "1 (BatchNorm1d)" in f.message and "reset_running_stats()" in f.message
 
 
+def test_an_evaluation_in_train_mode_after_a_proper_reestimation_is_still_told_as_one():
+    """Reset, re-estimated with momentum=None (the recipe), momentum restored, then evaluated without .eval():
+    that last call is the evaluation bug, not part of the re-estimation."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = batches(1)[0]
+    with guard(model, opt, live=False) as g:
+        for _ in range(4):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        model[1].reset_running_stats()
+        model[1].momentum = None
+        with torch.no_grad():
+            for _ in range(5):
+                model(x)
+        model[1].momentum = 0.1
+        with torch.no_grad():
+            model(x)  # the bug: model.eval() missing
+    assert kinds(g) == ["eval-in-train-mode"]
+    assert "reestimation" not in g.findings[0].details and g.findings[0].details["types"] == ["BatchNorm1d"]
+
+
 def test_eval_in_train_mode_clean_patterns():
     x, y = batches(1)[0]
     # no dropout/BN: train mode makes no difference
@@ -2013,3 +2036,32 @@ def test_lbfgs_closure_without_zero_grad_that_diverges_inside_its_first_step_is_
     f = [f for f in g.findings if f.kind == "missing-zero-grad"]
     assert len(f) == 1 and f[0].where == "LBFGS" and "LBFGS.step(closure) ran backward()" in f[0].message
     assert _line_text(f[0].source).strip() == "opt.step(closure)"  # the step's line, kept as it began
+
+
+def test_a_learned_optimizer_unroll_whose_last_update_is_never_evaluated_is_no_evaluation():
+    """Meta-training a learned optimizer: each unroll step calls it once per weight, and the update after the last
+    loss is computed but never evaluated (kept alive by the loop's variable until the next episode). Those few
+    forwards are part of the algorithm: the optimizer's site is sampled once trusted, and its used forwards,
+    mostly untagged, count for the ones they stand for."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    lopt = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    meta_opt = torch.optim.Adam(lopt.parameters(), lr=1e-3)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    w = torch.randn(4, 1)
+    with guard(None, live=False) as g:
+        for _ in range(8):
+            params = {n: (torch.randn_like(p) * 0.3).requires_grad_() for n, p in net.named_parameters()}
+            total = 0.0
+            for _ in range(5):
+                x = torch.randn(16, 4)
+                loss = F.mse_loss(functional_call(net, params, (x,)), x @ w)
+                total = total + loss
+                grads = torch.autograd.grad(loss, list(params.values()), retain_graph=True)
+                params = {n: p + 0.01 * lopt(gr.detach().reshape(-1, 1)).reshape(p.shape)
+                          for (n, p), gr in zip(params.items(), grads)}
+            meta_opt.zero_grad()
+            total.backward()
+            meta_opt.step()
+    assert [f for f in g.findings if f.kind == "eval-without-no-grad"] == []

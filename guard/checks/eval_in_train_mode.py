@@ -93,6 +93,16 @@ def _called_by_torch() -> bool:
     return False
 
 
+def _from_torch_optim() -> bool:
+    """Whether ``torch.optim`` code (``swa_utils.update_bn``) is on the call stack."""
+    f = sys._getframe(1)
+    while f is not None:
+        if os.path.abspath(f.f_code.co_filename).startswith(_TORCH_OPTIM):
+            return True
+        f = f.f_back
+    return False
+
+
 class EvalInTrainMode(Check):
     name = "eval-in-train-mode"
     kinds = {
@@ -208,6 +218,9 @@ class EvalInTrainMode(Check):
         live = [(n, m) for n, r in mods if (m := r()) is not None and m.training
                 and not getattr(m, OPT_OUT, False) and not _recalibrating(m)]
         if self._reset.data:
+            for _, r in mods:  # recomputed with momentum=None since its reset: the calls after it are evaluations
+                if (m := r()) is not None and id(m) in self._reset.data and m.training and _recalibrating(m):
+                    self._reset.pop(m, None)
             live = self._reestimation(module, path, live)
         training = [(n, type(m).__name__) for n, m in live]
         if not training and fdrop is not None and not getattr(fdrop[0], OPT_OUT, False):
@@ -226,7 +239,8 @@ class EvalInTrainMode(Check):
 
     def on_bn_reset(self, args, kwargs):
         bn = args[0] if args else None
-        if isinstance(bn, _BatchNorm) and self._trained.data:  # (not the reset of a BatchNorm being built)
+        if isinstance(bn, _BatchNorm) and self._trained.data and not _from_torch_optim():
+            # (not the reset of a BatchNorm being built, nor swa_utils.update_bn's, which recomputes them in full)
             self._reset[bn] = [self.g.step, 0]
 
     def _reestimation(self, module, path: str, live: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:

@@ -210,7 +210,10 @@ class EvalWithoutNoGrad(Check):
         counts: Dict[Any, List[int]] = {}
         runs: Dict[Any, int] = {}  # (site, backward() calls before it) -> unused forwards
         for rec in self._pending:
-            counts.setdefault(rec.site, [0, 0])[0 if rec.used else 1] += 1
+            # a forward of a sampled site stands for SAMPLE of them: its used forwards, mostly untagged, are not
+            # outnumbered by the unused ones of an earlier step tagged in full (a learned optimizer's unroll, whose
+            # last update is computed and never evaluated, kept alive for a step by the loop's variable)
+            counts.setdefault(rec.site, [0, 0])[0 if rec.used else 1] += SAMPLE if rec.trusted else 1
             if not rec.used:
                 runs[(rec.site, rec.backwards)] = runs.get((rec.site, rec.backwards), 0) + 1
 
