@@ -444,6 +444,11 @@ class Guard(Wiring):
         return self.watched.param_name(param, self.optimizers)
 
     @property
+    def step_loss(self) -> Optional[float]:
+        """The host value of the loss of the step being resolved (None before it is read, or without one)."""
+        return self.staging.step_loss
+
+    @property
     def has_optimizer(self) -> bool:
         return self.watched.primary is not None
 

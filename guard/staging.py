@@ -71,6 +71,7 @@ class Staging:
         self._staged: List[Tuple[torch.Tensor, Callable, int]] = []
         self._collectors: List[Collector] = []
         self._loss: Optional[torch.Tensor] = None
+        self.step_loss: Optional[float] = None  # host value of the loss of the step being resolved
         self.step_norms: Dict[int, GradNorms] = {}  # this step's norms by id(optimizer) (read by `Guard.grad_norms`)
         # per optimizer: (its groups' (id, length) of the params lists, their parameters flattened, the
         # key of that list, whether every gradient was a plain strided, non-meta tensor when last seen)
@@ -196,8 +197,10 @@ class Staging:
         loss, self._loss = self._loss, None
         norms, self.step_norms = self.step_norms, {}
         entry: Dict[str, Any] = {}
+        self.step_loss = None
         if loss is not None:
-            staged.append((loss, lambda v: entry.__setitem__("loss", v), _VALUE))
+            # first: the checks' callbacks may compare their values with the step's loss (`step_loss`)
+            staged.insert(0, (loss, lambda v: self._loss_read(entry, v), _VALUE))
         totals: List[float] = []
         for gn in norms.values():
             for t in gn.totals.values():
@@ -221,6 +224,9 @@ class Staging:
             entry["grad_norm"] = float(sum(t * t for t in totals) ** 0.5)
         return entry
 
+
+    def _loss_read(self, entry: Dict[str, Any], v: float) -> None:
+        entry["loss"] = self.step_loss = v
 
     def _read_each(self, staged: List[Tuple[torch.Tensor, Any, int]]) -> Tuple[List[Tuple[torch.Tensor, Any, int]], List[Any]]:
         """The batched read failed (a value that cannot be read on the host): read entry by entry, and

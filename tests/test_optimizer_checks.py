@@ -1706,3 +1706,44 @@ def test_weight_decay_stays_quiet_about_zero_gradients_that_follow_a_nan():
             loss = F.l1_loss(pred, xyz.norm(dim=-1).clamp(-0.1, 0.1)) + 1e-3 * z.pow(2).sum(-1).sqrt().mean()
             sopt.zero_grad(); dopt.zero_grad(); loss.backward(); sopt.step(); dopt.step()
     assert [(f.kind, f.where, f.step) for f in g.findings] == [("nonfinite-grad", "codes.weight", 0)]
+
+
+def _length_buckets(make_opt, cliff=False):
+    """A loss summed over frames (reduction='sum' / batch size) with a rare long bucket: that batch's loss and
+    gradient are both ~15x the usual ones. With `cliff`, one step's gradient alone is scaled (the loss not)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = make_opt(model.parameters())
+    with guard(model, opt, live=False, checks=["grad-explosion"]) as g:
+        for step in range(40):
+            frames = 2000 if step in (15, 30) and not cliff else 20
+            x = torch.randn(4, frames, 6)
+            y = torch.randint(0, 4, (4, frames))
+            loss = F.cross_entropy(model(x).reshape(-1, 4), y.reshape(-1), reduction="sum") / 4
+            opt.zero_grad()
+            loss.backward()
+            if cliff and step == 15:
+                for p in model.parameters():
+                    p.grad.mul_(50.0)  # an exploding gradient the loss does not show (an RNN's cliff)
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("name", ["Adam", "SGD"])
+def test_a_heavier_batch_summed_over_more_frames_is_no_explosion_for_adam(name):
+    """Adam normalises its update per element: the long bucket's 15x gradient, with a 15x loss, moves nothing
+    far. SGD's update grows with it: told, as the heavier batch it is, with the normalise-the-loss fix."""
+    make = (lambda ps: torch.optim.Adam(ps, lr=1e-3)) if name == "Adam" else (lambda ps: torch.optim.SGD(ps, lr=1e-4))
+    g = _length_buckets(make)
+    if name == "Adam":
+        assert g.findings == [] and g.internal_errors == []
+    else:
+        f = only(g, "grad-explosion")
+        assert f.step == 15 and f.details["heavier_batch"] is True and f.details["loss_ratio"] > 5
+        assert "heavier batch" in f.message and "Normalise the loss" in f.hint
+
+
+def test_an_adam_gradient_spike_the_loss_does_not_show_is_still_an_explosion():
+    g = _length_buckets(lambda ps: torch.optim.Adam(ps, lr=1e-3), cliff=True)
+    f = only(g, "grad-explosion")
+    assert f.step == 15 and "heavier_batch" not in f.details

@@ -58,6 +58,8 @@ class CheckContext(Protocol):
     mid_step: bool
     #: backward() calls passed over because no watched model ran since the last (a model guard; another model's)
     backwards_elsewhere: int
+    #: the host value of the loss of the step whose staged values are being read (None before it is read)
+    step_loss: Optional[float]
     #: autograd's sequence number of the newest node behind the last backward() that completed (-1: none yet):
     #: nodes numbered up to it were made before that backward, which freed what they saved
     graph_seq: int

@@ -48,12 +48,21 @@ DIVERGE = 1000.0  # a total this many times the window's median, after a steady 
 CLIMB = 10  # ... the last CLIMB totals of which at least CLIMB_HIGHS were each the window's new largest
 CLIMB_HIGHS = 7
 
+#: a spike whose step's loss rose by at least this power of the norm's ratio (and at most HEAVIER_MAX) is a heavier
+#: batch: more (longer) samples summed (``reduction="sum"`` over length buckets), the loss and its gradient growing
+#: together; a squared error's wild sample raises the loss by about the square of its gradient's ratio
+HEAVIER = 0.5
+HEAVIER_MAX = 1.6
+#: optimizers whose update is normalised per element by the gradients' running size: a heavier batch's larger
+#: gradient does not move the weights proportionally further
+ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "SparseAdam")
+
 RAMP_STEPS = 6  # steps in a row whose learning rate grew by one same factor: an LR range test
 RAMP_MIN = 1.02  # the least growth factor per step of such a test (fastai and torch-lr-finder: ~1.05-1.3)
 
 
 class _State:
-    __slots__ = ("window", "top", "where", "burst", "highs", "diverged", "early", "pushed")
+    __slots__ = ("window", "top", "where", "burst", "highs", "diverged", "early", "pushed", "losses")
 
     def __init__(self) -> None:
         self.window: deque = deque(maxlen=WINDOW)  # log norms
@@ -64,6 +73,7 @@ class _State:
         self.diverged = False
         self.early = -math.inf  # the largest of the run's first WARMUP totals (an untrained model's gradients)
         self.pushed = 0
+        self.losses: deque = deque(maxlen=WINDOW)  # the steps' positive losses, beside their norms
 
     def push(self, lv: float) -> None:
         if self.pushed < WARMUP:
@@ -105,6 +115,10 @@ def _bar(logs) -> tuple:
     m = median(logs)
     sigma = 1.4826 * median(abs(x - m) for x in logs)
     return math.exp(m), max(FACTOR, math.exp(Z * sigma), HIGH * math.exp(max(logs) - m))
+
+
+def _adaptive(opt) -> bool:
+    return any(c.__name__ in ADAPTIVE for c in type(opt).__mro__)
 
 
 def _nice(x: float) -> str:
@@ -186,11 +200,15 @@ class GradExplosion(Check):
             if lv > LOG_HIGH + st.top and lv > LOG_HIGH + st.early:
                 med, ratio = _bar(st.window)
                 if v > ratio * med:
+                    heavier = self._heavier(st, v / med)
+                    if heavier and _adaptive(opt):
+                        return  # Adam's step barely grows with it: nothing about to jump
                     if not st.burst:  # once per burst, not once per step
                         st.burst = True
-                        self._report(opt, st, gn, v, med, ratio, step, source)
+                        self._report(opt, st, gn, v, med, ratio, step, source, heavier=heavier)
                     return  # an explosion does not raise the bar for the next one
             st.burst = False
+            self._note_loss(st)
             # A steady climb (1.5x a step) never jumps HIGH x above the window's largest: a run that diverges
             # slowly is told by its new highs, once far above the window's median.
             high = lv > st.top
@@ -200,10 +218,27 @@ class GradExplosion(Check):
                 if v >= DIVERGE * med:
                     st.diverged = True
                     self._report(opt, st, gn, v, med, DIVERGE, step, source, climbing=sum(st.highs))
+        else:
+            self._note_loss(st)
         st.push(lv)
 
+    def _note_loss(self, st: _State) -> None:
+        loss = self.g.step_loss
+        if loss is not None and loss > 0.0 and math.isfinite(loss):
+            st.losses.append(loss)
+
+    def _heavier(self, st: _State, norm_ratio: float) -> float:
+        """The ratio of this step's loss to the run's median loss when it rose with the norm (a heavier batch:
+        at least ``norm_ratio ** HEAVIER``), else 0."""
+        loss = self.g.step_loss
+        if loss is None or not loss > 0.0 or not math.isfinite(loss) or len(st.losses) < WARMUP:
+            return 0.0
+        r = loss / median(st.losses)
+        # (a loss rising far more than its gradient, as a squared error does, is one wild sample: not this)
+        return r if r > 1.0 and HEAVIER <= math.log(r) / math.log(norm_ratio) <= HEAVIER_MAX else 0.0
+
     def _report(self, opt, st: _State, gn, v: float, med: float, ratio: float, step: int,
-                source: Optional[str], climbing: int = 0) -> None:
+                source: Optional[str], climbing: int = 0, heavier: float = 0.0) -> None:
         values = gn.per_param()
         ranked = sorted(zip(gn.names, values), key=lambda nv: -nv[1] if math.isfinite(nv[1]) else 0.0)[:5]
         where = st.where or (ranked[0][0] if ranked else "loss")
@@ -217,6 +252,15 @@ class GradExplosion(Check):
                     f"model (or momentum with it). Lower it (try a tenth), add a warm-up, and clip gradients before "
                     f"optimizer.step(): torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm="
                     f"{_nice(3 * med)}).")
+        elif heavier:
+            message = (f"total gradient norm {v:.3g} is {v / med:.0f}x its running median {med:.3g} (last "
+                       f"{len(st.window)} steps; this run's norms vary up to about {ratio:.0f}x), and this step's "
+                       f"loss is {heavier:.0f}x the run's median loss with it: a heavier batch (more or longer "
+                       f"samples summed, or an outlier), whose update {type(opt).__name__} scales with the gradient; "
+                       f"largest: {largest}")
+            hint = (f"Normalise the loss by what it sums over (frames, tokens, objects: reduction='mean' or divide by "
+                    f"the count rather than the batch size), or clip gradients before optimizer.step(): "
+                    f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={_nice(3 * med)}).")
         else:
             message = (f"total gradient norm {v:.3g} is {v / med:.0f}x its running median {med:.3g} "
                        f"(last {len(st.window)} steps; this run's norms vary up to about {ratio:.0f}x); "
@@ -227,4 +271,5 @@ class GradExplosion(Check):
         self.emit("grad-explosion", where, message, hint, step=step, source=source,
                   details={"optimizer": type(opt).__name__, "total_norm": v, "running_median": med,
                            "ratio": v / med, "threshold_ratio": ratio, "largest": [{"name": n, "norm": x} for n, x in ranked],
-                           **({"diverging": True} if climbing else {})})
+                           **({"diverging": True} if climbing else {}),
+                           **({"heavier_batch": True, "loss_ratio": heavier} if heavier else {})})
