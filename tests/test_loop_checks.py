@@ -1025,7 +1025,8 @@ def test_schedule_free_batchnorm_recalibration_is_not_an_evaluation(switch):
 
 def test_eval_in_train_mode_leaves_precise_bn_with_momentum_one_alone():
     """fvcore/detectron2's update_bn_stats: BatchNorm momentum set to 1.0, the model in train mode under no_grad,
-    the batch statistics averaged by hand; a Dropout left in train mode under no_grad is still reported."""
+    the batch statistics averaged by hand. A Dropout that runs in that statistics pass means nothing there (its
+    outputs are thrown away, as in swa_utils.update_bn); a Dropout model evaluated in train mode is still told."""
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = batches()
@@ -1057,7 +1058,16 @@ def test_eval_in_train_mode_leaves_precise_bn_with_momentum_one_alone():
         dropped[1].momentum = 1.0
         with torch.no_grad():
             dropped(data[0][0])
-    assert [(f.kind, f.details.get("modules")) for f in g.findings] == [("eval-in-train-mode", ["2"])]
+        dropped[1].momentum = 0.1
+    assert g.findings == []
+    with guard(dropped, opt, checks="all", live=False) as g:
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(dropped(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            dropped(data[0][0])  # an evaluation, model.eval() forgotten
+    assert [(f.kind, f.details.get("modules")) for f in g.findings] == [("eval-in-train-mode", ["1", "2"])]
 
 
 def test_loss_graph_raise_mode_stops_at_backward_and_bounded_window_is_reported():
@@ -1623,9 +1633,10 @@ def test_a_target_network_updated_in_place_with_autograd_on_is_a_growing_graph(f
     assert "torch.no_grad()" in f.hint and "lerp_" in f.hint
 
 
-def test_pseudo_labels_computed_in_training_mode_with_batchnorm_are_still_found():
-    """A no_grad pass at every step is part of training, but not one that feeds the unlabeled batch's statistics
-    into BatchNorm's running averages (pseudo-labels computed without model.eval())."""
+def test_pseudo_labels_computed_in_training_mode_with_batchnorm_are_part_of_training():
+    """A no_grad pass at every step is part of training, BatchNorm included: FixMatch's weak view as USB computes
+    it (use_cat=False), MixMatch's label guessing. The unlabeled batch is training data, fed to the statistics
+    by the forward with grad anyway. Evaluated once between epochs without .eval(), it is the bug."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1638,8 +1649,32 @@ def test_pseudo_labels_computed_in_training_mode_with_batchnorm_are_still_found(
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if step == 5:
+                with torch.no_grad():
+                    model(torch.randn(64, 8))  # a validation pass, model.eval() forgotten
     f = [f for f in g.findings if f.kind == "eval-in-train-mode"]
-    assert f and f[0].step == 0 and "BatchNorm" in f[0].message
+    assert len(f) == 1 and f[0].step == 6 and "BatchNorm" in f[0].message, g.findings
+
+
+def test_a_statistics_pass_with_dropout_in_the_model_is_no_evaluation():
+    """AdaBN / precise BN by hand: momentum=None, reset_running_stats(), forwards in train mode under no_grad,
+    outputs thrown away, as swa_utils.update_bn does; the model's Dropout runs too, and means nothing there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = batches(1)[0]
+    with guard(model, opt, live=False) as g:
+        for _ in range(6):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        model[1].momentum = None
+        model[1].reset_running_stats()
+        with torch.no_grad():
+            for _ in range(5):
+                model(torch.randn(8, 8))
+        model[1].momentum = 0.1
+    assert g.findings == [] and g.internal_errors == []
 
 
 class _Replay(nn.Module):

@@ -215,12 +215,15 @@ class EvalInTrainMode(Check):
             mods = self._mods[module] = mode_sensitive(module)
         if not mods and fdrop is None:
             return
+        if any((m := r()) is not None and m.training and _recalibrating(m) for _, r in mods):
+            if self._reset.data:  # recomputed in full since its reset: the calls after it are evaluations
+                for _, r in mods:
+                    if (m := r()) is not None and _recalibrating(m):
+                        self._reset.pop(m, None)
+            return  # a statistics pass (momentum=None: AdaBN, precise BN by hand): its outputs are thrown away
         live = [(n, m) for n, r in mods if (m := r()) is not None and m.training
                 and not getattr(m, OPT_OUT, False) and not _recalibrating(m)]
         if self._reset.data:
-            for _, r in mods:  # recomputed with momentum=None since its reset: the calls after it are evaluations
-                if (m := r()) is not None and id(m) in self._reset.data and m.training and _recalibrating(m):
-                    self._reset.pop(m, None)
             live = self._reestimation(module, path, live)
         training = [(n, type(m).__name__) for n, m in live]
         if not training and fdrop is not None and not getattr(fdrop[0], OPT_OUT, False):
@@ -360,24 +363,20 @@ class EvalInTrainMode(Check):
             if step <= first + RECUR and not final:
                 continue
             del self._sites[key]
-            # Dropout noise may be meant there; BatchNorm running statistics overwritten by the extra pass are not
-            # (pseudo-labels computed in training mode feed the unlabeled batches' statistics into them).
-            bn = any("Norm" in t for t in info[3])
+            # A pass at every training step is part of training, BatchNorm included: FixMatch's weak view of the
+            # unlabeled batch (USB's use_cat=False), MixMatch's label guessing feed training data to the statistics
+            # as the concatenated forward with grad would. An evaluation runs between epochs.
             recurs = any(first + k in steps for k in range(1, RECUR + 1))
-            if not bn and recurs:
-                self._recurring.add(key)  # it runs at training steps: part of training
+            if recurs:
+                self._recurring.add(key)
                 continue
             module = ref()
             if module is None or module in self._reported:
                 continue
             if module in self._trained:
                 self._emit(module, path, *info)
-            elif self._averaged(module):
-                # an averaged copy called at every step is a target network (BYOL, MoCo: train mode on purpose)
-                if recurs:
-                    self._recurring.add(key)
-                else:
-                    self._emit(module, path, *info)
+            elif self._averaged(module):  # (one called at every step, a BYOL/MoCo target, recurs: left above)
+                self._emit(module, path, *info)
             elif not final:
                 self._pending[module] = info  # told at its first training forward
 
