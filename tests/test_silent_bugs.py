@@ -875,3 +875,30 @@ def test_gradients_shrunk_below_float32_squares_are_told_apart_from_exact_zeros(
             opt.step()
     f = only(g, "grads-all-zero")
     assert f.details["underflow"] is True and "not all 0" in f.message and "register hooks once" in f.hint
+
+
+@pytest.mark.parametrize("main_trains", [True, False])
+def test_grads_all_zero_is_the_whole_training_stopping_not_a_finished_phase(main_trains):
+    """A domain head trained for its first phase keeps being stepped over zeroed gradients (set_to_none=False)
+    while the main model's optimizer trains: no stop. When every optimizer's gradients are zero, it is one."""
+    torch.manual_seed(0)
+    net, head = nn.Linear(10, 3), nn.Linear(10, 1)
+    opt = torch.optim.Adam(net.parameters(), 1e-2)
+    opt_h = torch.optim.SGD(head.parameters(), 1e-2)
+    x, y, d = torch.randn(64, 10), torch.randint(0, 3, (64,)), torch.rand(64, 1).round()
+    with guard([net, head], [opt, opt_h], live=False) as g:
+        for it in range(30):
+            out = net(x)
+            loss = F.cross_entropy(out if main_trains or it < 10 else out.detach().requires_grad_(), y)
+            if it < 10:
+                loss = loss + F.binary_cross_entropy_with_logits(head(x), d)
+            opt.zero_grad(set_to_none=False)
+            opt_h.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+            opt_h.step()
+    if main_trains:
+        assert "grads-all-zero" not in kinds(g), g.findings
+    else:
+        f = only(g, "grads-all-zero")
+        assert f.step == 10 and "training has stopped" in f.message

@@ -43,6 +43,7 @@ class GradsAllZero(Check):
         super().__init__(guard)
         self._runs = WeakIdMap()  # optimizer -> _Run
         self._zeros: list = []  # (optimizer ref, step, source, parameters) of this step's zero totals
+        self._trains = False  # whether an optimizer's gradients were not all zero in this step
 
     def on_step_pre(self, optimizer):
         if not self.sampling:
@@ -67,12 +68,16 @@ class GradsAllZero(Check):
             run = self._runs[opt] = _Run()
         if v != 0.0:  # NaN/Inf or a real gradient: the run is broken
             self._break(run)
+            self._trains = self._trains or v == v
             return
         self._zeros.append((oref, step, source, n))  # counted in on_resolved, once the step's loss is known
 
     def on_resolved(self):
-        if self.g.mid_step or not self._zeros:
+        if self.g.mid_step:
             return  # a read for the user mid-step: the step's loss comes with the step's own resolution
+        trains, self._trains = self._trains, False
+        if not self._zeros:
+            return
         zeros, self._zeros = self._zeros, []
         tl = self.g.timeline
         entry = tl[-1] if tl else {}
@@ -81,6 +86,10 @@ class GradsAllZero(Check):
         # cannot change at all (loss-constant: cross_entropy over one class), which is the bug.
         idle = (entry.get("loss") == 0.0 and entry.get("step") == zeros[0][1]
                 and not any(f.kind == "loss-constant" for f in self.g.findings))
+        # Another optimizer's gradients carry signal: training goes on. This one's part no longer gets any (a
+        # domain head whose phase ended, stepped over zeroed gradients): no stop (weight decay or momentum moving
+        # it without a gradient is weight-decay-without-grad's).
+        idle = idle or trains
         for oref, step, source, n in zeros:
             opt = oref()
             run = self._runs.data.get(id(opt)) if opt is not None else None
