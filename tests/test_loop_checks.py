@@ -2100,3 +2100,40 @@ def test_a_learned_optimizer_unroll_whose_last_update_is_never_evaluated_is_no_e
             total.backward()
             meta_opt.step()
     assert [f for f in g.findings if f.kind == "eval-without-no-grad"] == []
+
+
+@pytest.mark.parametrize("selection", [True, False])
+def test_test_time_adaptation_that_skips_unreliable_batches_is_no_evaluation(selection):
+    """EATA/SAR-style adaptation: only the BatchNorm affine trains, each test batch is forwarded with grad (its
+    output is the prediction) and adapted only when it holds low-entropy samples; under a strong shift the first
+    batches are all skipped. Without the selection, the same frozen model evaluated with grad from a line that
+    is never back-propagated is still told."""
+    import math
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+    net.train()
+    net.requires_grad_(False)
+    net[1].requires_grad_(True)
+    opt = torch.optim.SGD([net[1].weight, net[1].bias], lr=1e-3, momentum=0.9)
+    src = torch.randn(400, 16)
+    with guard(net, opt, live=False) as g:
+        for i in range(12):
+            x = src[torch.randint(0, 400, (32,))] + torch.randn(32, 16) * (4.0 if i < 8 else 0.1)
+            if selection:
+                out = net(x)
+                ent = -(out.softmax(1) * out.log_softmax(1)).sum(1)
+                ent = ent[ent < (0.1 * math.log(10) if i < 8 else 10.0)]
+                if ent.numel() == 0:
+                    continue
+            else:
+                net(x).argmax(1)  # an evaluation with grad: no backward ever uses this line
+                out = net(x + 0.01)
+                ent = -(out.softmax(1) * out.log_softmax(1)).sum(1)
+            ent.mean().backward()
+            opt.step()
+            opt.zero_grad()
+    if selection:
+        assert g.findings == [] and g.internal_errors == []
+    else:
+        assert kinds(g) == ["eval-without-no-grad"]

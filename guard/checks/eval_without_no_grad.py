@@ -217,11 +217,31 @@ class EvalWithoutNoGrad(Check):
             if not rec.used:
                 runs[(rec.site, rec.backwards)] = runs.get((rec.site, rec.backwards), 0) + 1
 
+        frozen: Dict[int, bool] = {}
+
         def test(rec: _Fwd) -> bool:
             used, unused = counts[rec.site]
-            return used >= unused or (rec.trusted and runs[(rec.site, rec.backwards)] == 1)
+            if used >= unused or (rec.trusted and runs[(rec.site, rec.backwards)] == 1):
+                return True
+            # Test-time adaptation that picks its batches (EATA, SAR): each batch is forwarded with grad, in train
+            # mode, through a model frozen but for a few parameters (its norm layers' affine), and adapted only when
+            # it holds reliable samples; under a strong shift many batches in a row are skipped.
+            return used > 0 and not rec.eval_mode and self._adapted_in_part(rec, frozen)
 
         return test
+
+    @staticmethod
+    def _adapted_in_part(rec: _Fwd, seen: Dict[int, bool]) -> bool:
+        """Whether `rec`'s model has both frozen and trainable parameters, at most a quarter of its elements trainable."""
+        m = rec.module() if rec.module is not None else None
+        if m is None:
+            return False
+        v = seen.get(id(m))
+        if v is None:
+            sizes = [(p.numel(), p.requires_grad) for p in m.parameters()]
+            trained = sum(n for n, r in sizes if r)
+            v = seen[id(m)] = 0 < trained <= sum(n for n, _ in sizes) // 4
+        return v
 
     def on_exception(self, exc):
         self._crashed()
