@@ -114,3 +114,39 @@ def test_batchnorm_with_only_its_affine_frozen_adapts_its_statistics_silently():
             loss.backward()
             opt.step()
     assert g.findings == []
+
+
+def test_a_backbone_unfrozen_for_fine_tuning_after_linear_probing_is_no_frozen_network():
+    """LP-FT: the backbone is frozen (and its BatchNorm in eval mode) while the head is probed, then unfrozen,
+    added to the optimizer and trained with its BatchNorm back in train mode: right for full fine-tuning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 3))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    with guard(model, opt, live=False) as g:
+        for step in range(20):
+            if step == 10:
+                model[0].requires_grad_(True)
+                opt.add_param_group({"params": model[0].parameters(), "lr": 0.01})
+            model.train()
+            if step < 10:
+                model[0].eval()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []
+
+
+def test_the_train_override_in_the_hint_is_python_for_a_numbered_submodule():
+    torch.manual_seed(0)
+    frozen = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()).requires_grad_(False)
+    model = nn.Sequential(nn.Linear(8, 8), frozen, nn.Linear(16, 1))
+    opt = torch.optim.SGD([*model[0].parameters(), *model[2].parameters()], lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 8)).sum().backward()
+            opt.step()
+    [f] = g.findings
+    assert f.where == "1" and "self[1].eval()" in f.hint, f.hint

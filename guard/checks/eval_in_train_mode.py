@@ -93,6 +93,13 @@ def _called_by_torch() -> bool:
     return False
 
 
+def _accessor(path: str) -> str:
+    """Python for a submodule's path relative to its model: ``backbone.0`` -> ``.backbone[0]`` (a root label such
+    as ``Net#2`` left out)."""
+    parts = [p for p in path.split(".") if "#" not in p]
+    return "".join(f"[{p}]" if p.isdigit() else f".{p}" if p.isidentifier() else f"[{p!r}]" for p in parts)
+
+
 def _from_torch_optim() -> bool:
     """Whether ``torch.optim`` code (``swa_utils.update_bn``) is on the call stack."""
     f = sys._getframe(1)
@@ -311,6 +318,8 @@ class EvalInTrainMode(Check):
                if (m := r()) is not None and m.training and not _recalibrating(m)]
         if bns:  # (in eval mode now: looked at again at its next call, a later model.train() may switch it)
             self._frozen_done.add(module)
+            if not self._frozen_network(module):
+                return  # unfrozen since its first call (linear probing, then fine-tuning it): trained, not frozen
             self._frozen_seen.append((weakref.ref(module), path, bns, self.g.step, self.g.source(), root))
 
     def _judge_frozen(self) -> None:
@@ -323,7 +332,7 @@ class EvalInTrainMode(Check):
                 continue
             shown = ", ".join(f"{path}.{n} ({t})" if n else f"{path} ({t})" for n, t in bns[:MAX_NAMED])
             more = f" and {len(bns) - MAX_NAMED} more" if len(bns) > MAX_NAMED else ""
-            attr = path.split(".")[-1] if path.replace(".", "").replace("_", "").isalnum() else path
+            attr = _accessor(path)
             message = (f"{path} ({type(module).__name__}) is frozen (every parameter requires_grad=False, in no "
                        f"optimizer) and used for inference on the gradient path, but its BatchNorm layers run in "
                        f"training mode: {shown}{more}; each training step overwrites its pretrained running "
@@ -332,7 +341,7 @@ class EvalInTrainMode(Check):
                                                                         "back to training)"))
             hint = ((f"Put it in eval mode once (.eval()) where it is built, and never call train() on it. " if root
                      else f"Keep it in eval mode after every model.train(): override train() in the model that holds "
-                          f"it (def train(self, mode=True): super().train(mode); self.{attr}.eval(); return self), "
+                          f"it (def train(self, mode=True): super().train(mode); self{attr}.eval(); return self), "
                           f"or call .eval() on `{path}` after model.train(). ")
                     + "If training mode is deliberate, set `module.guard_train_mode_ok = True` on it.")
             self.emit("eval-in-train-mode", path, message, hint, step=step, source=source,
