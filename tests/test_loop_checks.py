@@ -2137,3 +2137,22 @@ def test_test_time_adaptation_that_skips_unreliable_batches_is_no_evaluation(sel
         assert g.findings == [] and g.internal_errors == []
     else:
         assert kinds(g) == ["eval-without-no-grad"]
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_last_layer_retraining_of_a_frozen_model_kept_in_eval_mode_is_deliberate(frozen):
+    """Deep feature reweighting: the model frozen and in eval mode (its BatchNorm statistics fixed), only the last
+    Linear trained. The same eval mode with the whole model training is the forgotten model.train()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+    if frozen:
+        model.requires_grad_(False)
+        model[3].requires_grad_(True)
+    model.eval()
+    opt = torch.optim.SGD(model[3].parameters() if frozen else model.parameters(), lr=0.05)
+    with guard(model, opt, live=False) as g:
+        for _ in range(6):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 10)), torch.randint(0, 3, (8,))).backward()
+            opt.step()
+    assert kinds(g) == ([] if frozen else ["train-in-eval-mode"]), g.findings

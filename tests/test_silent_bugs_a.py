@@ -229,7 +229,14 @@ def test_a_linear_probe_on_a_backbone_kept_in_eval_mode_is_silent():
             F.cross_entropy(model(torch.randn(8, 8)), torch.randint(0, 2, (8,))).backward()
             opt.step()
     assert g.findings == []
-    model[3].eval()  # the head itself left in eval mode: the classic missing model.train() again
+    # a head with its own Dropout left in eval mode: the classic missing model.train() again (a Linear head left in
+    # eval mode acts as in training: nothing to tell, see test_loop_checks's last-layer retraining)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                          nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 2)))
+    model.requires_grad_(False)
+    model[3].requires_grad_(True)
+    opt = torch.optim.SGD(model[3].parameters(), lr=0.1)
+    model.eval()
     with guard(model, opt, checks=["train-in-eval-mode"], live=False) as g:
         for _ in range(2):
             opt.zero_grad()

@@ -63,6 +63,7 @@ class TrainInEvalMode(Check):
         # per model whose grad-enabled call in eval mode made it
         self._fdrop: Optional[tuple] = None
         self._fdrops = WeakIdMap()
+        self._frozen_rest = WeakIdMap()  # model -> (step decided, whether all it holds beside the trained parts is frozen)
 
     def _f_dropout(self, args: tuple, kwargs: dict) -> None:
         # Every dropout call of a training forward comes here (nn.Dropout's too): one test for the usual ones.
@@ -127,8 +128,33 @@ class TrainInEvalMode(Check):
             if not off and fdrop is not None:
                 owner, line = fdrop
                 off = [(f"{self.g.known_path(owner) or type(owner).__name__} (F.dropout at {line})", "functional Dropout")]
-            if off:
+            if off and not self._rest_frozen(model, owners, [n for n, _ in off]):
                 self._emit(model, off, call_src)
+
+    def _rest_frozen(self, model: nn.Module, owners: List[nn.Module], off: List[str]) -> bool:
+        """Whether `model` is frozen but for a head retrained on its fixed features (deep feature reweighting,
+        classifier re-training): every parameter outside the trained parts requires no gradient, none of the
+        trained parts acts differently in eval mode, and each layer acting as in evaluation (`off`, paths) sits
+        in the frozen part: its parent holds a frozen parameter (not a head's own Dropout). Decided again every
+        64 steps."""
+        hit = self._frozen_rest.data.get(id(model))
+        if hit is not None and self.g.step < hit[0] + 64:
+            return hit[1]
+        trained = {id(p) for m in owners for p in m.parameters()}
+        rest = [p for p in model.parameters() if id(p) not in trained]
+        ok = bool(rest) and not any(p.requires_grad for p in rest) and not any(
+            isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)) for m in owners)
+        for path in off if ok else ():
+            try:
+                parent = model.get_submodule(path.rpartition(".")[0])
+            except Exception:
+                ok = False
+                break
+            if all(p.requires_grad for p in parent.parameters()):
+                ok = False  # a layer of the trained head (its Dropout) switched off: the forgotten model.train()
+                break
+        self._frozen_rest[model] = (self.g.step, ok)
+        return ok
 
     def _owners(self, model: nn.Module, optimizer) -> List[nn.Module]:
         """The modules of `model` that hold a parameter `optimizer` updates (none: a step of another
