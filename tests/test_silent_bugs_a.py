@@ -1029,3 +1029,72 @@ def test_an_optimizer_over_the_members_of_a_stacked_ensemble_names_the_stacked_c
     f = only(g, "loss-disconnected")[0]
     assert f.step == 0 and "stack_module_state" in f.message and f.details["stacked_copies"]
     assert "params.values()" in f.hint
+
+
+def _image_steps(image_as_param: bool, rebind: bool, steps: int = 12, glob: bool = False):
+    """Input optimisation through a frozen network (DeepDream/style transfer): the image is the only thing the
+    optimizer holds. With `rebind`, each octave (every 4 steps) makes a new image tensor the optimizer never sees."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 8), nn.Tanh()).requires_grad_(False)
+    make = (lambda t: nn.Parameter(t)) if image_as_param else (lambda t: t.requires_grad_(True))
+    img = make(torch.rand(1, 16))
+    opt = torch.optim.Adam([img], lr=0.02)
+    with guard(None if glob else net, opt, live=False) as g:
+        for i in range(steps):
+            if rebind and i and i % 4 == 0:
+                img = make(img.detach() * 1.0)
+            loss = -net(img).norm()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("image_as_param", [False, True])
+def test_an_optimised_image_rebound_to_a_new_tensor_is_a_disconnected_loss(image_as_param):
+    assert _image_steps(image_as_param, rebind=False).findings == []
+    g = _image_steps(image_as_param, rebind=True)
+    [f] = only(g, "loss-disconnected")
+    assert f.step == 4
+    if not image_as_param:  # a plain tensor: named as the optimised input re-bound, with the in-place fix
+        assert f.details["rebound_input"] is True and "re-bound" in f.message and "clamp_" in f.hint
+
+
+@pytest.mark.parametrize("glob", [False, True])
+def test_a_soft_prompt_left_out_of_an_optimizer_over_the_frozen_model_is_a_disconnected_loss(glob):
+    """The optimizer holds only the frozen backbone's weights; the prompt (a plain tensor, or an nn.Parameter
+    under a global guard) gets the gradients and nothing updates it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).requires_grad_(False)
+    prompt = nn.Parameter(torch.zeros(8)) if glob else torch.zeros(8, requires_grad=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    with guard(None if glob else model, opt, live=False) as g:
+        for _ in range(6):
+            loss = F.cross_entropy(model(x + prompt), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = only(g, "loss-disconnected")
+    assert f.step <= 1 and f.severity == "error"
+
+
+def test_a_placeholder_zero_loss_for_a_batch_with_nothing_to_learn_is_not_disconnected():
+    """Batch-hard triplet mining: a batch without a valid triplet returns torch.tensor(0.0, requires_grad=True), on
+    purpose (that step trains nothing). A loss re-wrapped with its value (torch.tensor(loss.item(), ...)) is the bug."""
+    for placeholder in (True, False):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        with guard(model, opt, live=False) as g:
+            for step in range(8):
+                emb = model(torch.randn(16, 8))
+                if step in (3, 5):
+                    loss = (torch.tensor(0.0, requires_grad=True) if placeholder
+                            else torch.tensor(emb.pow(2).mean().item(), requires_grad=True))
+                else:
+                    loss = emb.pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        assert kinds(g) == ([] if placeholder else ["loss-disconnected"]), g.findings

@@ -105,7 +105,9 @@ def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[Tuple[int, ...
                 if isinstance(var, nn.Parameter) and not held_ids and held is not None:
                     held_ids.append(held())
                 if isinstance(var, nn.Parameter) and (not held_ids or held_ids[0] is None or id(var) in held_ids[0]):
-                    if paths is not None and first is not None and len(paths) < MAX_PATHS:
+                    # (a path is kept only to a parameter an optimizer holds: before guard knows one, any counts)
+                    if paths is not None and first is not None and len(paths) < MAX_PATHS and held_ids \
+                            and held_ids[0] is not None:
                         path, at = [k], id(node)
                         while at in parent:
                             at, i = parent[at]
@@ -144,6 +146,7 @@ class LossDisconnected(Check):
         self._paths: List[Tuple[Tuple[int, ...], weakref.ref]] = []
         self._elsewhere = 0  # `backwards_elsewhere` at the primary optimizer's last step
         self._orphans: List[int] = []  # steps in a row whose backward ran elsewhere and left the optimizer no gradient
+        self._inputs: Optional[Tuple[Any, bool]] = None  # (optimizers' key, whether they optimise inputs only)
 
     def _held(self, *extra: Any) -> set:
         """Ids of the parameters of every optimizer seen, watched or not (an attack's own over its delta)."""
@@ -164,14 +167,37 @@ class LossDisconnected(Check):
         leaves = _leaves(ts, self._paths, self._walk_held)
         if leaves is None:
             return
+        t0 = ts[0]
+        if len(ts) == 1 and t0.grad_fn is None and t0.numel() == 1 and not t0.is_meta and float(t0.detach()) == 0.0:
+            # `torch.tensor(0.0, requires_grad=True)`: a batch with nothing to learn (no valid triplet or pair) gets
+            # a placeholder loss that trains nothing on purpose; a loss re-wrapped by hand keeps its value (read
+            # here, on this path only)
+            return
         if leaves and not any(isinstance(l, nn.Parameter) for l in leaves) and \
-                not any(p.requires_grad for m in self.g.roots for p in m.parameters()):
+                not any(p.requires_grad for m in self.g.roots for p in m.parameters()) and not self._inputs_optimized():
             return  # the models are frozen on purpose for this backward: a saliency map, an attack on the input
         descr = [f"{'the loss itself' if any(l is t for t in ts) else 'a parameter' if isinstance(l, nn.Parameter) else 'a tensor'} "
                  f"{self._named(l)}{list(l.shape)} ({'held by no optimizer' if isinstance(l, nn.Parameter) else 'a leaf made with requires_grad=True' if l.grad_fn is None else type(l.grad_fn).__name__})"
                  for l in leaves]
         self._pending.append(([(weakref.ref(l), l._version) for l in leaves], descr, self.g.root_source, self.g.step,
                               list(ts[0].shape)))
+
+    def _inputs_optimized(self) -> bool:
+        """Whether the optimizers hold only tensors outside the watched models (style transfer's image, a soft
+        prompt, dataset distillation's images), or only frozen ones: a backward through the frozen models is then
+        the training's own, not a saliency map's."""
+        opts = list(self.g.optimizers) + self.g.watched.stepping_optimizers()
+        if not opts:
+            return False
+        key = tuple((id(o), len(o.param_groups)) for o in opts)
+        if self._inputs is not None and self._inputs[0] == key:
+            return self._inputs[1]
+        own = {id(p) for m in self.g.roots for p in m.parameters()}
+        held = [p for o in opts for grp in o.param_groups for p in grp["params"]]
+        # (or an optimizer over frozen weights only, a soft prompt left out of it: it trains nothing either way)
+        self._inputs = (key, bool(held) and (not any(id(p) in own for p in held)
+                                             or not any(p.requires_grad for p in held)))
+        return self._inputs[1]
 
     def _named(self, leaf: torch.Tensor) -> str:
         """``name `` of a parameter of the watched models (a positional fallback names nothing)."""
@@ -189,13 +215,17 @@ class LossDisconnected(Check):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        held = self._held(optimizer)
+        # a backward that trains a plain tensor an optimizer holds (style transfer's image): nothing to judge
+        pending = [e for e in pending if not any((l := r()) is not None and id(l) in held for r, _ in e[0])]
+        if not pending:
+            return
         own = [p for grp in optimizer.param_groups for p in grp["params"] if p.requires_grad]
         if own and all(p.grad is not None for p in own):
             # the loss reached none of them, yet each has a gradient by the step: handed over by hand (fp32 master
             # weights fed from a half-precision model's gradients, gradient surgery into other tensors)
             self._done = True
             return
-        held = self._held(optimizer)
         for refs, descr, src, step, shape in pending:
             live = [(l, v) for r, v in refs if (l := r()) is not None]
             if refs and not live:
@@ -213,7 +243,8 @@ class LossDisconnected(Check):
             k = ks.pop() if len(ks) == 1 else 0
             stacked = (not copies and k >= 2 and len(live) * k == len(held)
                        and sorted(tuple(l.shape[1:]) for l, _ in live for _ in range(k)) == held)
-            self._emit(optimizer, descr, src, step, shape, copies or stacked, stacked)
+            inputs = copies and not stacked and self._inputs_optimized()
+            self._emit(optimizer, descr, src, step, shape, copies or stacked, stacked, inputs)
             self._done = True  # a code property: reported once, then no more walks
             return
 
@@ -246,7 +277,7 @@ class LossDisconnected(Check):
                            "model_not_called": True})
 
     def _emit(self, optimizer, descr: List[str], src: Optional[str], step: int, shape: List[int],
-              copies: bool = False, stacked: bool = False) -> None:
+              copies: bool = False, stacked: bool = False, inputs: bool = False) -> None:
         opt = type(optimizer).__name__
         if not descr:
             reaches = "nothing that requires a gradient"
@@ -263,6 +294,11 @@ class LossDisconnected(Check):
                        + " (an ensemble's parameters from torch.func.stack_module_state(members), used by vmap: they "
                        "are new tensors, and the optimizer holds the members' own parameters, which the forward never "
                        "uses)")
+        elif inputs:
+            reaches = (f"only {len(descr)} new tensor(s) shaped like the one(s) {opt} optimises: {'; '.join(descr[:4])}"
+                       + (" ..." if len(descr) > 4 else "") + f" (the optimised tensor's name was re-bound, `img = "
+                       f"img.detach().requires_grad_()` or `img = img.clamp(0, 1)`, and {opt} keeps updating the first "
+                       f"tensor, which the loss no longer uses)")
         elif copies:
             reaches = (f"only {len(descr)} leaf tensor(s) shaped like {opt}'s parameters: {'; '.join(descr[:4])}"
                        + (" ..." if len(descr) > 4 else "") + " (copies used in the parameters' place, such as a "
@@ -292,10 +328,14 @@ class LossDisconnected(Check):
             hint = ("Build the optimizer over the stacked tensors the vmapped forward uses: params, buffers = "
                     "stack_module_state(members); optimizer = torch.optim.Adam(params.values(), ...) (copy them back "
                     "into the members, if you need them, after training).")
+        elif inputs:
+            hint = ("Change the optimised tensor in place, under torch.no_grad(): img.clamp_(0, 1), img.copy_(new) "
+                    "(it stays the tensor the optimizer holds); or build a new optimizer over the new tensor.")
         elif copies:
             hint = ("Build the optimizer over the tensors the forward uses (torch.optim.Adam(params.values()) for a "
                     "functional_call params dict), or pass the module's own parameters (dict(model.named_parameters())) "
                     "to functional_call.")
         self.emit("loss-disconnected", "loss", message, hint, step=step, source=src,
                   details={"reaches": descr[:MAX_LEAVES], "optimizer": opt, "loss_shape": shape,
-                           **({"stacked_copies": True} if stacked else {})})
+                           **({"stacked_copies": True} if stacked else {}),
+                           **({"rebound_input": True} if inputs else {})})
