@@ -178,3 +178,30 @@ def test_the_source_is_the_loss_line_when_one_line_assigns_the_loss():
     [f] = g.findings
     lines = open(__file__).read().splitlines()
     assert "# the loss line" in lines[int(f.source.rsplit(":", 1)[1]) - 1]
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_batch_hard_triplet_hinge_with_the_negative_kept_2d_is_reported(kept):
+    """d_ap [N] minus the hardest negative's distance kept [N, 1] (max(1, keepdim=True)): both carry gradient, the
+    hinge is [N, N], every anchor's positive against every anchor's negative. Reduced to [N], it is the loss."""
+    torch.manual_seed(0)
+    net = nn.Linear(8, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    labels = torch.arange(4).repeat(4)
+    with guard(net, opt, live=False) as g:
+        for _ in range(3):
+            e = F.normalize(net(torch.randn(16, 8)), dim=1)
+            d = torch.cdist(e, e)
+            same = labels[:, None] == labels[None, :]
+            d_ap = (d * same).max(1).values
+            d_an = (d + 10 * same).min(1, keepdim=kept).values
+            loss = torch.clamp(d_ap - d_an + 0.3, min=0).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if kept:
+        [f] = g.findings
+        assert (f.kind, f.where, f.step) == ("loss-shape-broadcast", "loss", 0)
+        assert f.details["keepdim"] is True and f.details["broadcast_shape"] == [16, 16] and "keepdim" in f.hint
+    else:
+        assert g.findings == []

@@ -160,6 +160,11 @@ def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
             continue
         nexts = node.next_functions
         op = _PAIRS.get(name)
+        if op in ("-", "+") and len(nexts) == 2:
+            hit = _kept_dim(node, op, nexts)
+            if hit is not None:
+                found.append(hit)
+                continue
         if op is not None and len(nexts) == 2 and (fitted or op in ("*", "/")):
             hit = _judge(node, op, nexts)
             if hit is not None:
@@ -173,6 +178,33 @@ def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
                 seen.add(id(fn))
                 todo.append((fn, fitted))
     return found
+
+
+#: reductions whose keepdim=True result is [N, 1]: against a [N] vector of the same samples it broadcasts to [N, N]
+_KEEPDIM = frozenset(("MaxBackward0", "MinBackward0", "AmaxBackward0", "AminBackward0", "MeanBackward1",
+                      "SumBackward1", "LogsumexpBackward0", "NormBackward1"))
+
+
+def _kept_dim(node: Any, op: str, nexts: Any) -> Optional[Dict[str, Any]]:
+    """``d_ap - d_an + m`` with ``d_an = dist.max(1, keepdim=True)`` ([N, 1]) and ``d_ap`` of shape [N]: both carry
+    gradient, and the result is [N, N], each anchor's term paired with every other sample's (batch-hard triplet
+    mining). A reduction kept 2-d against a 1-d vector of the same size is no pairwise term written on purpose."""
+    try:
+        out = [int(d) for d in node._input_metadata[0].shape]
+        if len(out) != 2 or out[0] != out[1] or out[0] < 2:
+            return None
+        shapes = []
+        for fn, idx in nexts:
+            if fn is None:
+                return None
+            shapes.append((type(fn).__name__, [int(d) for d in fn._input_metadata[idx].shape]))
+    except (AttributeError, RuntimeError, IndexError):
+        return None
+    n = out[0]
+    for (kname, kshape), (_, vshape) in ((shapes[0], shapes[1]), (shapes[1], shapes[0])):
+        if kname in _KEEPDIM and kshape == [n, 1] and vshape == [n]:
+            return {"op": op, "grad_shape": vshape, "other_shape": kshape, "broadcast_shape": out, "keepdim": True}
+    return None
 
 
 def _pinball(nexts: Any) -> bool:
@@ -245,7 +277,13 @@ class LossShapeBroadcast(Check):
         op, shape, other, out = hit["op"], hit["grad_shape"], hit["other_shape"], hit["broadcast_shape"]
         if (tuple(shape), tuple(out)) in self._called:
             return
-        if op in ("-", "+"):
+        if hit.get("keepdim"):
+            what = (f"a hand-written loss computes `a {op} b` with b of shape {other} from a reduction kept 2-d "
+                    f"(keepdim=True: the hardest negative's distance, a row's max) and a of shape {shape}: the result "
+                    f"has shape {out}, so each sample's term is paired with every other sample's (a triplet hinge "
+                    f"over all pairs of anchors), not with its own")
+            fix = "reduce without keepdim (dist.max(1).values, .amax(1)) or b.squeeze(-1), so both are [N]"
+        elif op in ("-", "+"):
             pad = [1] * (len(out) - len(shape)) + shape
             target = [o if s == 1 else 1 for s, o in zip(pad, out)]
             while len(target) > 1 and target[0] == 1:
@@ -267,7 +305,7 @@ class LossShapeBroadcast(Check):
         source = self.g.source()
         self.emit("loss-shape-broadcast", "loss", message, hint, source=loss_line(source) or source,
                   details={"loss": "hand-written", "op": op, "input_shape": shape, "target_shape": other,
-                           "broadcast_shape": out})
+                           "broadcast_shape": out, **({"keepdim": True} if hit.get("keepdim") else {})})
 
     def _look(self, fn: str, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("input")
