@@ -1173,3 +1173,22 @@ def test_counts_are_not_taken_from_a_next_call_whose_weights_or_inputs_broke_mea
             opt.zero_grad(); loss.backward(); opt.step()
     f = next(f for f in g.findings if f.kind == "nonfinite-output")
     assert (f.where, f.step) == ("pool", 2) and "counts_unavailable" in f.details and f.details["counts"] == {}
+
+
+def test_an_optimised_input_made_nan_by_its_update_is_not_dirty_data():
+    """DeepDream-style ascent normalising the gradient by hand, g / g.norm(): at a zero gradient Adam writes NaN
+    into the image it optimises, and the next forward's input is NaN. No dataset is involved."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 1)).requires_grad_(False)
+    img = torch.rand(1, 16, requires_grad=True)
+    opt = torch.optim.SGD([img], lr=0.1)
+    with guard(net, opt, live=False) as g:
+        for it in range(4):
+            loss = -net(img).sum() * (0.0 if it == 1 else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            img.grad /= img.grad.norm()  # 0 / 0 at step 1
+            opt.step()
+    f = only(g, "nonfinite-input")
+    assert f.step == 2 and f.details["optimised_input"] is True
+    assert "SGD optimises" in f.message and "dirty" not in f.message and "clamp_min" in f.hint

@@ -681,6 +681,21 @@ class NonFinite(Check):
                 t = refs.get(i, lambda: None)()
                 if t is not None:
                     counts[name] = nonfinite_counts(t)
+        held = {id(p): type(o).__name__ for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        optimised = [held[id(t)] for name, i in call.inputs if i in bad
+                     and (t := refs.get(i, lambda: None)()) is not None and id(t) in held]
+        if optimised:
+            # the optimised input itself (style transfer's image, an adversarial patch): written NaN by its update
+            self.emit("nonfinite-input", "input",
+                      f"the input to {call.path} contains NaN/Inf ({', '.join(args)}): it is the tensor {optimised[0]} "
+                      f"optimises, made NaN/Inf by its update (a NaN gradient, such as a hand-written normalisation "
+                      f"g / g.norm() at a zero norm, or a learning rate too high), not by the data",
+                      "Guard the update: divide by g.norm().clamp_min(1e-12) (or add an epsilon), clip the gradient, "
+                      "or lower the learning rate; clamp the tensor in place after each step (x.clamp_(0, 1) under "
+                      "torch.no_grad()) if it must stay in range.",
+                      step=call.step, source=call.source,
+                      details={"module": call.type, "arguments": args, "counts": counts, "optimised_input": True})
+            return
         self.emit("nonfinite-input", "input",
                   f"the input to {call.path} contains NaN/Inf ({', '.join(args)}): the data is dirty",
                   "Check the dataset and transforms for NaN/Inf (e.g. torch.isfinite(x).all() in the Dataset), "
