@@ -541,7 +541,9 @@ def _owner_path(module: nn.Module, frame: Any) -> Optional[str]:
     # So only a script's top level (its locals are its globals) or a write-through proxy (3.13+) is read.
     if f.f_code.co_flags & CO_OPTIMIZED and sys.version_info < (3, 13):
         return None
-    return _path_in_any(f.f_locals, module)
+    # (a single layer held directly by a variable, `h1 = nn.Linear(8, 1)`, is named by it: its parameters would be a
+    # bare `weight`, the same as any other single layer's)
+    return _path_in_any(f.f_locals, module, direct=True)
 
 
 def _path_in(owner: nn.Module, module: nn.Module) -> Optional[str]:

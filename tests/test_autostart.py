@@ -211,3 +211,27 @@ def test_the_programs_own_excepthook_is_left_alone(tmp_path):
     (tmp_path / "train.py").write_text(UNCAUGHT)
     r = _run(["train.py", "own"], tmp_path, TORCH_GUARD="1")
     assert r.returncode == 1 and "own hook: RuntimeError" in r.stderr and "Traceback" not in r.stderr
+
+
+TWO_HEADS = """
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+phi = nn.Sequential(nn.Linear(5, 8), nn.ReLU()); h0 = nn.Linear(8, 1); h1 = nn.Linear(8, 1)
+opt = torch.optim.Adam(list(phi.parameters()) + list(h0.parameters()), lr=3e-3)  # h1 left out
+X = torch.randn(64, 5); T = torch.rand(64) < 0.5; Y = X[:, 0] + T
+for it in range(6):
+    r = phi(X)
+    pred = torch.where(T, h1(r).squeeze(1), h0(r).squeeze(1))
+    loss = F.mse_loss(pred, Y); opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_a_single_layer_held_by_a_scripts_variable_is_named_by_it(tmp_path):
+    """TARNet-style heads h0, h1 (each one nn.Linear) under TORCH_GUARD=1: the head left out of the optimizer is
+    `h1`, not a bare `weight` that any single layer's parameters would be called."""
+    (tmp_path / "train.py").write_text(TWO_HEADS)
+    r = _run(["train.py"], tmp_path, TORCH_GUARD="record")
+    assert r.returncode == 0, r.stderr
+    dump = json.loads((tmp_path / "guard-report.json").read_text())
+    found = [(f["kind"], f["where"]) for f in dump["findings"]]
+    assert found == [("param-not-in-optimizer", "h1")], found
