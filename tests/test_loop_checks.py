@@ -2156,3 +2156,34 @@ def test_last_layer_retraining_of_a_frozen_model_kept_in_eval_mode_is_deliberate
             F.cross_entropy(model(torch.randn(8, 10)), torch.randint(0, 3, (8,))).backward()
             opt.step()
     assert kinds(g) == ([] if frozen else ["train-in-eval-mode"]), g.findings
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_an_ema_teacher_guard_does_not_watch_updated_with_autograd_on_is_named_by_its_variable(fixed):
+    """guard(student, opt): the teacher, a deep copy frozen and updated in place without torch.no_grad(), carries a
+    graph that grows at every update. It is no watched model: found among the user's variables, named `teacher`."""
+    import copy
+
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.SGD(student.parameters(), lr=0.05)
+    x, y = torch.randn(64, 10), torch.randint(0, 3, (64,))
+    with guard(student, opt, live=False) as g:
+        for _ in range(40):
+            with torch.no_grad():
+                t = teacher(x).softmax(1)
+            s = student(x)
+            loss = F.cross_entropy(s, y) + F.mse_loss(s.softmax(1), t)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with (torch.no_grad() if fixed else contextlib.nullcontext()):
+                for tp, sp in zip(teacher.parameters(), student.parameters()):
+                    tp.mul_(0.99).add_(0.01 * sp)
+    if fixed:
+        assert g.findings == []
+    else:
+        assert [(f.kind, f.where) for f in g.findings] == [("loss-graph-retained", "teacher")]
+        assert g.findings[0].details["parameters_with_history"] is True
+        assert g.findings[0].details["parameters"][0] == "teacher.0.weight"

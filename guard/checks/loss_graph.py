@@ -408,12 +408,14 @@ class LossGraph(Check):
         held = [p for p in self._params() if p.grad_fn is not None and isinstance(p, torch.nn.Parameter)]
         if not held:
             return
-        self._params_told = True
-        self._param_look = 1 << 62
         ids = {id(p) for p in held}
         named = self.g.named_parameters()
         names = [n for n, p in named if id(p) in ids]
-        prefixes = module_prefixes(names, [n for n, _ in named], limit=6)
+        self._report_params(step, held, names, module_prefixes(names, [n for n, _ in named], limit=6))
+
+    def _report_params(self, step: int, held: List[torch.Tensor], names: List[str], prefixes: List[str]) -> None:
+        self._params_told = True
+        self._param_look = 1 << 62
         nodes, _ = graph_size(held[:1], limit=20_000)
         op = type(held[0].grad_fn).__name__
         shown = ", ".join(prefixes[:5]) + (", ..." if len(prefixes) > 5 else "")
@@ -427,6 +429,24 @@ class LossGraph(Check):
         self.emit("loss-graph-retained", prefixes[0] if prefixes else names[0], message, hint, step=step,
                   source=self.g.source(), details={"parameters": names[:20], "count": len(held), "grad_fn": op,
                                                    "graph_nodes": nodes, "parameters_with_history": True})
+
+    def _outside_params(self, step: int) -> None:
+        """The parameter look for modules guard does not watch, held by the user's variables: an EMA teacher beside
+        the student given to guard, updated in place with autograd on (at the user-variable looks: rare)."""
+        watched = {id(m) for m in self.g.models}
+        scopes, _ = _user_scopes()
+        seen: Set[int] = set()
+        for _, scope in scopes:
+            for name, value in list(scope.items()):
+                if (not isinstance(value, torch.nn.Module) or id(value) in watched or id(value) in seen
+                        or name.startswith("_")):
+                    continue
+                seen.add(id(value))
+                held = [(n, p) for _, (n, p) in zip(range(256), value.named_parameters())
+                        if p.grad_fn is not None and isinstance(p, torch.nn.Parameter)]
+                if held:
+                    self._report_params(step, [p for _, p in held], [f"{name}.{n}" for n, _ in held], [name])
+                    return
 
     def on_wake(self):
         """Sampled by a budget, the steps it sees are not every DEEP_EVERY-th: walk the next graph whole."""
@@ -445,6 +465,8 @@ class LossGraph(Check):
             if len(self._look_seqs) >= 3:
                 self._held_wait = min(max(self._held_wait * 2, step + PARAM_LOOK), HELD_LOOK_MAX)
             self._held_look = step + self._held_wait
+            if not self._params_told:
+                self._outside_params(step)
             self._held_history(step, tensors)
         if self._done:
             return
