@@ -1043,3 +1043,24 @@ def test_the_users_own_saved_tensor_hooks_around_a_model_call_run_from_the_first
     guarded, counts = run(True)
     assert counts == plain_counts and counts[0] > 0
     assert all(torch.equal(a, b) for a, b in zip(plain, guarded))
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_a_detached_optimised_input_through_a_frozen_model_is_a_cut_graph_not_a_frozen_model(scope):
+    """An adversarial patch optimised against a classifier frozen on purpose, pasted with .detach(): the optimizer
+    trains the patch, so the fix is not to unfreeze the model but to keep the patch in the graph."""
+    torch.manual_seed(0)
+    clf = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)).eval().requires_grad_(False)
+    patch = torch.rand(4, requires_grad=True)
+    opt = torch.optim.Adam([patch], lr=0.05)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(*((clf, opt) if scope == "model" else ()), checks=["explain"], live=False) as g:
+            x = torch.rand(8, 16)
+            x[:, :4] = patch.detach()  # the bug
+            loss = F.cross_entropy(clf(x), torch.full((8,), 2))
+            opt.zero_grad()
+            loss.backward()
+    note = _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.details["model_frozen"] is False and "cut from the model's graph" in note
+    assert "requires_grad=False (frozen)" not in note

@@ -769,7 +769,10 @@ class ExplainErrors(Check):
         """``backward()`` (or ``autograd.grad``) on a tensor with no graph: which of the usual causes it is."""
         # under a global guard the models are the outermost modules seen called
         params = [p for m in (self.g.models or self.g.roots) for p in m.parameters()]
-        frozen = bool(params) and not any(p.requires_grad for p in params)
+        # a model frozen on purpose while an optimizer trains something else (style transfer's image, an adversarial
+        # patch, a soft prompt): the loss was cut from that tensor, not from the model
+        trains = any(p.requires_grad for o in self._optimizers(exc) for grp in o.param_groups for p in grp["params"])
+        frozen = bool(params) and not any(p.requires_grad for p in params) and not trains
         # the mode backward() ran under (noted as it raised), else the mode where the exception left the user's code
         grad_off = not getattr(exc, "guard_grad_enabled", torch.is_grad_enabled())
         fn = None
@@ -795,6 +798,22 @@ class ExplainErrors(Check):
                    "torch.tensor(..., requires_grad=True) (that trains nothing).")
         cause = f"{'torch.autograd.grad' if fn else 'backward()'} got a tensor with no autograd graph: {why}"
         return "loss", cause, fix, {"grad_enabled": not grad_off, "model_frozen": frozen}
+
+    def _optimizers(self, exc: BaseException) -> List[Any]:
+        """The optimizers guard knows, else those the raising frames name (a global guard knows an optimizer from
+        its first step; a script failing at its first backward() has stepped none)."""
+        if self.g.optimizers:
+            return list(self.g.optimizers)
+        found: Dict[int, Any] = {}
+        tb = exc.__traceback__
+        while tb is not None:
+            fr = tb.tb_frame
+            if not is_skipped(fr.f_code.co_filename):
+                for v in list(frame_locals(fr).values()) + list(fr.f_globals.values()):
+                    if isinstance(v, torch.optim.Optimizer):
+                        found.setdefault(id(v), v)
+            tb = tb.tb_next
+        return list(found.values())
 
     def _second_backward(self, exc: BaseException) -> Tuple[str, str, str, Dict[str, Any]]:
         """Backward through a freed graph: names the variable or attribute that brought an earlier graph in."""
