@@ -1747,3 +1747,31 @@ def test_an_adam_gradient_spike_the_loss_does_not_show_is_still_an_explosion():
     g = _length_buckets(lambda ps: torch.optim.Adam(ps, lr=1e-3), cliff=True)
     f = only(g, "grad-explosion")
     assert f.step == 15 and "heavier_batch" not in f.details
+
+
+@pytest.mark.parametrize("glob", [False, True])
+def test_a_learnable_tensor_kept_as_a_plain_attribute_is_told_with_the_nn_parameter_fix(glob):
+    """`self.trans = torch.zeros(3, 3, requires_grad=True)` (a CRF's transition matrix) is no nn.Parameter:
+    model.parameters() and so the optimizer miss it, and its gradients pile up."""
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+            self.trans = torch.zeros(3, requires_grad=True)  # the bug
+
+        def forward(self, x):
+            return self.lin(x) + self.trans
+
+    torch.manual_seed(0)
+    m = Tagger()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with guard(None if glob else m, opt, live=False) as g:
+        for _ in range(12):
+            loss = F.cross_entropy(m(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "param-not-in-optimizer")
+    assert f.where == "trans" and f.details["plain_tensor_attribute"] is True and f.step == 1
+    assert "self.trans = nn.Parameter(torch.zeros(3))" in f.hint

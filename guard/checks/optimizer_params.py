@@ -138,6 +138,7 @@ class OptimizerParams(Check):
         # the parameters such a walk found: id -> (parameter ref, its version, its gradient's (ref, version)), step
         self._outside: Optional[Tuple[Dict[int, tuple], int]] = None
         self._outside_told: set = set()
+        self._attrs: Dict[int, str] = {}  # id(tensor) -> the module attribute holding it (a plain tensor to train)
 
     def on_backward(self, tensors, kwargs):
         if self.g.step < self._walk_at:
@@ -157,14 +158,38 @@ class OptimizerParams(Check):
         watched = {id(p) for p in self._params()}
         held = self._held()
         found: Dict[int, tuple] = {}
+        plain: List[torch.Tensor] = []
         for node in walk(roots, Budget(OUTSIDE_NODES)):
             var = getattr(node, "variable", None)
-            if (isinstance(var, nn.Parameter) and var.requires_grad and id(var) not in watched
+            if (isinstance(var, torch.Tensor) and var.requires_grad and id(var) not in watched
                     and id(var) not in held and id(var) not in self._outside_told and len(found) < 256):
+                if not isinstance(var, nn.Parameter):
+                    plain.append(var)  # kept only if a watched module holds it as an attribute (below)
+                    continue
                 g = var.grad
                 found[id(var)] = (weakref.ref(var), var._version, (weakref.ref(g), g._version) if g is not None else None)
+        if plain:
+            attrs = self._tensor_attributes({id(t) for t in plain})
+            for var in plain:
+                if id(var) in attrs:
+                    g = var.grad
+                    found[id(var)] = (weakref.ref(var), var._version,
+                                      (weakref.ref(g), g._version) if g is not None else None)
+            self._attrs.update(attrs)
         if found:
             self._outside = (found, self.g.step)
+
+    def _tensor_attributes(self, ids: set) -> Dict[int, str]:
+        """``{id(tensor): "path.attr"}`` of the tensors among `ids` that a watched module keeps as a plain attribute
+        (``self.bias2 = torch.zeros(3, requires_grad=True)``: no nn.Parameter, so parameters() misses it). Looked up
+        only when a walk met plain leaves that need a gradient."""
+        out: Dict[int, str] = {}
+        for m in self.g.models or self.g.roots:  # (under a global guard: the outermost modules seen called)
+            for path, mod in m.named_modules():
+                for k, v in vars(mod).items():
+                    if isinstance(v, torch.Tensor) and id(v) in ids and not k.startswith("_"):
+                        out[id(v)] = f"{path}.{k}" if path else k
+        return out
 
     def _held(self) -> set:
         opts = list(self.g.optimizers) + self.g.watched.stepping_optimizers()
@@ -198,6 +223,10 @@ class OptimizerParams(Check):
         if not params or any(f.kind in ("loss-disconnected", "module-not-registered") for f in self.g.findings):
             return
         self._outside_told.update(id(p) for p in params)
+        attrs = [p for p in params if id(p) in self._attrs]
+        if attrs:
+            self._tensor_attribute(attrs, step, opts=", ".join(type(o).__name__ for o in self.g.optimizers))
+            return
         names, owner, plain = _outside_names(params)
         prefixes = module_prefixes(names, names, limit=11)
         shown, more = prefixes[:10], len(prefixes) > 10
@@ -220,6 +249,22 @@ class OptimizerParams(Check):
         self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=self.g.source(),
                   details={"modules": shown, "parameters": len(params), "names": names[:20], "appeared_mid_run": False,
                            "outside_watched_models": True, **({"owner": owner} if owner else {})})
+
+    def _tensor_attribute(self, tensors: list, step: int, opts: str) -> None:
+        """A learnable tensor kept as a plain attribute of a module (a tensor with requires_grad=True, not an
+        nn.Parameter): the optimizer built from model.parameters() does not hold it."""
+        names = [self._attrs[id(t)] for t in tensors]
+        attr = names[0].rsplit(".", 1)[-1]
+        shape = list(tensors[0].shape)
+        message = (f"{len(tensors)} tensor(s) a module keeps as a plain attribute with requires_grad=True "
+                   f"({', '.join(f'`{n}`' for n in names[:4])}) get gradients but are no nn.Parameter: "
+                   f"module.parameters() does not list them, so the optimizer ({opts}) does not update them, "
+                   f"state_dict() does not save them and .to(device) does not move them; their gradients pile up")
+        hint = (f"Register it as a parameter in __init__: self.{attr} = nn.Parameter(torch.zeros({', '.join(map(str, shape))})) "
+                f"(or self.register_parameter('{attr}', ...)), then build the optimizer from model.parameters().")
+        self.emit("param-not-in-optimizer", names[0], message, hint, step=step, source=self.g.source(),
+                  details={"modules": names[:10], "parameters": len(tensors), "names": names[:20],
+                           "appeared_mid_run": False, "outside_watched_models": True, "plain_tensor_attribute": True})
 
     def _plain_container(self, params: list, names: List[str], plain: Dict[str, str], step: int, opts: str) -> None:
         """Parameters held in a plain list/dict attribute of a module (not nn.ParameterList/ParameterDict)."""
