@@ -1064,3 +1064,30 @@ def test_a_detached_optimised_input_through_a_frozen_model_is_a_cut_graph_not_a_
     (f,) = _explained(g)
     assert f.details["model_frozen"] is False and "cut from the model's graph" in note
     assert "requires_grad=False (frozen)" not in note
+
+
+def test_a_running_ensemble_of_this_epochs_outputs_is_detached_as_a_whole():
+    """Temporal ensembling: `ep[b] = out.softmax(1)` keeps each batch's graph, and `Z = 0.6 * Z + 0.4 * ep` carries it
+    into the next epoch's targets. Detaching the old Z alone still leaves `ep`'s graphs in the new one: the fix
+    detaches the carried value as it is computed."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(net.parameters(), 2e-3)
+    x = torch.randn(40, 8)
+    Z, zt = torch.zeros(40, 3), torch.zeros(40, 3)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(net, opt, checks=["explain"], live=False) as g:
+            for epoch in range(3):
+                ep = torch.zeros(40, 3)
+                for i in range(0, 40, 20):
+                    out = net(x[i:i + 20])
+                    loss = F.mse_loss(out.softmax(1), zt[i:i + 20])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    ep[i:i + 20] = out.softmax(1)
+                Z = 0.6 * Z + 0.4 * ep
+                zt = Z / (1 - 0.6 ** (epoch + 1))
+    (f,) = _explained(g)
+    assert f.where == "Z" and "Z = (0.6 * Z + 0.4 * ep).detach()" in f.hint and "`ep`" in f.hint, f.hint
+    assert "Z = (0.6 * Z + 0.4 * ep).detach()" in _notes(ei.value)

@@ -858,11 +858,24 @@ class ExplainErrors(Check):
         else:
             cause = (f"`{name}` is carried from one iteration into the next ({line}) still attached to the graph "
                      f"of the iteration before, whose backward() freed it")
-            fix = ("Detach it where it is carried over: "
-                   + (f"{expr} = tuple(s.detach() for s in {expr}) (an LSTM's (h, c))" if how == "tuple"
-                      else f"{expr} = {expr}.detach()")
-                   + " (truncated backpropagation through time), so that each backward() ends at its own step's "
-                     "start.")
+            code = re.search(r"`([^`]*)`", line or "")
+            lhs, _, rhs = (code.group(1) if code else "").partition("=")
+            others = sorted({w for w in re.findall(r"(?<![\w.])([A-Za-z_]\w*)", rhs)
+                             if w != expr and not w.startswith(("torch", "F")) and w not in ("self", "detach")})
+            # (arithmetic only: a call, `h = cell(x, h)`, is a recurrence whose step output must keep its graph)
+            if how != "tuple" and lhs.strip() == expr and rhs.strip() and others and "(" not in rhs:
+                # the update mixes in other tensors (an ensemble of this epoch's outputs, `ep`): detaching the old
+                # value alone leaves their graphs in the new one
+                fix = (f"Detach the carried value as it is computed: {expr} = ({rhs.strip()}).detach(), so that "
+                       f"neither the old value nor {', '.join(f'`{o}`' for o in others[:3])} brings an earlier "
+                       f"iteration's graph into the next step (where those are filled from the model's outputs, "
+                       f"store them detached: out.detach()).")
+            else:
+                fix = ("Detach it where it is carried over: "
+                       + (f"{expr} = tuple(s.detach() for s in {expr}) (an LSTM's (h, c))" if how == "tuple"
+                          else f"{expr} = {expr}.detach()")
+                       + " (truncated backpropagation through time), so that each backward() ends at its own step's "
+                         "start.")
         return name, cause, fix, {"holder": name, **({"carried_at": line} if line else {})}
 
     def _reshaped_leaf(self, got: str, expected: str) -> Tuple[str, str, str, Dict[str, Any]]:
