@@ -30,6 +30,8 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
 
 from .base import Check
 from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
@@ -143,7 +145,7 @@ class TrainInEvalMode(Check):
         trained = {id(p) for m in owners for p in m.parameters()}
         rest = [p for p in model.parameters() if id(p) not in trained]
         ok = bool(rest) and not any(p.requires_grad for p in rest) and not any(
-            isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)) for m in owners)
+            isinstance(m, (_BatchNorm, _DropoutNd)) for m in owners)
         for path in off if ok else ():
             try:
                 parent = model.get_submodule(path.rpartition(".")[0])
