@@ -1192,3 +1192,37 @@ def test_an_optimised_input_made_nan_by_its_update_is_not_dirty_data():
     f = only(g, "nonfinite-input")
     assert f.step == 2 and f.details["optimised_input"] is True
     assert "SGD optimises" in f.message and "dirty" not in f.message and "clamp_min" in f.hint
+
+
+def test_a_module_whose_own_buffer_holds_minus_inf_is_named_with_that_buffer():
+    """A CRF with hard constraints as a -inf buffer: a gold path that takes a forbidden transition scores -inf, and
+    the normaliser minus it is NaN. The module's inputs are finite; its buffer is the cause."""
+
+    class CRF(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trans = nn.Parameter(torch.zeros(3, 3))
+            c = torch.zeros(3, 3)
+            c[0, 2] = float("-inf")  # tag 0 may not be followed by tag 2
+            self.register_buffer("constraint", c)
+
+        def forward(self, emissions, tags):
+            t = self.trans + self.constraint
+            gold = (emissions.gather(1, tags[:, None]).sum() + t[tags[:-1], tags[1:]].sum())
+            alpha = emissions[0]
+            for e in emissions[1:]:
+                alpha = torch.logsumexp(alpha[:, None] + t, 0) + e
+            return torch.logsumexp(alpha, 0) - gold
+
+    torch.manual_seed(0)
+    enc, crf = nn.Linear(4, 3), CRF()
+    opt = torch.optim.SGD([*enc.parameters(), *crf.parameters()], lr=0.1)
+    model = nn.ModuleDict({"enc": enc, "crf": crf})
+    with guard(model, opt, live=False) as g:
+        tags = torch.tensor([0, 2, 1, 1])  # noisy gold: 0 -> 2 is forbidden
+        loss = model["crf"](model["enc"](torch.randn(4, 4)), tags)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-output")
+    assert f.where == "crf" and f.details["nonfinite_buffers"] == ["constraint"] and "-1e4" in f.hint

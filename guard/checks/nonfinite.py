@@ -765,6 +765,18 @@ class NonFinite(Check):
                                "only_neg_inf": True, "nonfinite_params": []})
             return True
         huge = self._huge_weights(module) if module is not None and not bad_params else []
+        inf_buffers = []
+        if module is not None and not bad_params and not huge:
+            # (read when reporting only) a buffer of the module's own holding +-inf: a hard constraint (forbidden CRF
+            # transitions) that a path the data takes meets, where -inf - -inf or 0 * -inf makes NaN
+            inf_buffers = [n for n, b in module.named_buffers() if screenable(b) and not bool(torch.isfinite(b).all())]
+        if inf_buffers:
+            why = (f"its inputs were finite, but its buffer {', '.join(f'`{n}`' for n in inf_buffers[:3])} holds "
+                   f"-inf/inf (a hard constraint, such as forbidden CRF transitions): a path the data takes meets it, "
+                   f"and -inf - -inf or 0 * -inf is NaN")
+            hint = ("Use a large finite value for forbidden entries (-1e4 rather than -inf), or check that the gold "
+                    "sequences respect the constraints (a noisy label that takes a forbidden transition); a "
+                    "logsumexp over rows that are all -inf is -inf, and its difference with itself NaN.")
         if huge:
             # The standard layers inside are not screened one by one: their weights say which one overflowed.
             owners = list(dict.fromkeys(owner for _, _, owner in huge))
@@ -785,7 +797,8 @@ class NonFinite(Check):
                   step=call.step, source=call.source,
                   details={"module": call.type, "counts": out_counts, "input_stats": in_stats,
                            "output_stats": out_stats, "nonfinite_params": bad_params,
-                           **({"huge_weights": {n: v for n, v, _ in huge[:20]}} if huge else {})})
+                           **({"huge_weights": {n: v for n, v, _ in huge[:20]}} if huge else {}),
+                           **({"nonfinite_buffers": inf_buffers[:20]} if inf_buffers else {})})
         return True
 
     def _report_inner_loss(self, call: _Call, counts: Dict[str, Any]) -> None:
