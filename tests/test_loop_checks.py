@@ -2187,3 +2187,25 @@ def test_an_ema_teacher_guard_does_not_watch_updated_with_autograd_on_is_named_b
         assert [(f.kind, f.where) for f in g.findings] == [("loss-graph-retained", "teacher")]
         assert g.findings[0].details["parameters_with_history"] is True
         assert g.findings[0].details["parameters"][0] == "teacher.0.weight"
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_validation_through_a_frozen_backbone_before_a_trained_prompt_is_an_evaluation(fixed):
+    """Prompt tuning: no optimizer trains the backbone, but every training step back-propagates through it to the
+    prompt. Validation forwards of it outside no_grad build (and a list keeps) that graph for nothing."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2)).requires_grad_(False)
+    prompt = nn.Parameter(torch.zeros(8))
+    opt = torch.optim.Adam([prompt], lr=1e-2)
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    with guard(backbone, opt, live=False) as g:
+        for _ in range(4):
+            for i in range(0, 64, 16):
+                loss = F.cross_entropy(backbone(x[i:i + 16] + prompt), y[i:i + 16])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with (torch.no_grad() if fixed else contextlib.nullcontext()):
+                val = [F.cross_entropy(backbone(x[j:j + 8] + prompt), y[j:j + 8]) for j in range(0, 64, 8)]
+            torch.stack(val).mean().item()
+    assert kinds(g) == ([] if fixed else ["eval-without-no-grad"]), g.findings

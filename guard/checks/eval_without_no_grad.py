@@ -107,6 +107,7 @@ class EvalWithoutNoGrad(Check):
         self._first_bn = WeakIdMap()  # root model -> weak reference to its first BatchNorm (or to nothing)
         self._streak: Dict[Tuple[int, bool, Optional[str]], int] = {}  # call site -> back-propagated in a row
         self._tick = 0  # forwards of trusted call sites
+        self._on_path = WeakIdMap()  # models some backward() ran through (a frozen backbone before a trained prompt)
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if is_root:
@@ -186,6 +187,9 @@ class EvalWithoutNoGrad(Check):
         for rec in self._pending:
             if rec.used:
                 streak[rec.site] = streak.get(rec.site, 0) + 1
+                m = rec.module() if rec.module is not None else None
+                if m is not None and id(m) not in self._on_path.data:
+                    self._on_path[m] = True
                 continue
             rec.age += 1
             if rec.alive() and rec.age <= GRACE:
@@ -302,7 +306,9 @@ class EvalWithoutNoGrad(Check):
                 continue
             ok = verdict.get(id(m))
             if ok is None:
-                ok = verdict[id(m)] = any(id(p) in trained for p in m.parameters())
+                # or frozen but on the training's gradient path (back-propagated through at a training step: a
+                # backbone before a trained soft prompt), so its graph is the training's graph, built for nothing
+                ok = verdict[id(m)] = any(id(p) in trained for p in m.parameters()) or id(m) in self._on_path.data
             if ok:
                 keep.append(r)
         return keep
