@@ -1091,3 +1091,25 @@ def test_a_running_ensemble_of_this_epochs_outputs_is_detached_as_a_whole():
     (f,) = _explained(g)
     assert f.where == "Z" and "Z = (0.6 * Z + 0.4 * ep).detach()" in f.hint and "`ep`" in f.hint, f.hint
     assert "Z = (0.6 * Z + 0.4 * ep).detach()" in _notes(ei.value)
+
+
+def test_an_optimised_input_saved_by_an_earlier_steps_graph_is_told_as_a_carried_graph():
+    """A forward hook keeps a term of every step in a list never cleared, and backward(retain_graph=True) runs
+    through them again: the graph of step 0 saved the optimised input, which Adam has changed since."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).requires_grad_(False)
+    feats = []
+    net[0].register_forward_hook(lambda m, i, o: feats.append(i[0].pow(2).mean()))
+    x = torch.randn(4, 8, requires_grad=True)
+    opt = torch.optim.Adam([x], lr=0.05)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(net, opt, checks=["explain"], live=False) as g:
+            for _ in range(3):
+                loss = F.cross_entropy(net(x), torch.tensor([0, 1, 2, 0])) + 0.1 * sum(feats)
+                opt.zero_grad()
+                loss.backward(retain_graph=True)
+                opt.step()
+    (f,) = _explained(g)
+    assert f.details["saved_at_step"] == 0 and f.details["weight"] is False
+    assert "an input the optimizer updates" in f.message and "retain_graph" in f.hint and ".clone()" not in f.hint
+    assert "earlier step" in _notes(ei.value)

@@ -368,6 +368,8 @@ class ExplainErrors(Check):
             made = f"output {t.output_nr} of {type(fn).__name__}" if fn is not None else None
             # A weight or a view of one (Linear saves ``weight.t()``): an update changes it between steps.
             param = t if isinstance(t, nn.Parameter) else t._base if isinstance(t._base, nn.Parameter) else None
+            if param is None and t.is_leaf and t.requires_grad:
+                param = t  # a plain leaf an optimizer may update (an optimised image or input)
             return (t.detach(), t._version, self._module_of_frame(sys._getframe(1)), made, self.g.step, param)
         except Exception:  # e.g. no version counter: keep PyTorch's own handling for this tensor
             return t.detach()
@@ -383,6 +385,7 @@ class ExplainErrors(Check):
                              "saved_version": version, "version": now, "step": self.g.step}
             if param is not None and step < self.g.step:
                 self._inplace["saved_at_step"] = step  # a weight an update changed since: an earlier step's graph
+                self._inplace["weight"] = isinstance(param, nn.Parameter)
             elif param is not None:
                 # a weight changed between this step's forward and its backward (a renormalisation placed there)
                 self._inplace["parameter"] = self.g.param_name(param)
@@ -545,7 +548,9 @@ class ExplainErrors(Check):
             if info and "saved_at_step" in info:
                 # A weight saved by an earlier step's forward, updated by optimizer.step() since: this backward runs
                 # through that step's graph (a hidden state carried over without detach, kept with retain_graph).
-                cause += (f": it is a weight of `{path}` saved by step {info['saved_at_step']}'s forward and updated "
+                what = (f"a weight of `{path}`" if info.get("weight", True) else
+                        f"a leaf tensor that requires grad (an input the optimizer updates), taken by `{path}`")
+                cause += (f": it is {what} saved by step {info['saved_at_step']}'s forward and updated "
                           f"by optimizer.step() since, so this backward() runs through the graph of an earlier step "
                           f"(a tensor carried across steps without .detach(): an RNN's hidden state, an external "
                           f"memory, a running sum)")
