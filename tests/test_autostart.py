@@ -235,3 +235,33 @@ def test_a_single_layer_held_by_a_scripts_variable_is_named_by_it(tmp_path):
     dump = json.loads((tmp_path / "guard-report.json").read_text())
     found = [(f["kind"], f["where"]) for f in dump["findings"]]
     assert found == [("param-not-in-optimizer", "h1")], found
+
+
+EMA_TEACHER = """
+import copy, torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+student = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+teacher = copy.deepcopy(student).requires_grad_(False)
+opt = torch.optim.SGD(student.parameters(), lr=0.05)
+x, y = torch.randn(64, 10), torch.randint(0, 3, (64,))
+for it in range(20):
+    with torch.no_grad():
+        t = teacher(x).softmax(1)
+    s = student(x)
+    loss = F.cross_entropy(s, y) + F.mse_loss(s.softmax(1), t)
+    opt.zero_grad(); loss.backward(); opt.step()
+    for tp, sp in zip(teacher.parameters(), student.parameters()):
+        tp.mul_(0.99).add_(0.01 * sp)  # no torch.no_grad()
+"""
+
+
+def test_an_ema_teacher_called_first_under_a_global_guard_is_named_by_its_variable(tmp_path):
+    """The teacher is the first model called, so its paths are `0`, `2`: read alone they look like the student's
+    layers. The finding names the variable, `teacher`."""
+    (tmp_path / "train.py").write_text(EMA_TEACHER)
+    r = _run(["train.py"], tmp_path, TORCH_GUARD="record")
+    assert r.returncode == 0, r.stderr
+    dump = json.loads((tmp_path / "guard-report.json").read_text())
+    found = [(f["kind"], f["where"]) for f in dump["findings"]]
+    assert found == [("loss-graph-retained", "teacher")], found
+    assert dump["findings"][0]["details"]["parameters"][0] == "teacher.0.weight"

@@ -411,7 +411,26 @@ class LossGraph(Check):
         ids = {id(p) for p in held}
         named = self.g.named_parameters()
         names = [n for n, p in named if id(p) in ids]
+        own = self._variable_of(held)  # a model your code's variable holds (`teacher`): named by it
+        if own is not None:
+            var, module = own
+            names = [f"{var}.{n}" for n, p in module.named_parameters() if id(p) in ids] or names
+            self._report_params(step, held, names, [var])
+            return
         self._report_params(step, held, names, module_prefixes(names, [n for n, _ in named], limit=6))
+
+    def _variable_of(self, held: List[torch.Tensor]) -> Optional[Tuple[str, torch.nn.Module]]:
+        """(variable, module) of the user's variable bound to a module that holds all of `held` (an EMA teacher
+        under a global guard, whose paths alone, `0` and `3`, read like the student's layers); None if none."""
+        ids = {id(p) for p in held}
+        scopes, _ = _user_scopes()
+        for _, scope in scopes:
+            for name, value in list(scope.items()):
+                if isinstance(value, torch.nn.Module) and not name.startswith("_"):
+                    mine = {id(p) for _, p in zip(range(4096), value.parameters())}
+                    if ids <= mine and len(mine) < 4 * len(ids) + 8:  # the module itself, not a model around it
+                        return name, value
+        return None
 
     def _report_params(self, step: int, held: List[torch.Tensor], names: List[str], prefixes: List[str]) -> None:
         self._params_told = True
