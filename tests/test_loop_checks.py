@@ -1267,6 +1267,7 @@ def test_a_train_mode_forward_thrown_away_once_per_epoch_is_told_when_it_recurs(
     [f] = g.findings
     assert f.kind == "eval-without-no-grad" and f.details["dropped_at_once"] is True
     assert f.details["forwards"] == 3 and "dropped at once" in f.message and "torch.no_grad()" in f.hint
+    assert f.step == 4  # told at the third epoch's end, from the first: after epoch 0's four steps
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.SparseAdam, torch.optim.SGD])

@@ -104,6 +104,7 @@ class EvalWithoutNoGrad(Check):
         self._done = False
         self._backwards = self._backwards_at_call = 0  # backward() calls seen, and at the last root call's start
         self._drops: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> training-mode graphs dropped at once
+        self._drop_first: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> the step of the first of them
         self._first_bn = WeakIdMap()  # root model -> weak reference to its first BatchNorm (or to nothing)
         self._streak: Dict[Tuple[int, bool, Optional[str]], int] = {}  # call site -> back-propagated in a row
         self._tick = 0  # forwards of trusted call sites
@@ -348,8 +349,10 @@ class EvalWithoutNoGrad(Check):
         for r in unused:
             if r.short and not r.eval_mode:
                 drops[(r.path, r.source)] = drops.get((r.path, r.source), 0) + 1
+                self._drop_first.setdefault((r.path, r.source), r.step)
         if len(drops) > 256:
             drops.clear()
+            self._drop_first.clear()
         unused = self._trained([r for r in unused if r.eval_mode or not r.short
                                 or drops.get((r.path, r.source), 0) >= MIN_DROPPED])
         if not unused:
@@ -409,5 +412,7 @@ class EvalWithoutNoGrad(Check):
                        f"torch.no_grad() {waste}{mem}")
             hint = ("Run evaluation under `with torch.no_grad():` (or `torch.inference_mode()`), and call "
                     "model.eval() first; this saves the activation memory and time.")
-        self.emit("eval-without-no-grad", first.path, message, hint, step=first.step, source=first.source,
+        # dropped graphs are told once they recur: from the step of the first of them
+        step = min(first.step, self._drop_first.get((first.path, first.source), first.step)) if dropped else first.step
+        self.emit("eval-without-no-grad", first.path, message, hint, step=step, source=first.source,
                   details=details)
