@@ -1098,3 +1098,27 @@ def test_a_placeholder_zero_loss_for_a_batch_with_nothing_to_learn_is_not_discon
                 loss.backward()
                 opt.step()
         assert kinds(g) == ([] if placeholder else ["loss-disconnected"]), g.findings
+
+
+@pytest.mark.parametrize("as_param", [False, True])
+@pytest.mark.parametrize("cleared", [False, True])
+def test_an_input_optimised_by_hand_whose_grad_is_never_cleared(as_param, cleared):
+    """Gradient ascent on a perturbation written by hand (DeepDream, a universal perturbation), no optimizer: without
+    `delta.grad = None` each update follows the sum of every gradient so far."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).requires_grad_(False)
+    x = torch.rand(4, 16)
+    delta = nn.Parameter(torch.zeros(1, 16)) if as_param else torch.zeros(1, 16, requires_grad=True)
+    with guard(live=False) as g:
+        for _ in range(8):
+            loss = net(x + delta).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                delta += 0.01 * delta.grad / (delta.grad.norm() + 1e-8)
+                if cleared:
+                    delta.grad = None
+    if cleared:
+        assert g.findings == []
+    else:
+        [f] = only(g, "missing-zero-grad")
+        assert f.where == "delta" and f.details["input"] is True and "delta.grad = None" in f.hint

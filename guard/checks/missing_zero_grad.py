@@ -39,9 +39,10 @@ from .base import Check
 from .._weak import WeakIdMap
 
 
-def _input_leaf(t: torch.Tensor) -> Optional[torch.Tensor]:
+def _input_leaf(t: torch.Tensor, params_ok: bool = False) -> Optional[torch.Tensor]:
     """The leaf tensor that requires grad behind a model input: the input itself, or one a few ops up (`x + delta`,
-    `(x + delta).clamp(0, 1)`); None when a parameter is met first (the input is another model's output)."""
+    `(x + delta).clamp(0, 1)`); None when a parameter is met first (the input is another model's output), unless
+    `params_ok` (a perturbation kept as an nn.Parameter)."""
     if t.grad_fn is None:
         return t
     frontier, found = [t.grad_fn], None
@@ -53,7 +54,7 @@ def _input_leaf(t: torch.Tensor) -> Optional[torch.Tensor]:
                     continue
                 var = getattr(child, "variable", None)
                 if var is not None:
-                    if isinstance(var, nn.Parameter):
+                    if isinstance(var, nn.Parameter) and not params_ok:
                         return None
                     found = found if found is not None else var
                 else:
@@ -122,12 +123,21 @@ class MissingZeroGrad(Check):
         self._input_source: Optional[str] = None
         self._polluted: Optional[Tuple[int, Optional[str], Optional[str]]] = None
         self._input_told = False
+        self._hand_input: Optional[weakref.ref] = None  # the latest model call's input leaf that requires grad
 
     # ------------------------------------------------------------------ input gradients taken with backward()
     def watches(self, module) -> bool:
         return False  # model calls (roots) only
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if is_root and not self._manual_told and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad \
+                and not self.g.has_optimizer:
+            # an input optimised by hand (DeepDream's image, a universal perturbation), no optimizer: its .grad is
+            # looked after like a parameter's (`_manual_after`)
+            leaf = _input_leaf(args[0], params_ok=True)
+            ok = leaf is not None and leaf.is_leaf and not (
+                isinstance(leaf, nn.Parameter) and any(leaf is q for q in module.parameters()))
+            self._hand_input = weakref.ref(leaf) if ok else None
         if not is_root or self._input_told:
             return
         leaf = None
@@ -298,7 +308,8 @@ class MissingZeroGrad(Check):
         if self._manual_told or self.g.has_optimizer:
             return []
         out = []
-        for _, p in self.g.named_parameters()[:64]:
+        leaf = self._hand_input() if self._hand_input is not None else None
+        for p in ([leaf] if leaf is not None else []) + [p for _, p in self.g.named_parameters()[:64]]:
             if not p.is_leaf:
                 continue  # a frozen weight updated in place with autograd on: no .grad to read (torch warns)
             g = p.grad
@@ -335,6 +346,18 @@ class MissingZeroGrad(Check):
                       "perturbation from the first backward's gradients, before the second backward().",
                       step=step, source=src, details={"parameters": names, "optimizer": name,
                                                       "changed_in_between": True})
+            return
+        model_params = {id(q) for _, q in self.g.named_parameters()}
+        if not any(id(p) in model_params for p in stale):
+            # an input optimised by hand (gradient ascent on an image, a universal perturbation): its own .grad
+            self.emit("missing-zero-grad", names[0],
+                      f"`{names[0]}`, an input updated by hand from its gradient after each backward(), keeps that "
+                      f"gradient: nothing clears `{names[0]}.grad`, so each backward() adds onto all earlier ones and "
+                      f"every update follows the sum of every gradient so far",
+                      f"Clear it after each update, inside the `with torch.no_grad():` block: {names[0]}.grad = None "
+                      f"(or {names[0]}.grad.zero_()); or take the gradient with torch.autograd.grad(loss, {names[0]}), "
+                      f"which does not accumulate.",
+                      step=step, source=src, details={"parameters": names, "optimizer": None, "input": True})
             return
         self.emit("missing-zero-grad", "parameters (no optimizer)",
                   f"the parameters were updated by hand after the last backward(), but their gradients were not "
