@@ -34,6 +34,31 @@ RATIO = 3.0
 MARGIN = 1.0
 
 
+_NORMS = ("LinalgVectorNormBackward0", "NormBackward1", "NormBackward0")
+_WALK = 40  # graph nodes looked at behind the logits
+
+
+def _cosine_logits(x: torch.Tensor) -> bool:
+    """Whether the logits are scaled cosines (a margin-softmax head: ArcFace, CosFace, NormFace): within a few
+    operations of the logits, both the features and the class weights were L2-normalised (two norm nodes)."""
+    fn = x.grad_fn
+    if fn is None:
+        return False
+    todo, seen, norms = [fn], {id(fn)}, 0
+    while todo and len(seen) <= _WALK:
+        node = todo.pop()
+        if type(node).__name__ in _NORMS:
+            norms += 1
+            if norms >= 2:
+                return True
+            continue
+        for child, _ in getattr(node, "next_functions", ()):
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                todo.append(child)
+    return False
+
+
 class InitLossHigh(Check):
     name = "init-loss-high"
     kinds = {"init-loss-high": ("info", "the first steps' cross-entropy is far above log(C)")}
@@ -63,6 +88,8 @@ class InitLossHigh(Check):
         c = x.shape[1] if x.dim() >= 2 else x.shape[0]
         if c < 2:
             return
+        if _cosine_logits(x):
+            return  # a margin softmax (ArcFace, CosFace): s * cos(theta + m) starts far above log(C) by design
         src = self.g.source()
         self.g.stage(result.detach().float().reshape(()), lambda v, c=c, src=src: self._vals.append((v, c, src)))
 
