@@ -902,3 +902,35 @@ def test_grads_all_zero_is_the_whole_training_stopping_not_a_finished_phase(main
     else:
         f = only(g, "grads-all-zero")
         assert f.step == 10 and "training has stopped" in f.message
+
+
+@pytest.mark.parametrize("case", ["warm-up", "dead"])
+def test_zero_gradients_a_backward_reaches_beside_a_training_optimizer_are_judged_when_they_end(case):
+    """Center loss weighted 0 for a warm-up: the centers' own optimizer gets exact zeros for 8 steps, then signal:
+    it was waiting. A decoder behind a clamp its output has passed gets zeros to the end while the codes' optimizer
+    trains: that part stopped learning, told as the run ends."""
+    torch.manual_seed(0)
+    net = nn.Linear(8, 3)
+    centers = nn.Parameter(torch.randn(3, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD([centers], lr=0.5)
+    with guard([net], [opt, opt_c], live=False) as g:
+        for step in range(16):
+            y = torch.randint(0, 3, (16,))
+            f = net(torch.randn(16, 8))
+            if case == "warm-up":
+                lam = 0.0 if step < 8 else 0.01
+                loss = F.cross_entropy(f, y) + lam * (f - centers[y]).pow(2).sum(1).mean()
+            else:
+                loss = F.cross_entropy(f, y) + (centers[y] + 5.0).clamp(max=0.1).sum() * 0.0 + \
+                    (centers[y] * 0 + 1).clamp(max=0.5).sum()  # the clamp passes no gradient
+            opt.zero_grad()
+            opt_c.zero_grad()
+            loss.backward()
+            opt.step()
+            opt_c.step()
+    if case == "warm-up":
+        assert "grads-all-zero" not in kinds(g), g.findings
+    else:
+        f = only(g, "grads-all-zero")
+        assert f.step == 0 and f.details["beside_training"] is True and "to the end of the run" in f.message

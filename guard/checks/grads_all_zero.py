@@ -27,10 +27,12 @@ STEPS = 5  # consecutive steps with all-zero gradients before reporting
 
 
 class _Run:
-    __slots__ = ("count", "since", "last", "source")
+    __slots__ = ("count", "since", "last", "source", "beside", "n")
 
     def __init__(self) -> None:
         self.count, self.since, self.last, self.source = 0, 0, -1, None
+        self.beside = False  # the run's steps had another optimizer training: judged when the run ends
+        self.n = 0
 
 
 class GradsAllZero(Check):
@@ -44,6 +46,7 @@ class GradsAllZero(Check):
         self._runs = WeakIdMap()  # optimizer -> _Run
         self._zeros: list = []  # (optimizer ref, step, source, parameters) of this step's zero totals
         self._trains = False  # whether an optimizer's gradients were not all zero in this step
+        self._grad_seen = WeakIdMap()  # optimizer -> (its first gradient, that gradient's version) at the last look
 
     def on_step_pre(self, optimizer):
         if not self.sampling:
@@ -86,34 +89,51 @@ class GradsAllZero(Check):
         # cannot change at all (loss-constant: cross_entropy over one class), which is the bug.
         idle = (entry.get("loss") == 0.0 and entry.get("step") == zeros[0][1]
                 and not any(f.kind == "loss-constant" for f in self.g.findings))
-        # Another optimizer's gradients carry signal: training goes on. This one's part no longer gets any (a
-        # domain head whose phase ended, stepped over zeroed gradients): no stop (weight decay or momentum moving
-        # it without a gradient is weight-decay-without-grad's).
-        idle = idle or trains
         for oref, step, source, n in zeros:
             opt = oref()
             run = self._runs.data.get(id(opt)) if opt is not None else None
             if run is None:
                 continue
-            if idle:
+            # Another optimizer's gradients carry signal: training goes on. This one's part, when no backward
+            # reached it (a domain head whose phase ended, stepped over gradients zeroed in place), is no stop;
+            # one a backward reached with zeros (a decoder behind a saturated clamp) has stopped learning.
+            if idle or (trains and not self._reached(opt)):
                 self._break(run)
                 continue
             if run.count and step != run.last + 1:
                 run.count = 0  # steps every=N left out lie between: a pattern of its period is no run
             if run.count == 0:
-                run.since, run.source = step, source
+                run.since, run.source, run.beside = step, source, False
                 self.follow(True)  # under every=N, see the run's steps one by one
             run.count += 1
-            run.last = step
-            if run.count >= STEPS:
+            run.last, run.n = step, n
+            run.beside = run.beside or trains
+            if run.count >= STEPS and not run.beside:
                 self._report(opt, run, n)
+
+    def _reached(self, opt) -> bool:
+        """Whether a backward wrote the gradient of `opt`'s first parameter since the last look: a new tensor, or
+        the same one changed more than once (zero_grad(set_to_none=False) zeroes it in place: one change)."""
+        g = next((p.grad for grp in opt.param_groups for p in grp["params"] if p.grad is not None), None)
+        if g is None:
+            return False
+        last = self._grad_seen.data.get(id(opt))
+        self._grad_seen[opt] = (weakref.ref(g), g._version)
+        return last is None or last[0]() is not g or g._version - last[1] >= 2
+
+    def on_exit(self):
+        # A part that got only zero gradients while another optimizer trained, to the end of the run: dead (a
+        # decoder behind a saturated clamp). One whose zeros ended was waiting (a loss term weighted 0 for a warm-up).
+        for opt, run in list(self._runs.items()):
+            if run.beside and run.count >= STEPS:
+                self._report(opt, run, run.n, to_end=True)
 
     def _break(self, run: _Run) -> None:
         if run.count:
             run.count = 0
             self.follow(any(r.count for r in self._runs.values()))
 
-    def _report(self, opt, run: _Run, n: int) -> None:
+    def _report(self, opt, run: _Run, n: int, to_end: bool = False) -> None:
         cause = next((f for f in self.g.findings if f.kind == "loss-constant"), None)
         because = (f" because the loss is constant ({cause.source or cause.where}: {cause.details.get('why', '')})"
                    if cause is not None else "")
@@ -128,15 +148,18 @@ class GradsAllZero(Check):
                 "The loss no longer depends on the parameters: look for detach()/.item()/argmax/round in the "
                 "loss path, a loss multiplied by 0 or a constant, cross_entropy over a single class, dead ReLUs "
                 "or saturated outputs.")
+        stopped = ("training has stopped" if not to_end else
+                   "that part of the model stopped learning, to the end of the run, while the other optimizer(s) "
+                   "trained the rest")
         self.emit("grads-all-zero", "loss",
                   f"every gradient of the {n} parameter(s) {type(opt).__name__} updates {what} for "
-                  f"{run.count} steps since step {run.since}{because}: training has stopped",
+                  f"{run.count} steps since step {run.since}{because}: {stopped}",
                   (cause.hint if cause is not None else hint),
                   step=run.since, seen=self.g.step, source=run.source,
                   details={"optimizer": type(opt).__name__, "steps": run.count, "parameters": n,
                            "cause": cause.kind if cause is not None else None,
                            "cause_source": cause.source if cause is not None else None,
-                           **({"underflow": True} if tiny else {})})
+                           **({"underflow": True} if tiny else {}), **({"beside_training": True} if to_end else {})})
 
 
 def _nonzero(opt) -> bool:
