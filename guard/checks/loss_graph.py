@@ -29,7 +29,7 @@ import time
 import tokenize
 import types
 import weakref
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -71,6 +71,17 @@ def _user_scopes() -> Tuple[List[Tuple[Any, Dict[str, Any]]], List[Any]]:
             seen_scopes.add(id(fr.f_globals))
             scopes.append((fr, fr.f_globals))
     return scopes, frames
+
+
+def _user_modules() -> Iterator[Tuple[str, torch.nn.Module]]:
+    """(variable, module) of the modules the user's frames hold, each once (report-time and rare looks only)."""
+    seen: Set[int] = set()
+    scopes, _ = _user_scopes()
+    for _, scope in scopes:
+        for name, value in list(scope.items()):
+            if isinstance(value, torch.nn.Module) and not name.startswith("_") and id(value) not in seen:
+                seen.add(id(value))
+                yield name, value
 
 
 def _torch_object(value: Any) -> bool:
@@ -423,13 +434,10 @@ class LossGraph(Check):
         """(variable, module) of the user's variable bound to a module that holds all of `held` (an EMA teacher
         under a global guard, whose paths alone, `0` and `3`, read like the student's layers); None if none."""
         ids = {id(p) for p in held}
-        scopes, _ = _user_scopes()
-        for _, scope in scopes:
-            for name, value in list(scope.items()):
-                if isinstance(value, torch.nn.Module) and not name.startswith("_"):
-                    mine = {id(p) for _, p in zip(range(4096), value.parameters())}
-                    if ids <= mine and len(mine) < 4 * len(ids) + 8:  # the module itself, not a model around it
-                        return name, value
+        for name, value in _user_modules():
+            mine = {id(p) for _, p in zip(range(4096), value.parameters())}
+            if ids <= mine and len(mine) < 4 * len(ids) + 8:  # the module itself, not a model around it
+                return name, value
         return None
 
     def _report_params(self, step: int, held: List[torch.Tensor], names: List[str], prefixes: List[str]) -> None:
@@ -453,19 +461,14 @@ class LossGraph(Check):
         """The parameter look for modules guard does not watch, held by the user's variables: an EMA teacher beside
         the student given to guard, updated in place with autograd on (at the user-variable looks: rare)."""
         watched = {id(m) for m in self.g.models}
-        scopes, _ = _user_scopes()
-        seen: Set[int] = set()
-        for _, scope in scopes:
-            for name, value in list(scope.items()):
-                if (not isinstance(value, torch.nn.Module) or id(value) in watched or id(value) in seen
-                        or name.startswith("_")):
-                    continue
-                seen.add(id(value))
-                held = [(n, p) for _, (n, p) in zip(range(256), value.named_parameters())
-                        if p.grad_fn is not None and isinstance(p, torch.nn.Parameter)]
-                if held:
-                    self._report_params(step, [p for _, p in held], [f"{name}.{n}" for n, _ in held], [name])
-                    return
+        for name, value in _user_modules():
+            if id(value) in watched:
+                continue
+            held = [(n, p) for _, (n, p) in zip(range(256), value.named_parameters())
+                    if p.grad_fn is not None and isinstance(p, torch.nn.Parameter)]
+            if held:
+                self._report_params(step, [p for _, p in held], [f"{name}.{n}" for n, _ in held], [name])
+                return
 
     def on_wake(self):
         """Sampled by a budget, the steps it sees are not every DEEP_EVERY-th: walk the next graph whole."""
