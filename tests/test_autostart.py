@@ -213,6 +213,14 @@ def test_the_programs_own_excepthook_is_left_alone(tmp_path):
     assert r.returncode == 1 and "own hook: RuntimeError" in r.stderr and "Traceback" not in r.stderr
 
 
+def _recorded(tmp_path, script: str) -> dict:
+    """The dump of `script` run as train.py under TORCH_GUARD=record (it must exit 0)."""
+    (tmp_path / "train.py").write_text(script)
+    r = _run(["train.py"], tmp_path, TORCH_GUARD="record")
+    assert r.returncode == 0, r.stderr
+    return json.loads((tmp_path / "guard-report.json").read_text())
+
+
 TWO_HEADS = """
 import torch, torch.nn as nn, torch.nn.functional as F
 torch.manual_seed(0)
@@ -229,10 +237,7 @@ for it in range(6):
 def test_a_single_layer_held_by_a_scripts_variable_is_named_by_it(tmp_path):
     """TARNet-style heads h0, h1 (each one nn.Linear) under TORCH_GUARD=1: the head left out of the optimizer is
     `h1`, not a bare `weight` that any single layer's parameters would be called."""
-    (tmp_path / "train.py").write_text(TWO_HEADS)
-    r = _run(["train.py"], tmp_path, TORCH_GUARD="record")
-    assert r.returncode == 0, r.stderr
-    dump = json.loads((tmp_path / "guard-report.json").read_text())
+    dump = _recorded(tmp_path, TWO_HEADS)
     found = [(f["kind"], f["where"]) for f in dump["findings"]]
     assert found == [("param-not-in-optimizer", "h1")], found
 
@@ -258,10 +263,7 @@ for it in range(20):
 def test_an_ema_teacher_called_first_under_a_global_guard_is_named_by_its_variable(tmp_path):
     """The teacher is the first model called, so its paths are `0`, `2`: read alone they look like the student's
     layers. The finding names the variable, `teacher`."""
-    (tmp_path / "train.py").write_text(EMA_TEACHER)
-    r = _run(["train.py"], tmp_path, TORCH_GUARD="record")
-    assert r.returncode == 0, r.stderr
-    dump = json.loads((tmp_path / "guard-report.json").read_text())
+    dump = _recorded(tmp_path, EMA_TEACHER)
     found = [(f["kind"], f["where"]) for f in dump["findings"]]
     assert found == [("loss-graph-retained", "teacher")], found
     assert dump["findings"][0]["details"]["parameters"][0] == "teacher.0.weight"

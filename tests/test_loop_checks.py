@@ -36,6 +36,19 @@ def batches(n=4):
     return [(torch.randn(8, 8), torch.randn(8, 1)) for _ in range(n)]
 
 
+def _bn_model():
+    """A small regression model with a BatchNorm, its SGD and one batch."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), batches(1)[0]
+
+
+def _train(model, opt, x, y, steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 # --------------------------------------------------------------------------- loss-graph-retained
 
 def test_loss_graph_demo_names_total_loss_and_twin_is_clean():
@@ -788,14 +801,9 @@ def test_batchnorm_reestimation_with_the_usual_momentum_is_judged_by_what_it_lea
     """BN re-estimation after training (reset_running_stats(), forwards in train mode under no_grad) with
     momentum 0.1: over 10 batches 35% of the reset values (mean 0, variance 1) stay in the statistics; over 60,
     0.2%: nothing to tell. Judged when training resumes."""
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = batches(1)[0]
+    model, opt, (x, y) = _bn_model()
     with guard(model, opt, live=False) as g:
-        for _ in range(4):
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            opt.step()
+        _train(model, opt, x, y, 4)
         model[1].reset_running_stats()
         with torch.no_grad():
             for _ in range(n):
@@ -817,14 +825,9 @@ def test_batchnorm_reestimation_with_the_usual_momentum_is_judged_by_what_it_lea
 def test_an_evaluation_in_train_mode_after_a_proper_reestimation_is_still_told_as_one():
     """Reset, re-estimated with momentum=None (the recipe), momentum restored, then evaluated without .eval():
     that last call is the evaluation bug, not part of the re-estimation."""
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = batches(1)[0]
+    model, opt, (x, y) = _bn_model()
     with guard(model, opt, live=False) as g:
-        for _ in range(4):
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            opt.step()
+        _train(model, opt, x, y, 4)
         model[1].reset_running_stats()
         model[1].momentum = None
         with torch.no_grad():
