@@ -1775,3 +1775,36 @@ def test_a_learnable_tensor_kept_as_a_plain_attribute_is_told_with_the_nn_parame
     f = only(g, "param-not-in-optimizer")
     assert f.where == "trans" and f.details["plain_tensor_attribute"] is True and f.step == 1
     assert "self.trans = nn.Parameter(torch.zeros(3))" in f.hint
+
+
+def test_an_optimizer_over_a_model_built_again_is_told_as_training_a_copy():
+    """`opt = SGD(model.parameters())`, then `model = Net()` (or a deep copy) and the loop trains the new one: the
+    loss reaches only tensors shaped one-for-one like the optimizer's. The finding says the optimizer trains a copy,
+    with the rebuild-the-optimizer fix; a new head left out of the optimizer keeps the left-out wording."""
+    def net():
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = net()  # the bug: built again after the optimizer
+    with guard(model, opt, live=False) as g:
+        for _ in range(4):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    (f,) = [f for f in g.findings if f.kind == "loss-disconnected"]
+    assert f.step == 0 and f.details.get("model_copy") is True and "rebound_input" not in f.details
+    assert "SGD trains a copy of the model" in f.message
+    assert "optimizer = torch.optim.SGD(model.parameters(), ...)" in f.hint
+    body = net()
+    head = nn.Linear(16, 2)  # a head that alone computes the loss, never handed to the optimizer
+    opt = torch.optim.SGD(body.parameters(), lr=0.1)
+    with guard(head, opt, live=False) as g:
+        for _ in range(4):
+            opt.zero_grad()
+            nn.functional.cross_entropy(head(torch.randn(32, 16)), y).backward()
+            opt.step()
+    (f,) = [f for f in g.findings if f.kind == "loss-disconnected"]
+    assert "model_copy" not in f.details and "left out when the optimizer was built" in f.message

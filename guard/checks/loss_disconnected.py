@@ -243,8 +243,11 @@ class LossDisconnected(Check):
             k = ks.pop() if len(ks) == 1 else 0
             stacked = (not copies and k >= 2 and len(live) * k == len(held)
                        and sorted(tuple(l.shape[1:]) for l, _ in live for _ in range(k)) == held)
-            inputs = copies and not stacked and self._inputs_optimized()
-            self._emit(optimizer, descr, src, step, shape, copies or stacked, stacked, inputs)
+            inputs = (copies and not stacked and not all(isinstance(l, nn.Parameter) for l, _ in live)
+                      and self._inputs_optimized())
+            # every tensor the optimizer holds has its double on the loss's path: a copy of the whole model
+            whole = copies and sorted(tuple(l.shape) for l, _ in live) == held
+            self._emit(optimizer, descr, src, step, shape, copies or stacked, stacked, inputs, whole)
             self._done = True  # a code property: reported once, then no more walks
             return
 
@@ -277,7 +280,7 @@ class LossDisconnected(Check):
                            "model_not_called": True})
 
     def _emit(self, optimizer, descr: List[str], src: Optional[str], step: int, shape: List[int],
-              copies: bool = False, stacked: bool = False, inputs: bool = False) -> None:
+              copies: bool = False, stacked: bool = False, inputs: bool = False, whole: bool = False) -> None:
         opt = type(optimizer).__name__
         if not descr:
             reaches = "nothing that requires a gradient"
@@ -287,7 +290,10 @@ class LossDisconnected(Check):
                        "then given requires_grad_()), cut off from the model")
         elif all(d.startswith("a parameter") for d in descr):
             reaches = (f"only {len(descr)} parameter(s) that no optimizer holds: {'; '.join(descr[:4])}"
-                       + (" ..." if len(descr) > 4 else "") + " (left out when the optimizer was built)")
+                       + (" ..." if len(descr) > 4 else "")
+                       + (f" (each shaped like one {opt} holds, which are other tensors: {opt} trains a copy of the "
+                          f"model, deep-copied or built again after {opt} was built, while the loss is computed with "
+                          f"the other one)" if whole else " (left out when the optimizer was built)"))
         elif stacked:
             reaches = (f"only {len(descr)} leaf tensor(s) that stack tensors shaped like {opt}'s parameters along a "
                        f"first dimension: {'; '.join(descr[:4])}" + (" ..." if len(descr) > 4 else "")
@@ -317,7 +323,12 @@ class LossDisconnected(Check):
                 ".numpy() or .data on the way, no torch.tensor(..., requires_grad=True) around the loss, and no "
                 "torch.no_grad() (or @torch.no_grad() on the function computing it) followed by "
                 "loss.requires_grad_(); use loss.item() only for logging.")
-        if all(d.startswith("a parameter") for d in descr):
+        if whole and all(d.startswith("a parameter") for d in descr):
+            hint = (f"Build the optimizer over the model the loss is computed with, after its last re-assignment: "
+                    f"optimizer = torch.optim.{opt}(model.parameters(), ...). A copy kept aside (a best checkpoint, an "
+                    f"EMA model) takes the trained weights by copy (ema.load_state_dict(model.state_dict())); it does "
+                    f"not get the optimizer.")
+        elif all(d.startswith("a parameter") for d in descr):
             hint = ("Hand them to the optimizer: torch.optim.X([*params_to_train], ...) or "
                     "optimizer.add_param_group({'params': [...]}); an optimizer over frozen parameters only trains "
                     "nothing. Build the optimizer after the model is final: parameters replaced after it was built "
@@ -338,4 +349,5 @@ class LossDisconnected(Check):
         self.emit("loss-disconnected", "loss", message, hint, step=step, source=src,
                   details={"reaches": descr[:MAX_LEAVES], "optimizer": opt, "loss_shape": shape,
                            **({"stacked_copies": True} if stacked else {}),
+                           **({"model_copy": True} if whole and all(d.startswith("a parameter") for d in descr) else {}),
                            **({"rebound_input": True} if inputs else {})})
