@@ -94,3 +94,34 @@ def test_a_converged_full_batch_adam_fit_is_silent():
             loss = F.poisson_nll_loss(model(x).squeeze(-1), y)
             opt.zero_grad(); loss.backward(); opt.step()
     assert g.findings == []  # (before the relative floor: loss-constant at step 165, gradient norm ~2e-4)
+
+
+def _regress(target, module_loss=False, steps=6):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    crit = nn.SmoothL1Loss()
+    with guard(model, opt, live=False) as g:
+        for _ in range(steps):
+            opt.zero_grad()
+            pred = model(x)
+            (crit if module_loss else F.mse_loss)(pred, target(pred, y)).backward()
+            opt.step()
+    return g
+
+
+def test_a_distance_between_the_prediction_and_itself_is_a_constant_loss():
+    """`mse_loss(pred, pred)` (the target argument mistyped) or `pred.detach()` as the target: identically 0, every
+    gradient 0. Told at the loss line, at step 0, with the pass-the-target fix; grads-all-zero names it as its cause."""
+    g = _regress(lambda pred, y: pred)
+    f = next(f for f in g.findings if f.kind == "loss-constant")
+    assert (f.severity, f.where, f.step) == ("error", "loss", 0)
+    assert "mse_loss(input, target) was given the same tensor" in f.message and "F.mse_loss(pred, y)" in f.hint
+    assert f.source.startswith("tests/test_identical_loss.py:")
+    g = _regress(lambda pred, y: pred.detach(), module_loss=True)
+    f = next(f for f in g.findings if f.kind == "loss-constant")
+    assert f.details["loss"] == "smooth_l1_loss" and "a view of the same data" in f.message
+    # the real target, a detached copy of another output, a shifted prediction: silent
+    for target in (lambda pred, y: y, lambda pred, y: (pred * 0.9).detach(), lambda pred, y: pred.detach()[1:].repeat(2, 1)[:32]):
+        assert _regress(target).findings == []

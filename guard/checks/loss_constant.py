@@ -47,14 +47,21 @@ def _coarse(v: float) -> bool:
         return False
 
 
+#: losses that are 0 whenever input and target are equal (they compare the two element by element)
+_DISTANCES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss")
+
+
 class LossConstant(Check):
     name = "loss-constant"
     costly = True  # sampled under a budget: a property of the code, seen on any step it runs
     kinds = {"loss-constant": ("error", "the loss cannot change, e.g. cross_entropy over a single class (C = 1) "
                                         "is identically 0")}
-    description = ("a loss that cannot change: cross_entropy over a single class (C = 1) is identically 0; a loss "
+    description = ("a loss that cannot change: cross_entropy over a single class (C = 1) is identically 0, and so is a "
+                   "distance between a prediction and itself (mse_loss(pred, pred)); a loss "
                    "bit-identical for 8 steps while its gradients are not zero (a DPO reference that is the policy)")
-    patches = {"cross_entropy": "torch.nn.functional.cross_entropy"}
+    patches = {"cross_entropy": "torch.nn.functional.cross_entropy",
+               # shared with loss-shape-broadcast (one wrapper per function): a distance between a tensor and itself
+               **{f"shape_{fn}": f"torch.nn.functional.{fn}" for fn in _DISTANCES}}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -124,3 +131,36 @@ class LossConstant(Check):
                   "(nn.Linear(..., C)) and keep cross_entropy.",
                   source=self.g.source(), details={"loss": "cross_entropy", "input_shape": shape, "classes": 1,
                                                    "why": "cross_entropy over a single class (C = 1)"})
+
+    def _itself(self, fn: str, args: tuple, kwargs: dict) -> None:
+        """A distance whose target is the input's own data (`mse_loss(pred, pred)`, `pred.detach()` as the target)."""
+        if self._done:
+            return
+        x = args[0] if args else kwargs.get("input")
+        t = args[1] if len(args) > 1 else kwargs.get("target")
+        if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor) or not x.requires_grad:
+            return
+        if t is not x and (x.is_meta or x.dtype != t.dtype or x.shape != t.shape or x.stride() != t.stride()
+                           or x.device != t.device or x.data_ptr() != t.data_ptr()):
+            return
+        self._done = True
+        shape = list(x.shape)
+        same = "the same tensor" if t is x else "a view of the same data (the input's .detach() or a copy-free view)"
+        why = f"{fn}(input, target) was given {same} as input and target"
+        self.emit("loss-constant", "loss",
+                  f"{why} (shape {shape}): a tensor compared with itself is identically 0, and so is every gradient: "
+                  f"the model cannot learn",
+                  f"Pass the target as the second argument: F.{fn}(pred, y) (or the loss module's loss_fn(pred, y)), "
+                  f"with y the labels or values the model should predict, not its own output.",
+                  source=self.g.source(), details={"loss": fn, "input_shape": shape, "why": f"{fn} of a tensor and itself"})
+
+
+def _handler(fn: str):
+    def on_call(self, args: tuple, kwargs: dict) -> None:
+        self._itself(fn, args, kwargs)
+    on_call.__name__ = f"on_shape_{fn}"
+    return on_call
+
+
+for _fn in _DISTANCES:
+    setattr(LossConstant, f"on_shape_{_fn}", _handler(_fn))
