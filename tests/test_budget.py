@@ -405,3 +405,20 @@ def test_a_short_run_still_says_its_cost_and_over_how_many_steps():
             step()
     line = _summary_line(g)
     assert line.startswith("guard cost ") and "% of step time (over " in line and "first steps" in line
+
+
+def test_a_run_over_its_budget_says_so_at_exit_even_without_findings(capsys):
+    """A tiny model's steps are so short that the checks that never skip one cost more than any budget: the exit
+    summary is printed though nothing was found, and the cost line says the budget was not kept, and why."""
+    m, opt, step = model_and_step(width=4)
+    with guard(m, opt, live=True, budget=0.01) as g:
+        for _ in range(40):
+            step()
+    err = capsys.readouterr().err
+    assert g.findings == [] and "guard: 0 finding(s) in 40 step(s)" in err
+    assert "over the budget of 1%: the checks that never skip a step" in err and "ms steps" in err
+    m, opt, step = model_and_step()
+    with guard(m, opt, live=True, budget=1.0):  # kept: no summary for a clean run
+        for _ in range(40):
+            step()
+    assert capsys.readouterr().err == ""

@@ -86,7 +86,7 @@ class LiveConsole:
             path = path if path is not None else getattr(record, "report_path", None)
             record = build_record(record)
         findings = record.sorted_findings()
-        if not findings and not path:
+        if not findings and not path and not _over_budget(record):
             return
         head = f"guard: {len(findings)} finding(s) in {record.steps} step(s)"
         if self._tty():
@@ -130,7 +130,20 @@ def _cost_line(record: Any) -> str:
     if cost.get("sampled_checks"):
         line += (f" (budget {cost['budget'] * 100:g}%: {', '.join(cost['sampled_checks'])} sampled, "
                  f"every {cost['max_period']} steps at most)")
+    if _over_budget(record):
+        rest = (cost["step_seconds"] - cost["guard_seconds"]) / n * 1e3
+        line += (f"; over the budget of {cost['budget'] * 100:g}%: the checks that never skip a step (NaN/Inf, AMP, "
+                 f"the one-time events) cost more than that next to this model's {rest:.2g} ms steps")
     return line
+
+
+def _over_budget(record: Any) -> bool:
+    """Whether a budget was set and the run's measured overhead stayed above it (over enough steps to say)."""
+    cost = getattr(record, "cost", None)
+    cost = (cost() if callable(cost) else cost) or {}
+    ov, budget = cost.get("overhead"), cost.get("budget")
+    return (ov is not None and budget is not None and ov > budget
+            and (cost.get("steps_measured", 0) or 0) >= MIN_COST_STEPS and bool(cost.get("step_seconds")))
 
 
 def render_plain(f: Finding) -> str:
