@@ -2213,3 +2213,62 @@ def test_validation_through_a_frozen_backbone_before_a_trained_prompt_is_an_eval
                 val = [F.cross_entropy(backbone(x[j:j + 8] + prompt), y[j:j + 8]) for j in range(0, 64, 8)]
             torch.stack(val).mean().item()
     assert kinds(g) == ([] if fixed else ["eval-without-no-grad"]), g.findings
+
+
+class _Seq2Seq(nn.Module):
+    """A decoder model whose inference goes through its own methods, not through ``model(...)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.drop = nn.Embedding(12, 16), nn.Dropout(0.3)
+        self.enc, self.dec, self.out = nn.GRU(16, 16, batch_first=True), nn.GRU(16, 16, batch_first=True), nn.Linear(16, 12)
+
+    def encode(self, src):
+        return self.enc(self.drop(self.emb(src)))[1]
+
+    def step(self, tok, h):
+        o, h = self.dec(self.drop(self.emb(tok)), h)
+        return self.out(o[:, -1]), h
+
+    def forward(self, src, tgt):
+        o, _ = self.dec(self.drop(self.emb(tgt)), self.encode(src))
+        return self.out(o)
+
+
+@torch.no_grad()
+def _greedy(m, src):
+    h = m.encode(src)  # the decoding starts here
+    tok = torch.zeros(src.size(0), 1, dtype=torch.long)
+    for _ in range(3):
+        logits, h = m.step(tok, h)
+        tok = logits.argmax(-1, keepdim=True)
+    return tok
+
+
+@pytest.mark.parametrize("every", [6, 1])
+@pytest.mark.parametrize("with_eval", [False, True])
+def test_decoding_through_the_models_own_methods_in_training_mode(with_eval, every):
+    """A greedy decoder under no_grad calls `m.encode`, `m.step`, never `m(...)`: with `m.eval()` forgotten its
+    Dropout runs in training mode; told at the model, at the decoder's line. `m.eval()` first, or a decode at every
+    training step (part of the training algorithm, as scheduled sampling), stays silent."""
+    torch.manual_seed(0)
+    m = _Seq2Seq()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    with guard(m, opt, live=False) as g:
+        for i in range(14):
+            src = torch.randint(1, 12, (8, 4))
+            loss = F.cross_entropy(m(src, src).reshape(-1, 12), src.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i % every == every - 1:
+                if with_eval:
+                    m.eval()
+                _greedy(m, src)
+                m.train()
+    if with_eval or every == 1:
+        assert g.findings == []
+        return
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("eval-in-train-mode", "_Seq2Seq", 6)
+    assert f.source == line_of(_greedy.__wrapped__, "h = m.encode(src)") and f.details["modules"] == ["drop"]

@@ -47,6 +47,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 from torch.optim.swa_utils import AveragedModel
 
+from torch.nn.modules.dropout import _DropoutNd
+
+from .._frames import short_path
 from ..tensors import iter_tensors
 from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
 from .base import Check
@@ -64,6 +67,7 @@ _TORCH_OPTIM = os.path.dirname(os.path.abspath(torch.optim.__file__)) + os.sep  
 _GUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MODULE_FILES = (os.path.abspath(nn.modules.module.__file__),)
 _CONTEXTLIB = os.path.abspath(contextlib.__file__)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _recalibrating(m: nn.Module) -> bool:
@@ -108,6 +112,33 @@ def _from_torch_optim() -> bool:
             return True
         f = f.f_back
     return False
+
+
+def _dropout_module(frame: Any) -> Optional[nn.Module]:
+    """The ``nn.Dropout`` whose forward called the patched ``F.dropout`` (torch's own frame above guard's), or None."""
+    f = frame
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_GUARD_DIR):
+        f = f.f_back
+    me = f.f_locals.get("self") if f is not None and f.f_code.co_name == "forward" else None
+    return me if isinstance(me, _DropoutNd) else None
+
+
+def _caller_outside(frame: Any) -> Optional[str]:
+    """``file:line`` of the first frame of the user's code that is not a module's method (the decoding loop calling
+    ``m.encode(src)``)."""
+    f = frame
+    while f is not None:
+        co = f.f_code
+        fn = os.path.abspath(co.co_filename)
+        if not (fn.startswith(_GUARD_DIR) or fn.startswith(_TORCH_DIR) or fn == _CONTEXTLIB):
+            first = co.co_varnames[0] if co.co_argcount else None
+            me = f.f_locals.get(first) if first else None
+            # (a function taking the model first, `def greedy(m, src)`, is the loop's helper, not a method of it)
+            if not (isinstance(me, nn.Module) and (first == "self" or getattr(
+                    getattr(type(me), co.co_name, None), "__code__", None) is co)):
+                return f"{short_path(co.co_filename)}:{f.f_lineno}"
+        f = f.f_back
+    return None
 
 
 class EvalInTrainMode(Check):
@@ -169,18 +200,45 @@ class EvalInTrainMode(Check):
         # BatchNorm -> [step of its reset_running_stats() after training began, no_grad train-mode calls since,
         # then (model ref, model path, its name, the first such call's line)]: statistics re-estimated on purpose
         self._reset = WeakIdMap()
+        # root calls under way (id -> depth), and the trained model holding each dropout seen outside them (or False)
+        self._in_call: Dict[int, int] = {}
+        self._holder = WeakIdMap()
 
     def _f_dropout(self, args: tuple, kwargs: dict) -> None:
         # Every dropout call of a training forward comes here (nn.Dropout's too): one test for the usual ones.
-        if (args[2] if len(args) > 2 else kwargs.get("training")) is True and self._fdrop is None \
+        if (args[2] if len(args) > 2 else kwargs.get("training")) is True \
                 and not torch.is_grad_enabled() and (args[1] if len(args) > 1 else kwargs.get("p", 0.5)):
-            site = dropout_site(sys._getframe())
-            if site is not None and site[2]:
-                self._fdrop = site[:2]
+            frame = sys._getframe()
+            site = None
+            if self._fdrop is None:
+                site = dropout_site(frame)
+                if site is not None and site[2]:
+                    self._fdrop = site[:2]
+            if self._trained.data:
+                self._parts_call(frame, site)
+
+    def _parts_call(self, frame: Any, site: Optional[tuple]) -> None:
+        """A dropout running in training mode under no_grad outside every call of the trained model that holds it:
+        the model's own methods (a greedy decoder's ``m.encode(src)``, ``m.step(tok, h)``) or its parts called one by
+        one. An evaluation of that model, judged like a call of it."""
+        drop = _dropout_module(frame) or (site[0] if site is not None else None)
+        if drop is None:
+            return
+        model = self._holder.data.get(id(drop))
+        if model is None:
+            model = next((m for m in self._trained if any(x is drop for x in m.modules())), None)
+            self._holder[drop] = model = weakref.ref(model) if model is not None else False  # (it holds the dropout)
+        model = model() if isinstance(model, weakref.ref) else model
+        if not model or id(model) in self._in_call or not model.training or model in self._reported \
+                or model in self._pending or getattr(model, OPT_OUT, False):
+            return
+        self._evaluation(model, self.g.path_of(model), None, _caller_outside(frame))
 
     on_f_dropout = on_f_dropout1d = on_f_dropout2d = on_f_dropout3d = _f_dropout
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
+        if is_root:
+            self._in_call[id(module)] = self._in_call.get(id(module), 0) + 1
         # a model's first call, under no_grad, with lazy modules not sized yet: the documented dry run
         if is_root and not torch.is_grad_enabled() and id(module) not in self._called.data:
             self._called.add(module)
@@ -191,6 +249,9 @@ class EvalInTrainMode(Check):
         if not is_root:
             self._frozen_call(module, path, output)
             return
+        n = self._in_call.pop(id(module), 0)
+        if n > 1:
+            self._in_call[id(module)] = n - 1
         if self._frozen_seen:
             self._judge_frozen()
         dry, self._dry = self._dry, None
@@ -217,6 +278,11 @@ class EvalInTrainMode(Check):
             return  # (dry: the call that sized its lazy modules, `with torch.no_grad(): model(dummy)`)
         if not module.training:
             return  # model.eval() was called: layers in train mode under it were switched back on purpose (MC dropout)
+        self._evaluation(module, path, fdrop, self.g.root_source)
+
+    def _evaluation(self, module, path: str, fdrop: Optional[tuple], source: Optional[str]) -> None:
+        """A no_grad call of `module` (in training mode) from `source`: deferred as an evaluation if any of its
+        Dropout/BatchNorm layers (or a functional dropout, `fdrop`) runs in training mode."""
         mods = self._mods.get(module)
         if mods is None:
             mods = self._mods[module] = mode_sensitive(module)
@@ -243,7 +309,7 @@ class EvalInTrainMode(Check):
             return  # e.g. torch.optim.swa_utils.update_bn recomputes BatchNorm statistics in train mode on purpose
         if self._optimizer_in_eval():
             return  # schedule-free: BatchNorm statistics recomputed at the averaged weights (optimizer.eval())
-        info = (self.g.step, self.g.root_source, [n for n, _ in training], [t for _, t in training],
+        info = (self.g.step, source, [n for n, _ in training], [t for _, t in training],
                 torch.is_inference_mode_enabled())
         self._defer(module, path, info)
 
