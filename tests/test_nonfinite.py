@@ -1226,3 +1226,57 @@ def test_a_module_whose_own_buffer_holds_minus_inf_is_named_with_that_buffer():
         opt.step()
     f = only(g, "nonfinite-output")
     assert f.where == "crf" and f.details["nonfinite_buffers"] == ["constraint"] and "-1e4" in f.hint
+
+
+class _Distances(nn.Module):
+    """Pairwise distances with +inf on the diagonal (self-pairs excluded by design)."""
+
+    def forward(self, pos):
+        eye = torch.eye(pos.shape[1], dtype=torch.bool)
+        r2 = ((pos[:, :, None] - pos[:, None]) ** 2).sum(-1).masked_fill(eye, 1.0)
+        return r2.sqrt().masked_fill(eye, float("inf"))
+
+
+class _PairEnergy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dist = _Distances()
+        self.register_buffer("mu", torch.linspace(0, 4, 8))
+        self.pair = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 1))
+
+    def forward(self, pos):
+        rbf = torch.exp(-(self.dist(pos)[..., None] - self.mu) ** 2)  # exp(-inf) = 0: the self-pairs drop out
+        return self.pair(rbf).squeeze(-1).sum((1, 2))
+
+
+@pytest.mark.parametrize("nan_in_eval", [False, True])
+def test_an_evaluation_whose_model_output_is_finite_handled_its_layers_inf(nan_in_eval):
+    """A layer that returns +inf by design, turned into zeros downstream: silent on training steps, and now in the
+    evaluations between epochs and after the last step too (the model's outputs are finite). An evaluation fed NaN
+    is still told."""
+    torch.manual_seed(0)
+    pos, model = torch.randn(32, 5, 3), _PairEnergy()
+    energy = (pos ** 2).sum((1, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            p = pos[:8].clone()
+            if nan_in_eval:
+                p[0, 0, 0] = float("nan")  # dirty evaluation data: this evaluation's output is NaN
+            F.mse_loss(model(p), energy[:8]).item()
+        model.train()
+
+    with guard(model, opt, live=False) as g:
+        for epoch in range(2):
+            for idx in torch.arange(32).split(8):
+                loss = F.mse_loss(model(pos[idx]), energy[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            evaluate() if not nan_in_eval or epoch == 1 else None
+    if not nan_in_eval:
+        assert g.findings == []
+    else:
+        assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 8)]
