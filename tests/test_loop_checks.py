@@ -2272,3 +2272,39 @@ def test_decoding_through_the_models_own_methods_in_training_mode(with_eval, eve
     (f,) = g.findings
     assert (f.kind, f.where, f.step) == ("eval-in-train-mode", "_Seq2Seq", 6)
     assert f.source == line_of(_greedy.__wrapped__, "h = m.encode(src)") and f.details["modules"] == ["drop"]
+
+
+def _mining(evaluate):
+    """Threshold hard-example mining: the forward shows which samples are hard, and a batch with none is skipped
+    (its graph dropped) in runs scattered over the epoch. With `evaluate`, a validation pass outside no_grad from
+    its own line follows."""
+    torch.manual_seed(0)
+    x = torch.randn(800, 10)
+    y = x[:, :3].argmax(1)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    skipped = 0
+    with guard(model, opt, live=False) as g:
+        for epoch in range(2):
+            for i in range(0, 800, 8):
+                per = F.cross_entropy(model(x[i:i + 8]), y[i:i + 8], reduction="none")
+                hard = per > 1.2
+                if not hard.any():
+                    skipped += 1
+                    continue
+                opt.zero_grad()
+                per[hard].mean().backward()
+                opt.step()
+            if evaluate:
+                sum(F.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).item() for i in range(0, 64, 8))  # the bug
+    return g, skipped
+
+
+def test_batches_skipped_after_the_forward_are_no_evaluation():
+    """Runs of batches skipped on what their forward showed, between backwards of the same line: silent. An
+    evaluation outside no_grad elsewhere in the loop is still told."""
+    g, skipped = _mining(False)
+    assert skipped >= 10 and g.findings == []
+    g, _ = _mining(True)
+    (f,) = g.findings
+    assert f.kind == "eval-without-no-grad" and f.source == line_of(_mining, "# the bug")

@@ -109,6 +109,9 @@ class EvalWithoutNoGrad(Check):
         self._streak: Dict[Tuple[int, bool, Optional[str]], int] = {}  # call site -> back-propagated in a row
         self._tick = 0  # forwards of trusted call sites
         self._on_path = WeakIdMap()  # models some backward() ran through (a frozen backbone before a trained prompt)
+        # call site -> [its forwards back-propagated (tagged ones), separate runs of its forwards dropped at once,
+        # the backward() count before the last dropped one]: a site that trains and skips in many places
+        self._skips: Dict[Any, List[Any]] = {}
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if is_root:
@@ -188,6 +191,10 @@ class EvalWithoutNoGrad(Check):
         for rec in self._pending:
             if rec.used:
                 streak[rec.site] = streak.get(rec.site, 0) + 1
+                ent = self._skips.get(rec.site)
+                if ent is None:
+                    ent = self._skips[rec.site] = [0, 0, None]
+                ent[0] += 1
                 m = rec.module() if rec.module is not None else None
                 if m is not None and id(m) not in self._on_path.data:
                     self._on_path[m] = True
@@ -346,15 +353,31 @@ class EvalWithoutNoGrad(Check):
             # finding is their cause
             unused = [r for r in unused if r.eval_mode]
         drops = self._drops  # counted over the run: once per epoch recurs as surely as thrice in a step
+        runs: Dict[Any, int] = {}  # (site, backward() calls before them) -> forwards dropped at once
         for r in unused:
             if r.short and not r.eval_mode:
                 drops[(r.path, r.source)] = drops.get((r.path, r.source), 0) + 1
                 self._drop_first.setdefault((r.path, r.source), r.step)
+                runs[(r.site, r.backwards)] = runs.get((r.site, r.backwards), 0) + 1
         if len(drops) > 256:
             drops.clear()
             self._drop_first.clear()
-        unused = self._trained([r for r in unused if r.eval_mode or not r.short
-                                or drops.get((r.path, r.source), 0) >= MIN_DROPPED])
+        # A training line whose forwards are also back-propagated, dropped in two or more separate runs between its
+        # backwards: batches skipped on what the forward showed (`if not hard.any(): continue` in hard-example mining,
+        # a batch without a pair), known only after computing it; so is its last forward, skipped and still held by
+        # the loop's variable at the end. (An evaluation from that same line is then not told apart from them.)
+        skips = self._skips
+        if len(skips) > 256:
+            skips.clear()
+        for site, b in runs:
+            ent = skips.get(site)
+            if ent is None:
+                ent = skips[site] = [0, 0, None]
+            if ent[2] != b:
+                ent[1], ent[2] = ent[1] + 1, b
+        unused = self._trained([r for r in unused if r.eval_mode or (
+            (not r.short or drops.get((r.path, r.source), 0) >= MIN_DROPPED)
+            and not ((ent := skips.get(r.site)) and ent[0] and ent[1] >= 2))])
         if not unused:
             return
         self._done = True
