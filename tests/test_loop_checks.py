@@ -2308,3 +2308,35 @@ def test_batches_skipped_after_the_forward_are_no_evaluation():
     g, _ = _mining(True)
     (f,) = g.findings
     assert f.kind == "eval-without-no-grad" and f.source == line_of(_mining, "# the bug")
+
+
+def _recalibrate(model):
+    model.train()
+    with torch.no_grad():
+        for _ in range(10):
+            model(torch.randn(16, 8) * 2 + 1)
+
+
+def _evaluate(model):
+    with torch.no_grad():
+        for _ in range(10):
+            model(torch.randn(16, 8) * 2 + 1)
+
+
+@pytest.mark.parametrize("layer", ["batchnorm", "dropout"])
+def test_a_no_grad_pass_right_after_model_train_is_deliberate(layer):
+    """`model.train()` just before a no_grad loop: BatchNorm statistics re-estimated on a new domain with the default
+    momentum (AdaBN, recalibration after pruning), or Monte Carlo dropout sampling. Silent. The same loop with no
+    `.train()` above it (an evaluation that forgot `model.eval()`) is told."""
+    for after in (_recalibrate, _evaluate):
+        torch.manual_seed(0)
+        norm = nn.BatchNorm1d(16) if layer == "batchnorm" else nn.Dropout(0.2)
+        model = nn.Sequential(nn.Linear(8, 16), norm, nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with guard(model, opt, live=False) as g:
+            for x, y in batches(4):
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            after(model)
+        assert kinds(g) == ([] if after is _recalibrate else ["eval-in-train-mode"]), (after, g.findings)

@@ -36,7 +36,9 @@ Dropout/BatchNorm modules is computed once per model; nothing per inner module.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
+import re
 import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -49,7 +51,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from torch.nn.modules.dropout import _DropoutNd
 
-from .._frames import short_path
+from .._frames import is_skipped, short_path
 from ..tensors import iter_tensors
 from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
 from .base import Check
@@ -141,6 +143,39 @@ def _caller_outside(frame: Any) -> Optional[str]:
     return None
 
 
+_TRAIN_CALL = re.compile(r"\.train\(\s*(True|mode\s*=\s*True)?\s*\)")
+_TRAINING = ("backward(", ".step(")
+LOOK_BACK = 8  # lines above a no_grad model call searched for the `model.train()` that set its mode on purpose
+
+
+def _train_called_before(frame: Any) -> bool:
+    """Whether the user's code calls ``.train()`` just before this model call (its line or the `LOOK_BACK` lines
+    above it, in its function or in the caller's), with no training step in between: ``model.train()`` then a
+    no_grad loop re-estimating BatchNorm statistics, or sampling with Monte Carlo dropout."""
+    for _ in range(2):
+        while frame is not None and is_skipped(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is None:
+            return False
+        co, at = frame.f_code, frame.f_lineno
+        indent = None  # the least indentation so far: a line indented deeper sits in a block closed before the call
+        for n in range(at, max(co.co_firstlineno, at - LOOK_BACK) - 1, -1):
+            raw = linecache.getline(co.co_filename, n)
+            line = raw.split("#")[0]
+            if not line.strip():
+                continue
+            depth = len(raw) - len(raw.lstrip())
+            if any(s in line for s in _TRAINING):
+                return False
+            if indent is not None and depth > indent:
+                continue  # (an `if` branch above the call may not have run)
+            indent = depth
+            if _TRAIN_CALL.search(line):
+                return True
+        frame = frame.f_back
+    return False
+
+
 class EvalInTrainMode(Check):
     name = "eval-in-train-mode"
     kinds = {
@@ -202,6 +237,7 @@ class EvalInTrainMode(Check):
         self._reset = WeakIdMap()
         # root calls under way (id -> depth), and the trained model holding each dropout seen outside them (or False)
         self._in_call: Dict[int, int] = {}
+        self._deliberate: Dict[Optional[str], bool] = {}  # call line -> whether a `.train()` comes just before it
         self._holder = WeakIdMap()
 
     def _f_dropout(self, args: tuple, kwargs: dict) -> None:
@@ -232,7 +268,9 @@ class EvalInTrainMode(Check):
         if not model or id(model) in self._in_call or not model.training or model in self._reported \
                 or model in self._pending or getattr(model, OPT_OUT, False):
             return
-        self._evaluation(model, self.g.path_of(model), None, _caller_outside(frame))
+        source = _caller_outside(frame)
+        if not self._set_by_hand(source):
+            self._evaluation(model, self.g.path_of(model), None, source)
 
     on_f_dropout = on_f_dropout1d = on_f_dropout2d = on_f_dropout3d = _f_dropout
 
@@ -278,7 +316,18 @@ class EvalInTrainMode(Check):
             return  # (dry: the call that sized its lazy modules, `with torch.no_grad(): model(dummy)`)
         if not module.training:
             return  # model.eval() was called: layers in train mode under it were switched back on purpose (MC dropout)
+        if self._set_by_hand(self.g.root_source):
+            return  # model.train() just before: the train mode is this pass's purpose
         self._evaluation(module, path, fdrop, self.g.root_source)
+
+    def _set_by_hand(self, source: Optional[str]) -> bool:
+        """Whether the call from `source` follows a `.train()` in the user's code (decided once per line)."""
+        v = self._deliberate.get(source)
+        if v is None:
+            if len(self._deliberate) > 256:
+                self._deliberate.clear()
+            v = self._deliberate[source] = _train_called_before(sys._getframe(2))
+        return v
 
     def _evaluation(self, module, path: str, fdrop: Optional[tuple], source: Optional[str]) -> None:
         """A no_grad call of `module` (in training mode) from `source`: deferred as an evaluation if any of its
