@@ -267,3 +267,38 @@ def test_an_ema_teacher_called_first_under_a_global_guard_is_named_by_its_variab
     found = [(f["kind"], f["where"]) for f in dump["findings"]]
     assert found == [("loss-graph-retained", "teacher")], found
     assert dump["findings"][0]["details"]["parameters"][0] == "teacher.0.weight"
+
+
+SLOW_SECOND_OPTIMIZER = """
+import torch, torch.nn as nn
+torch.manual_seed(0)
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k = nn.Parameter(torch.tensor(1.0))
+        self.net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    def forward(self, x):
+        return -self.k * x + self.net(x)
+x = torch.randn(64, 1); a = -2.0 * x - 0.5 * x ** 3
+m = Model()
+opt_nn = torch.optim.Adam(m.net.parameters(), lr=3e-3)
+opt_phys = torch.optim.SGD([m.k], lr=0.05)  # PHYS
+for it in range(LAST):
+    loss = ((m(x) - a) ** 2).mean()
+    opt_nn.zero_grad(); opt_phys.zero_grad(); loss.backward()
+    opt_nn.step()
+    if it % 20 == 19:
+        opt_phys.step()
+"""
+
+
+@pytest.mark.parametrize("phys", ["held", "left out"])
+def test_a_second_optimizer_that_steps_every_20_steps_holds_its_parameters(tmp_path, phys):
+    """A hybrid physics + network fit: the physical constant `k` has its own optimizer, built before the loop and
+    stepped every 20 steps. A global guard knows that optimizer only at its first step; the parameter is not "in no
+    optimizer" before it. Left out of every optimizer, it is still told."""
+    script = SLOW_SECOND_OPTIMIZER.replace("LAST", "40")
+    if phys == "left out":
+        script = script.replace("opt_phys = torch.optim.SGD([m.k], lr=0.05)  # PHYS", "opt_phys = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)")
+    found = [(f["kind"], f["where"]) for f in _recorded(tmp_path, script)["findings"]]
+    assert found == ([] if phys == "held" else [("param-not-in-optimizer", "k")]), found

@@ -329,6 +329,11 @@ class OptimizerParams(Check):
         versions, step, source = self._cand
         still = set(self._missing_names())
         named = dict(self.g.named_parameters())
+        if still:
+            # an optimizer the user's code holds that has not stepped yet (physical constants stepped every 20 steps
+            # beside the network's optimizer): a global guard knows an optimizer from its first step only
+            waiting = {id(q) for o in frame_optimizers() for grp in o.param_groups for q in grp["params"]}
+            still = {n for n in still if n not in named or id(named[n]) not in waiting}
         # A parameter changed in place since (its version counter moved) was updated after all: by an
         # optimizer guard was not given (a probe's own), or by hand. One whose gradient is the same tensor, unchanged,
         # gets no more gradients: what is left of a finished run (an earlier round's model kept in a list).
