@@ -1808,3 +1808,26 @@ def test_an_optimizer_over_a_model_built_again_is_told_as_training_a_copy():
             opt.step()
     (f,) = [f for f in g.findings if f.kind == "loss-disconnected"]
     assert "model_copy" not in f.details and "left out when the optimizer was built" in f.message
+
+
+def test_a_branch_weighted_by_zero_for_a_warm_up_then_trained_is_not_told():
+    """BBN's cumulative learning: the re-balancing branch's term is weighted by 0 for the whole first epoch, then
+    trained. Its gradients are computed as exactly 0 meanwhile and SGD's weight decay shrinks it a little: a warm-up
+    by design, judged when the run ends (a term weighted by 0 to the end is still told, see above)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 10), torch.randn(256, 10)[:, :3].argmax(1)
+    shared, conv_b, rebal_b, fc = nn.Linear(10, 32), nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 3)
+    model = nn.ModuleList([shared, conv_b, rebal_b, fc])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=2e-4)
+    with guard(model, opt, live=False) as g:
+        for epoch in range(3):
+            alpha = 1 - (epoch / 3) ** 2  # 1.0 for the whole first epoch
+            for _ in range(35):
+                i1, i2 = torch.randint(0, 256, (32,)), torch.randint(0, 256, (32,))
+                h1, h2 = F.relu(shared(x[i1])), F.relu(shared(x[i2]))
+                out = fc(torch.cat([alpha * F.relu(conv_b(h1)), (1 - alpha) * F.relu(rebal_b(h2))], 1))
+                loss = alpha * F.cross_entropy(out, y[i1]) + (1 - alpha) * F.cross_entropy(out, y[i2])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert g.findings == [], g.findings

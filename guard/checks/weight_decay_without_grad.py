@@ -110,6 +110,7 @@ class WeightDecayWithoutGrad(Check):
         self._cands = WeakIdMap()
         self._hooked: Dict[int, Any] = {}  # id(param) -> handle of our post-accumulate-grad hook on it
         self._first_seen = WeakIdMap()  # optimizer -> the first step this check saw it at
+        self._source = WeakIdMap()  # optimizer -> the line of its last step with a zero-gradient run
         self._walked = False  # a backward since the last round was looked at
         self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
 
@@ -298,9 +299,11 @@ class WeightDecayWithoutGrad(Check):
         self.follow(bool(self._suspects))  # sampled by every=N or a budget: see a run's steps one by one
         self._hook_suspects()
         first = self._first_seen.get(opt, 0)
+        # (a whole layer whose gradients backward computes as exactly 0 is judged when the run ends: a loss term
+        # weighted by 0 for a warm-up, BBN's re-balancing branch during its first epoch, trains later)
         due = [t for t in live.values() if not t.reported and t.unreached and t.count >= STEPS
-               and t.first_norm is not None and t.last_norm != t.first_norm
-               and (not t.in_graph or (t.count >= IN_GRAPH_STEPS and t.first_step <= first))]
+               and t.first_norm is not None and t.last_norm != t.first_norm and not t.in_graph]
+        self._source[opt] = source
         if due:
             self._report(opt, due, source)
         for (oid, where), ts in list(self._reported.items()):
@@ -309,6 +312,14 @@ class WeightDecayWithoutGrad(Check):
                 self.g.update_details("weight-decay-without-grad", where, norm_now=now, norm_change_pct=change,
                                       zero_grad_steps=max(t.count for t in ts), measured_at_step=step)
                 self.g.seen_again("weight-decay-without-grad", where)
+
+    def on_exit(self):
+        for opt, live in list(self._tracks.items()):
+            first = self._first_seen.get(opt, 0)
+            due = [t for t in live.values() if not t.reported and t.in_graph and t.count >= IN_GRAPH_STEPS
+                   and t.first_step <= first and t.first_norm is not None and t.last_norm != t.first_norm]
+            if due:
+                self._report(opt, due, self._source.get(opt))
 
     def _whole_layers(self, cands, zeros: List[int]) -> set:
         """Ids of zero-gradient parameters whose layer's gradients are all exactly zero: a loss term weighted by 0,
