@@ -1831,3 +1831,31 @@ def test_a_branch_weighted_by_zero_for_a_warm_up_then_trained_is_not_told():
                 loss.backward()
                 opt.step()
     assert g.findings == [], g.findings
+
+
+def _masked_depth(empty_until):
+    """Depth regression with a validity mask; the mask selects nothing for the first `empty_until` steps."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.ReLU(), nn.Conv2d(8, 1, 3, 1, 1), nn.Softplus())
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    with guard(net, opt, live=False) as g:
+        for step in range(24):
+            img = torch.randn(2, 3, 8, 8)
+            gt = (img[:, :1].abs() * 3).clamp(0.1, 9.9)
+            valid = (gt > 10.0).float() if step < empty_until else (gt < 10.0).float()
+            loss = ((net(img) - gt).abs() * valid).sum() / valid.sum().clamp_min(1)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g
+
+
+def test_a_loss_that_is_zero_at_every_step_of_the_run_is_told_at_its_end():
+    """A validity mask with its comparison reversed selects nothing: the loss is exactly 0 and every gradient 0 at
+    each of the run's steps. A step of 0 is nothing to learn (no reward, a met margin), so it is judged at the end:
+    all of the run is told; a mask empty only for the first steps is not."""
+    g = _masked_depth(empty_until=24)
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("grads-all-zero", "loss", 0) and f.details["loss_always_zero"] is True
+    assert "exactly 0 at every one of the run's 24 training steps" in f.message and "mask.sum()" in f.hint
+    assert _masked_depth(empty_until=6).findings == []

@@ -24,6 +24,7 @@ from .base import Check
 from .._weak import WeakIdMap
 
 STEPS = 5  # consecutive steps with all-zero gradients before reporting
+IDLE_RUN = 20  # steps with a loss of exactly 0 and zero gradients, every step of a run, before it is told at its end
 
 
 class _Run:
@@ -47,6 +48,8 @@ class GradsAllZero(Check):
         self._zeros: list = []  # (optimizer ref, step, source, parameters) of this step's zero totals
         self._trains = False  # whether an optimizer's gradients were not all zero in this step
         self._grad_seen = WeakIdMap()  # optimizer -> (its first gradient, that gradient's version) at the last look
+        self._ever = False  # some step had a non-zero gradient
+        self._idle: Optional[list] = None  # [(first idle step's zeros entry), steps with loss 0 and zero gradients]
 
     def on_step_pre(self, optimizer):
         if not self.sampling:
@@ -72,6 +75,7 @@ class GradsAllZero(Check):
         if v != 0.0:  # NaN/Inf or a real gradient: the run is broken
             self._break(run)
             self._trains = self._trains or v == v
+            self._ever = True
             return
         self._zeros.append((oref, step, source, n))  # counted in on_resolved, once the step's loss is known
 
@@ -89,6 +93,12 @@ class GradsAllZero(Check):
         # cannot change at all (loss-constant: cross_entropy over one class), which is the bug.
         idle = (entry.get("loss") == 0.0 and entry.get("step") == zeros[0][1]
                 and not any(f.kind == "loss-constant" for f in self.g.findings))
+        if idle and not self._ever:
+            # nothing trained so far, the loss 0 at every such step: judged when the run ends (a mask that selects
+            # nothing makes every step's loss 0; an episode without reward, a met margin, is a step, not a run)
+            if self._idle is None:
+                self._idle = [zeros[0], 0]
+            self._idle[1] += 1
         for oref, step, source, n in zeros:
             opt = oref()
             run = self._runs.data.get(id(opt)) if opt is not None else None
@@ -122,11 +132,29 @@ class GradsAllZero(Check):
         return last is None or last[0]() is not g or g._version - last[1] >= 2
 
     def on_exit(self):
+        if self._idle is not None and not self._ever and self._idle[1] >= IDLE_RUN:
+            self._report_idle(*self._idle)
         # A part that got only zero gradients while another optimizer trained, to the end of the run: dead (a
         # decoder behind a saturated clamp). One whose zeros ended was waiting (a loss term weighted 0 for a warm-up).
         for opt, run in list(self._runs.items()):
             if run.beside and run.count >= STEPS:
                 self._report(opt, run, run.n, to_end=True)
+
+    def _report_idle(self, first: tuple, steps: int) -> None:
+        oref, step, source, n = first
+        opt = oref()
+        name = type(opt).__name__ if opt is not None else "the optimizer"
+        if any(f.kind in ("loss-constant", "loss-disconnected") or f.kind.startswith("nonfinite-") for f in self.g.findings):
+            return  # the cause is told already
+        self.emit("grads-all-zero", "loss",
+                  f"the loss was exactly 0 at every one of the run's {steps} training steps (from step {step}), and "
+                  f"every gradient of the {n} parameter(s) {name} updates was exactly 0: nothing was trained",
+                  "The loss is 0 by construction: look at what weights it at the first step. A mask that selects "
+                  "nothing (a validity mask with its comparison reversed: `gt > max_depth` for `gt < max_depth`; "
+                  "print `mask.sum()`), a term multiplied by 0, a hinge or margin that every sample meets from the "
+                  "start, a reward that never comes (sparse-reward RL: no episode reached it).",
+                  step=step, seen=self.g.step, source=source,
+                  details={"optimizer": name, "steps": steps, "parameters": n, "loss_always_zero": True})
 
     def _break(self, run: _Run) -> None:
         if run.count:
