@@ -205,3 +205,40 @@ def test_a_batch_hard_triplet_hinge_with_the_negative_kept_2d_is_reported(kept):
         assert f.details["keepdim"] is True and f.details["broadcast_shape"] == [16, 16] and "keepdim" in f.hint
     else:
         assert g.findings == []
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_gaussian_nll_whose_log_variance_column_is_kept_2d(kept):
+    """A heteroscedastic regression written by hand: `mu, logvar = out[:, 0], out[:, 1:]` leaves logvar [N, 1]
+    against the [N] residual, and `exp(-logvar) * (y - mu) ** 2` is [N, N]. Both sides carry gradient; the column
+    kept 2-d by the slice is the accident. `out[:, 1]` is silent."""
+    def nll(out, x, y):
+        mu, logvar = out[:, 0], (out[:, 1:] if kept else out[:, 1])
+        return (0.5 * torch.exp(-logvar) * (y - mu) ** 2 + 0.5 * logvar).mean()
+
+    g, same = run(nll, out=2)
+    assert same
+    if not kept:
+        assert g.findings == []
+        return
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("loss-shape-broadcast", "loss", 0) and f.details["column"] is True
+    assert f.details["broadcast_shape"] == [12, 12] and "out[:, 1], not out[:, 1:]" in f.hint
+
+
+def test_a_squeezed_prediction_against_a_4d_target_names_no_made_up_target_shape():
+    """`net(img).squeeze()` is [N, H, W] against an [N, 1, H, W] depth map: the difference is [N, N, H, W]. The target
+    carries no gradient, so its shape is unknown to autograd: no shape is claimed for it, and the fix reshapes the
+    prediction to the target's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.ReLU(), nn.Conv2d(4, 1, 3, 1, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with guard(net, opt, live=False) as g:
+        img, gt = torch.randn(4, 3, 8, 8), torch.rand(4, 1, 8, 8)
+        loss = (net(img).squeeze() - gt).abs().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    (f,) = g.findings
+    assert f.kind == "loss-shape-broadcast" and f.details["broadcast_shape"] == [4, 4, 8, 8]
+    assert "a target of shape" not in f.message and "pred.view_as(y) - y" in f.hint

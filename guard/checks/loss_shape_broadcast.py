@@ -160,7 +160,7 @@ def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
             continue
         nexts = node.next_functions
         op = _PAIRS.get(name)
-        if op in ("-", "+") and len(nexts) == 2:
+        if op is not None and len(nexts) == 2:
             hit = _kept_dim(node, op, nexts)
             if hit is not None:
                 found.append(hit)
@@ -201,9 +201,39 @@ def _kept_dim(node: Any, op: str, nexts: Any) -> Optional[Dict[str, Any]]:
     except (AttributeError, RuntimeError, IndexError):
         return None
     n = out[0]
-    for (kname, kshape), (_, vshape) in ((shapes[0], shapes[1]), (shapes[1], shapes[0])):
-        if kname in _KEEPDIM and kshape == [n, 1] and vshape == [n]:
-            return {"op": op, "grad_shape": vshape, "other_shape": kshape, "broadcast_shape": out, "keepdim": True}
+    for k, ((_, kshape), (_, vshape)) in enumerate(((shapes[0], shapes[1]), (shapes[1], shapes[0]))):
+        if kshape == [n, 1] and vshape == [n]:
+            how = _kept_how(*nexts[k], kshape)
+            if how == "keepdim" and op in ("-", "+"):
+                return {"op": op, "grad_shape": vshape, "other_shape": kshape, "broadcast_shape": out, "keepdim": True}
+            if how == "column":
+                return {"op": op, "grad_shape": vshape, "other_shape": kshape, "broadcast_shape": out, "column": True}
+    return None
+
+
+def _kept_how(fn: Any, idx: int, shape: List[int]) -> Optional[str]:
+    """How an [N, 1] operand came to keep its second dimension, through ops that keep its shape (exp, a scale, a
+    negation): "keepdim" (a reduction with keepdim=True), "column" (a column sliced as `out[:, 1:]` from an [N, k]
+    output, k >= 2, beside `out[:, 0]`: a Gaussian NLL's log-variance against its mean), or None."""
+    for _ in range(8):
+        name = type(fn).__name__
+        if name in _KEEPDIM:
+            return "keepdim"
+        if name == "SliceBackward0":
+            try:
+                dim, sizes = int(fn._saved_dim), [int(d) for d in fn._saved_self_sym_sizes]
+            except (AttributeError, RuntimeError, TypeError):
+                return None
+            return "column" if len(sizes) == 2 and dim in (1, -1) and sizes[1] >= 2 else None
+        inner = [(f, i) for f, i in fn.next_functions if f is not None]
+        if len(inner) != 1:
+            return None
+        fn, idx = inner[0]
+        try:
+            if [int(d) for d in fn._input_metadata[idx].shape] != shape:
+                return None
+        except (AttributeError, RuntimeError, IndexError):
+            return None
     return None
 
 
@@ -283,6 +313,21 @@ class LossShapeBroadcast(Check):
                     f"has shape {out}, so each sample's term is paired with every other sample's (a triplet hinge "
                     f"over all pairs of anchors), not with its own")
             fix = "reduce without keepdim (dist.max(1).values, .amax(1)) or b.squeeze(-1), so both are [N]"
+        elif hit.get("column"):
+            what = (f"a hand-written loss computes `a {op} b` with b of shape {other}, a column sliced from the "
+                    f"model's output kept 2-d (`out[:, 1:]`: a log-variance, a scale), and a of shape {shape}: the result has shape {out}, so each sample's term is paired with "
+                    f"every other sample's, not with its own")
+            fix = "index the column without keeping its dimension (out[:, 1], not out[:, 1:]), or b.squeeze(-1)"
+        elif op in ("-", "+") and len(out) > 2 and other is None:
+            # the target carries no gradient, so autograd kept nothing of its shape: with more than two dimensions
+            # many shapes give this result ([4, 1, 16, 16] and [4, 1, 1, 1] against [4, 16, 16]), none is named
+            what = (f"a hand-written loss computes `prediction {op} target` with a prediction of shape {shape}, and "
+                    f"the result has shape {out}: the target's shape differs from the prediction's and broadcasts "
+                    f"against it, so each prediction is compared with other samples' targets and the model learns "
+                    f"their mean")
+            fix = ("pred.view_as(y) - y (a prediction squeezed of a dimension the target keeps, `net(x).squeeze()` "
+                   "against [N, 1, H, W]), or y.view_as(pred)" if len(out) > len(shape) else
+                   "pred - y.view_as(pred), or pred.view_as(y) - y")
         elif op in ("-", "+"):
             pad = [1] * (len(out) - len(shape)) + shape
             target = [o if s == 1 else 1 for s, o in zip(pad, out)]
@@ -305,7 +350,8 @@ class LossShapeBroadcast(Check):
         source = self.g.source()
         self.emit("loss-shape-broadcast", "loss", message, hint, source=loss_line(source) or source,
                   details={"loss": "hand-written", "op": op, "input_shape": shape, "target_shape": other,
-                           "broadcast_shape": out, **({"keepdim": True} if hit.get("keepdim") else {})})
+                           "broadcast_shape": out, **({"keepdim": True} if hit.get("keepdim") else {}),
+                           **({"column": True} if hit.get("column") else {})})
 
     def _look(self, fn: str, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("input")
