@@ -125,3 +125,38 @@ def test_a_distance_between_the_prediction_and_itself_is_a_constant_loss():
     # the real target, a detached copy of another output, a shifted prediction: silent
     for target in (lambda pred, y: y, lambda pred, y: (pred * 0.9).detach(), lambda pred, y: pred.detach()[1:].repeat(2, 1)[:32]):
         assert _regress(target).findings == []
+
+
+def test_a_loss_frozen_by_gradients_piling_up_is_told_as_the_missing_zero_grad_only():
+    """No zero_grad(): the piled-up gradients drive a rate parameter's log to -inf, the loss freezes at a value while
+    the (stale) gradient norm stays large. The cause is the missing zero_grad(), told once; no loss-constant hint
+    about a reference model that is the policy."""
+    torch.manual_seed(0)
+    u0 = torch.sin(torch.pi * torch.linspace(0, 1, 16))
+
+    def heat(u, kappa):
+        for _ in range(20):
+            lap = torch.zeros_like(u)
+            lap[1:-1] = (u[2:] - 2 * u[1:-1] + u[:-2]) * 16 ** 2
+            u = u + 2e-4 * kappa * lap
+        return u
+
+    with torch.no_grad():
+        target = heat(u0, torch.tensor(0.7))
+
+    class Phys(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.log_kappa = nn.Parameter(torch.tensor(0.0))
+
+        def forward(self, u):
+            return heat(u, self.log_kappa.exp())
+
+    model = Phys()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    with guard(model, opt, live=False) as g:
+        for _ in range(40):
+            loss = ((model(u0) - target) ** 2).mean() * 1e4
+            loss.backward()  # the bug: no opt.zero_grad()
+            opt.step()
+    assert [f.kind for f in g.findings] == ["missing-zero-grad"], g.findings

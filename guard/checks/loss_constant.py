@@ -99,6 +99,8 @@ class LossConstant(Check):
         self._same += 1
         if self._same >= IDENTICAL:
             self._same_done = True
+            if any(f.kind == "missing-zero-grad" for f in g.findings):
+                return  # the "non-zero gradients" are old ones piling up (no zero_grad()): that finding is the cause
             extra = " (log 2: a sigmoid of exactly 0, as in a DPO loss)" if abs(loss - math.log(2)) < 1e-6 else ""
             self.emit("loss-constant", "loss",
                       f"the loss has been exactly {loss!r}{extra} for {self._same} steps (since step {self._same_from}) "
