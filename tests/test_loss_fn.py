@@ -270,3 +270,28 @@ def test_ctc_targets_past_the_classes_or_on_the_blank():
         F.ctc_loss(logits.log_softmax(-1), targets, in_len, tgt_len, zero_infinity=True).backward()
     (f,) = g.findings
     assert f.kind == "target-out-of-range" and f.details["blank_targets"] and "1..C-1" in f.hint
+
+
+@pytest.mark.parametrize("sigmoid_end", [True, False])
+def test_bce_with_logits_fed_a_sigmoids_output(sigmoid_end):
+    """A model ending in nn.Sigmoid, trained with BCEWithLogitsLoss: the sigmoid twice, probabilities squeezed into
+    (0.5, 0.73). Told as cross-entropy fed probabilities, with the drop-the-sigmoid fix; the logits model is silent,
+    and so is a sigmoid of the teacher's logits given as the target."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1)] + ([nn.Sigmoid()] if sigmoid_end else [])
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.BCEWithLogitsLoss()
+    x, y = torch.randn(32, 6), (torch.rand(32, 1) < 0.5).float()
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = crit(model(x), y) + F.binary_cross_entropy_with_logits(model(x).detach() * 0 + 0.1, torch.sigmoid(y))
+            loss.backward()
+            opt.step()
+    if not sigmoid_end:
+        assert g.findings == []
+        return
+    (f,) = g.findings
+    assert (f.kind, f.severity, f.where, f.step) == ("softmax-before-cross-entropy", "warning", "loss", 0)
+    assert f.details["double_sigmoid"] is True and "Remove the final sigmoid" in f.hint

@@ -87,7 +87,9 @@ class LossMisuse(Check):
     patches = {"cross_entropy": "torch.nn.functional.cross_entropy",
                "nll_loss": "torch.nn.functional.nll_loss",
                "ctc_loss": "torch.nn.functional.ctc_loss",
-               "binary_cross_entropy": "torch.nn.functional.binary_cross_entropy"}
+               "binary_cross_entropy": "torch.nn.functional.binary_cross_entropy",
+               # shared with loss-shape-broadcast (one wrapper): logits that are a sigmoid's output already
+               "shape_binary_cross_entropy_with_logits": "torch.nn.functional.binary_cross_entropy_with_logits"}
 
     def watches(self, module) -> bool:
         return isinstance(module, nn.Sigmoid)  # remembers sigmoid outputs for sigmoid-before-bce
@@ -97,6 +99,7 @@ class LossMisuse(Check):
         kinds = guard.config.kinds
         self._want_prob = "softmax-before-cross-entropy" in kinds
         self._want_sig = "sigmoid-before-bce" in kinds
+        self._want_double = self._want_prob  # a sigmoid's output given to binary_cross_entropy_with_logits
         self._want_tgt = "target-out-of-range" in kinds
         self._sig_mods: Dict[type, bool] = {}  # module type -> is nn.Sigmoid
         self._sig_out: Optional[weakref.ref] = None
@@ -365,7 +368,7 @@ class LossMisuse(Check):
 
     # ------------------------------------------------------------------ BCE after sigmoid
     def on_forward(self, module, path, args, kwargs, output, is_root):
-        if not self._want_sig:
+        if not (self._want_sig or self._want_double):
             return
         is_sig = self._sig_mods.get(type(module))
         if is_sig is None:
@@ -391,6 +394,29 @@ class LossMisuse(Check):
                   "logits: it is numerically stable; apply torch.sigmoid only to get probabilities.",
                   source=self.g.source(), details={"loss": "binary_cross_entropy", "via": via})
         self._want_sig = False  # reported once; no more per-call work
+
+    def on_shape_binary_cross_entropy_with_logits(self, args, kwargs):
+        """binary_cross_entropy_with_logits fed probabilities: the sigmoid applied twice."""
+        if not self._want_double:
+            return
+        x = _arg(args, kwargs, 0, "input")
+        if not isinstance(x, torch.Tensor):
+            return
+        via = _sigmoid_in_graph(x)
+        if via is None and self._sig_out is not None and self._sig_out() is x:
+            via = "an nn.Sigmoid module"
+        if via is None:
+            return
+        self._want_double = False  # reported once; no more per-call work
+        self.emit("softmax-before-cross-entropy", "loss",
+                  f"binary_cross_entropy_with_logits() (BCEWithLogitsLoss) is fed the output of a sigmoid ({via}): it "
+                  f"applies its own sigmoid, so the model's probabilities in (0, 1) become (0.5, 0.73): the loss can "
+                  f"never reach 0, negatives are never predicted below 0.5, and the gradients are squashed",
+                  "Remove the final sigmoid (nn.Sigmoid / torch.sigmoid) from the model and give the logits to "
+                  "BCEWithLogitsLoss; apply torch.sigmoid only to get probabilities for metrics. (Or keep the sigmoid and "
+                  "use nn.BCELoss.)",
+                  source=self.g.source(), details={"loss": "binary_cross_entropy_with_logits", "via": via,
+                                                   "double_sigmoid": True})
 
 
 def _sigmoid_in_graph(x: torch.Tensor) -> Optional[str]:
