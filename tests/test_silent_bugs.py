@@ -934,3 +934,20 @@ def test_zero_gradients_a_backward_reaches_beside_a_training_optimizer_are_judge
     else:
         f = only(g, "grads-all-zero")
         assert f.step == 0 and f.details["beside_training"] is True and "to the end of the run" in f.message
+
+
+@pytest.mark.parametrize("steps", [20, 45])
+def test_a_lambdalr_warm_up_that_starts_after_the_run_ends(steps):
+    """`LambdaLR(opt, lambda s: min(1.0, s // 30))`: an integer division keeps the factor 0 until step 30. A run of
+    20 steps ends before that: told when it ends, for the whole run, with the `s / warmup` fix. A run of 45 steps
+    gets its start and is silent."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s // 30))
+    g = _steps(model, opt, steps, sched=sched)
+    if steps == 45:
+        assert g.findings == [], g.findings
+        return
+    f = only(g, "params-not-updating")
+    assert f.step == 0 and f.details["whole_run"] is True and "held at lr=0 by its LambdaLR" in f.message
+    assert "s / warmup" in f.hint

@@ -264,13 +264,17 @@ class ParamsNotUpdating(Check):
         run = self._runs[opt].setdefault(i, _Run())
         if not v > 0.0:  # zero (frozen this step) or NaN: not this check's signal
             run.count = 0
+            if run.deferred == "scheduled":
+                run.deferred = False  # the schedule has started: a later run at 0 is judged afresh
             return
         if run.count == 0:
             run.since, run.source = step, source
         run.count += 1
         if run.count >= STEPS and not run.reported and not run.deferred:
             if _lr(opt.param_groups[i]) == 0.0 and _scheduled_back(opt, i):
-                run.count = 0  # a LambdaLR holds the group at 0 on purpose for a while (a delayed start): look later
+                # a LambdaLR holds the group at 0 on purpose for a while (a delayed start): told only if the run ends
+                # before that start
+                run.deferred = "scheduled"
                 return
             if _set_apart(opt, i):
                 run.deferred = True  # a staged freeze raises it later by hand: only a whole run at 0 is told
@@ -300,7 +304,13 @@ class ParamsNotUpdating(Check):
         groups = len(opt.param_groups)
         which = f"param group {i} of {type(opt).__name__}" if groups > 1 else type(opt).__name__
         sched = " (a learning-rate scheduler may have driven it there)" if "initial_lr" in group else ""
-        if lr == 0.0 and to_end:
+        if lr == 0.0 and to_end and run.deferred == "scheduled":
+            has = "was held at lr=0 by its LambdaLR (its factor is 0 now and becomes non-zero only later)"
+            effect = "optimizer.step() never changed them, to the end of the run: the run ended before the schedule started"
+            hint = ("The scheduler's factor is 0 for every step this run made: check the lambda (an integer division, "
+                    "`min(1.0, s // warmup)`, is 0 until step `warmup`: write `s / warmup`) and its warm-up length "
+                    "against the run's number of steps.")
+        elif lr == 0.0 and to_end:
             has = "was set to lr=0 (the other groups train)"
             effect = "optimizer.step() never changed them, to the end of the run"
             hint = ("If this group is meant to train, give it its learning rate (the value set for it in the "
