@@ -1113,3 +1113,20 @@ def test_an_optimised_input_saved_by_an_earlier_steps_graph_is_told_as_a_carried
     assert f.details["saved_at_step"] == 0 and f.details["weight"] is False
     assert "an input the optimizer updates" in f.message and "retain_graph" in f.hint and ".clone()" not in f.hint
     assert "earlier step" in _notes(ei.value)
+
+
+def test_mixed_class_indices_as_float_targets_are_not_told_to_be_cast_to_long():
+    """Mixup applied to the class indices (`lam * y + (1 - lam) * y[perm]`): float targets holding fractions.
+    `.long()` would truncate them without a word; the fix mixes one-hot targets (or the losses)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    y, perm = torch.tensor([0, 1, 2, 1, 0]), torch.tensor([1, 2, 0, 4, 3])
+    with pytest.raises(RuntimeError, match="expected target dtype") as ei:
+        with guard(model, opt, live=False) as g:
+            mixed = 0.7 * y.float() + 0.3 * y[perm].float()
+            nn.functional.cross_entropy(model(torch.randn(5, 4)), mixed).backward()
+    (f,) = _explained(g)
+    assert f.details["target_dtype"] == "Float" and f.details["fractional_targets"] is True
+    assert "y.long()" not in f.hint and "F.one_hot(y, C)" in f.hint and "0.3, 1.3" in f.message
+    assert "F.one_hot(y, C)" in _notes(ei.value)

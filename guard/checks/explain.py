@@ -660,6 +660,16 @@ class ExplainErrors(Check):
                      + (": float targets must instead be class probabilities of the input's shape" if got in ("Float", "Double", "Half") else ""))
             fix = ("Convert the targets: loss_fn(logits, y.long()) (or make the Dataset return torch.long labels: "
                    "torch.as_tensor(label, dtype=torch.long)).")
+            target = _local_of(exc, ("cross_entropy", "nll_loss"), "target")
+            if got in ("Float", "Double", "Half", "BFloat16") and _fractional(target):
+                # mixed labels (mixup or cutmix applied to class indices): .long() would cut 1.3 to 1 without a word
+                cause += (f"; these hold fractions ({_few(target)}), class indices mixed as numbers (mixup or cutmix "
+                          f"applied to the labels), which .long() would truncate")
+                fix = ("Mix one-hot targets instead of class indices: y_mix = lam * F.one_hot(y, C).float() + (1 - lam) "
+                       "* F.one_hot(y[perm], C).float(), then F.cross_entropy(logits, y_mix) (probabilities of the "
+                       "input's shape); or mix the losses: lam * F.cross_entropy(logits, y) + (1 - lam) * "
+                       "F.cross_entropy(logits, y[perm]).")
+                return "loss", cause, fix, {"target_dtype": got, "fractional_targets": True}
             return "loss", cause, fix, {"target_dtype": got}
         if isinstance(exc, (RuntimeError, ValueError)):
             hit = (self._dtype_mismatch(exc, text, module) or self._channels(text, module)
@@ -1077,3 +1087,30 @@ class ExplainErrors(Check):
                      "tensors. " + fix)
         return where, cause, fix, {"batch_shape": self._batch, "largest_tensors": top, "requested_bytes": asked,
                                    "live_bytes": live}
+
+
+def _local_of(exc: BaseException, functions: Tuple[str, ...], name: str) -> Any:
+    """The value of `name` in the innermost frame of the exception's traceback that runs one of `functions`
+    (the failing call's own argument: `target` of `F.cross_entropy`), or None."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in functions:
+            found = tb.tb_frame.f_locals.get(name, found)
+        tb = tb.tb_next
+    return found
+
+
+def _fractional(t: Any) -> bool:
+    """Whether a floating tensor holds values that are not whole numbers (read on the error path only)."""
+    try:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.is_meta or t.numel() == 0:
+            return False
+        t = t.detach()
+        return bool((t != t.round()).any())
+    except Exception:
+        return False
+
+
+def _few(t: torch.Tensor) -> str:
+    vals = [round(float(v), 3) for v in t.detach().reshape(-1)[:4].cpu()]
+    return ", ".join(map(str, vals)) + (", ..." if t.numel() > 4 else "")
