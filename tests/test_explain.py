@@ -1130,3 +1130,41 @@ def test_mixed_class_indices_as_float_targets_are_not_told_to_be_cast_to_long():
     assert f.details["target_dtype"] == "Float" and f.details["fractional_targets"] is True
     assert "y.long()" not in f.hint and "F.one_hot(y, C)" in f.hint and "0.3, 1.3" in f.message
     assert "F.one_hot(y, C)" in _notes(ei.value)
+
+
+def _carried(kind):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    W = nn.Parameter(torch.randn(3, 3) * 0.1)
+    opt.add_param_group({"params": [W]})
+    q, h = torch.ones(3) / 3, torch.zeros(3)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as ei:
+        with guard(model, opt, live=False) as g:
+            for _ in range(3):
+                out = model(torch.randn(8, 4))
+                if kind == "dro":
+                    gloss = out.pow(2).mean(0)
+                    q = q * torch.exp(0.01 * gloss)  # carried: group DRO's weights
+                    q = q / q.sum()
+                    loss = gloss @ q
+                else:
+                    for t in range(4):
+                        h = torch.tanh(h @ W + out[t])  # carried: a hand-written RNN over the batches
+                    loss = h.pow(2).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    (f,) = _explained(g)
+    return f, _notes(ei.value)
+
+
+def test_a_carried_value_updated_with_torch_math_is_detached_as_computed_unless_it_is_a_recurrence():
+    """Group DRO's `q = q * torch.exp(eta * gloss)` mixes this step's loss into the carried weights: the fix detaches
+    the update as it is computed, naming `gloss` (detaching `q` alone would leave gloss's graph in it). A recurrence
+    written by hand, `h = torch.tanh(h @ W + x)` with W a weight, keeps its graph within a step: the fix is truncated
+    backpropagation through time, `h = h.detach()` between steps."""
+    f, notes = _carried("dro")
+    assert f.where == "q" and "q = (q * torch.exp(0.01 * gloss)).detach()" in f.hint and "`gloss`" in f.hint
+    f, notes = _carried("rnn")
+    assert f.where == "h" and "h = h.detach()" in f.hint and "truncated backpropagation" in f.hint

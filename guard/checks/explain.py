@@ -877,8 +877,12 @@ class ExplainErrors(Check):
             lhs, _, rhs = (code.group(1) if code else "").partition("=")
             others = sorted({w for w in re.findall(r"(?<![\w.])([A-Za-z_]\w*)", rhs)
                              if w != expr and not w.startswith(("torch", "F")) and w not in ("self", "detach")})
-            # (arithmetic only: a call, `h = cell(x, h)`, is a recurrence whose step output must keep its graph)
-            if how != "tuple" and lhs.strip() == expr and rhs.strip() and others and "(" not in rhs:
+            # (arithmetic only, torch's math included, `q * torch.exp(eta * gloss)` in group DRO: a call of anything
+            # else, `h = cell(x, h)`, is a recurrence whose step output must keep its graph)
+            calls = re.findall(r"(?<![\w.])([A-Za-z_][\w.]*)\s*\(", rhs)
+            math_only = all(c.startswith(("torch.", "F.", "math.", expr + ".")) for c in calls)
+            if how != "tuple" and lhs.strip() == expr and rhs.strip() and others and math_only \
+                    and not _weights_among(exc, others):
                 # the update mixes in other tensors (an ensemble of this epoch's outputs, `ep`): detaching the old
                 # value alone leaves their graphs in the new one
                 fix = (f"Detach the carried value as it is computed: {expr} = ({rhs.strip()}).detach(), so that "
@@ -1114,3 +1118,18 @@ def _fractional(t: Any) -> bool:
 def _few(t: torch.Tensor) -> str:
     vals = [round(float(v), 3) for v in t.detach().reshape(-1)[:4].cpu()]
     return ", ".join(map(str, vals)) + (", ..." if t.numel() > 4 else "")
+
+
+def _weights_among(exc: BaseException, names: List[str]) -> bool:
+    """Whether any of `names`, in the user's frames of the exception's traceback, is a weight (a parameter, a module,
+    a leaf tensor that requires grad): `h = torch.tanh(h @ W + x)` is a recurrence written by hand, whose steps
+    must keep their graph; group DRO's `q * torch.exp(eta * gloss)` mixes in a loss."""
+    tb = exc.__traceback__
+    while tb is not None:
+        scope = tb.tb_frame.f_locals
+        for n in names:
+            v = scope.get(n, tb.tb_frame.f_globals.get(n))
+            if isinstance(v, torch.nn.Module) or (isinstance(v, torch.Tensor) and v.is_leaf and v.requires_grad):
+                return True
+        tb = tb.tb_next
+    return False
