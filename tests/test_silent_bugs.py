@@ -951,3 +951,53 @@ def test_a_lambdalr_warm_up_that_starts_after_the_run_ends(steps):
     f = only(g, "params-not-updating")
     assert f.step == 0 and f.details["whole_run"] is True and "held at lr=0 by its LambdaLR" in f.message
     assert "s / warmup" in f.hint
+
+
+class _Gated(nn.Module):
+    """A generator's hard mask in front of an encoder: `(gen(x) > 0).float()` leaves the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen1, self.gen2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.enc1, self.enc2 = nn.Linear(16, 32), nn.Linear(32, 2)
+
+    def forward(self, x, gate=True):
+        z = (self.gen2(torch.tanh(self.gen1(x))) > 0).float() if gate else 1.0
+        return self.enc2(torch.tanh(self.enc1(x * z)))
+
+
+def test_first_layers_behind_a_comparison_get_no_gradient_at_all():
+    """The generator's layers sit before a comparison: their gradients are None, not 0 (the graph left there).
+    Told as the cut, from step 0, `details.no_gradient`."""
+    torch.manual_seed(0)
+    model = _Gated()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    with guard(model, opt, live=False) as g:
+        for _ in range(40):
+            x = torch.randn(32, 16)
+            loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
+            opt.zero_grad(); loss.backward(); opt.step()
+    f = only(g, "vanishing-gradients")
+    assert (f.where, f.step) == ("gen1", 0) and f.details["no_gradient"] is True and "None" in f.message
+    assert "a comparison" in f.message
+
+
+def test_a_first_layer_used_on_some_batches_only_is_no_cut():
+    """A stem trained on some batches only (its branch chosen per batch, soft so that it passes gradient): at the
+    sampled steps it may have no gradient, yet its weights move in between. Silent."""
+    torch.manual_seed(0)
+
+    class Soft(_Gated):
+        def forward(self, x, gate=True):
+            z = torch.sigmoid(self.gen2(torch.tanh(self.gen1(x)))) if gate else 1.0
+            return self.enc2(torch.tanh(self.enc1(x * z)))
+
+    model = Soft()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(80):
+            x = torch.randn(32, 16)
+            gate = step % 5 != 0  # the sampled steps (every 5th) happen to run without the gate
+            loss = F.cross_entropy(model(x, gate), (x[:, 0] > 0).long())
+            opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+    assert g.findings == [], g.findings

@@ -47,6 +47,9 @@ class VanishingGradients(Check):
         self._done = False
         self._second: Optional[weakref.ref] = None  # the layer called after the first one
         self._skip: set = set()  # first layers whose exact-zero gradient is their own (their input is zero)
+        self._none = False  # the first layer's gradient was None at the last sample (the graph left before it)
+        self._none_version = 0  # its weights' version counter at the first such sample of the run
+        self._had_grad = False  # it had a gradient at some sample
 
     def _layers(self, optimizer) -> Optional[Tuple[str, weakref.ref, str, weakref.ref, int]]:
         """The first and last weight layers of one model, all of whose weights `optimizer` updates.
@@ -96,9 +99,24 @@ class VanishingGradients(Check):
             self._pair = None
             return
         gf, gl = first.grad, last.grad
+        if gf is None and gl is not None and not gl.is_meta and gl.layout == torch.strided:
+            # no gradient at all while the last layer has one: the backward never reached it (a comparison's
+            # `(x > 0).float()` leaves the graph), counted as a cut; a layer that had one at any sample, or whose
+            # weights moved between the samples (updated at other steps: a stem used on some batches only), is not
+            if self._had_grad or (self._run and self._none and first._version != self._none_version):
+                self._run, self._ratios, self._had_grad = 0, [], True
+                return
+            if not (self._run and self._none):
+                self._none_version = first._version
+            self._none = True
+            self._seen(0.0, self.g.step, self.g.source())
+            return
+        if gf is not None:
+            self._had_grad = True
         if gf is None or gl is None or gf.is_meta or gl.is_meta or gf.layout != torch.strided \
                 or gl.layout != torch.strided:
             return
+        self._none = False
         with torch.no_grad():
             rf = torch.linalg.vector_norm(as_float(gf)) / math.sqrt(gf.numel())
             rl = torch.linalg.vector_norm(as_float(gl)).to(rf.device) / math.sqrt(gl.numel())
@@ -119,7 +137,8 @@ class VanishingGradients(Check):
             fp, _, lp, _, n = self._pair
             worst = max(self._ratios)
             second = self._second() if self._second is not None else None
-            if worst == 0.0 and second is not None and second.grad is not None and bool(second.grad.any()):
+            if worst == 0.0 and not self._none and second is not None and second.grad is not None \
+                    and bool(second.grad.any()):
                 # Only the first layer's gradient is 0 while the next one's is not: no cut between the layers but
                 # a zero input (unrolled ISTA's S applied to x0 = 0). Pair again without it.
                 self._done, self._pair = False, None
@@ -128,7 +147,8 @@ class VanishingGradients(Check):
                 return
             if worst == 0.0:
                 # Not shrinking but cut: nothing reaches the first layer at all (a round/argmax between them)
-                message = (f"the gradients of the first layer {fp} are exactly 0 at {self._run} sampled steps since "
+                what = "None (backward never reaches it)" if self._none else "exactly 0"
+                message = (f"the gradients of the first layer {fp} are {what} at {self._run} sampled steps since "
                            f"step {self._since}, while those of the last layer {lp} are not ({n} layers): no "
                            f"gradient reaches the first layers, so they do not learn at all; an operation without a "
                            f"gradient cuts the path between them (torch.round, sign, argmax, a comparison or an "
@@ -146,4 +166,5 @@ class VanishingGradients(Check):
             self.emit("vanishing-gradients", fp, message, hint,
                       step=self._since, seen=self.g.step, source=self._source,
                       details={"first": fp, "last": lp, "ratio": worst, "ratios": self._ratios,
-                               "layers": n, "sampled_every": EVERY, "threshold": RATIO, "cut": worst == 0.0})
+                               "layers": n, "sampled_every": EVERY, "threshold": RATIO, "cut": worst == 0.0,
+                               **({"no_gradient": True} if self._none else {})})
