@@ -1859,3 +1859,27 @@ def test_a_loss_that_is_zero_at_every_step_of_the_run_is_told_at_its_end():
     assert (f.kind, f.where, f.step) == ("grads-all-zero", "loss", 0) and f.details["loss_always_zero"] is True
     assert "exactly 0 at every one of the run's 24 training steps" in f.message and "mask.sum()" in f.hint
     assert _masked_depth(empty_until=6).findings == []
+
+
+@pytest.mark.parametrize("scale", [80.0, 1.0])
+def test_a_run_that_diverges_within_its_first_steps_is_told(scale):
+    """Depth regressed in raw metres (0-80) with SGD at lr 0.01 and momentum: the norm goes 127 -> 1e6 by step 2 and
+    the loss with it, before the 10 steps that set the explosion's window. Told from the start, with the normalise-
+    the-target fix. The same net on targets in [0, 1] is silent."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, 1, 1), nn.ReLU(), nn.Conv2d(8, 1, 3, 1, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    with guard(net, opt, live=False) as g:
+        for _ in range(12):
+            img = torch.rand(4, 3, 8, 8)
+            loss = F.mse_loss(net(img), scale * img.mean(1, keepdim=True))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [f for f in g.findings if f.kind == "grad-explosion"]
+    if scale == 1.0:
+        assert found == [] and [f for f in g.findings if f.severity != "info"] == []
+        return
+    (f,) = found
+    assert f.step <= 4 and f.details["from_start"] is True and "diverges from the start" in f.message
+    assert "normalise the target" in f.hint

@@ -219,8 +219,19 @@ class GradExplosion(Check):
                     st.diverged = True
                     self._report(opt, st, gn, v, med, DIVERGE, step, source, climbing=sum(st.highs))
         else:
+            if st.window and not st.diverged and lv >= math.log(DIVERGE) + st.window[0] and self._loss_blew(st):
+                # diverging from the start, before the window is set: 1000x the first step's norm within the first
+                # steps, and the loss with it (a regression target in raw units, 0-80 m, with SGD at lr 0.01)
+                st.diverged = True
+                first = math.exp(st.window[0])
+                self._report(opt, st, gn, v, first, DIVERGE, step, source, climbing=len(st.window) + 1, early=True)
             self._note_loss(st)
         st.push(lv)
+
+    def _loss_blew(self, st: _State) -> bool:
+        """Whether this step's loss is at least 100x the run's first one (diverging, not a loss on a new scale)."""
+        loss = self.g.step_loss
+        return bool(st.losses) and loss is not None and math.isfinite(loss) and loss >= 100.0 * st.losses[0] > 0.0
 
     def _note_loss(self, st: _State) -> None:
         loss = self.g.step_loss
@@ -238,13 +249,22 @@ class GradExplosion(Check):
         return r if r > 1.0 and HEAVIER <= math.log(r) / math.log(norm_ratio) <= HEAVIER_MAX else 0.0
 
     def _report(self, opt, st: _State, gn, v: float, med: float, ratio: float, step: int,
-                source: Optional[str], climbing: int = 0, heavier: float = 0.0) -> None:
+                source: Optional[str], climbing: int = 0, heavier: float = 0.0, early: bool = False) -> None:
         values = gn.per_param()
         ranked = sorted(zip(gn.names, values), key=lambda nv: -nv[1] if math.isfinite(nv[1]) else 0.0)[:5]
         where = st.where or (ranked[0][0] if ranked else "loss")
         st.where = where
         largest = ", ".join(f"{n} ({x:.3g})" for n, x in ranked)
-        if climbing:
+        if early:
+            message = (f"total gradient norm {v:.3g} is {v / med:.0f}x the first step's ({med:.3g}) after "
+                       f"{climbing - 1} step(s), and the loss is {self.g.step_loss / st.losses[0]:.3g}x the first "
+                       f"one with it: training diverges from the start; largest: {largest}")
+            hint = (f"Each update overshoots and the next gradient is larger: the learning rate is too high for the "
+                    f"scale of this loss (a regression target in raw units, metres or prices, makes large gradients: "
+                    f"normalise the target, y = (y - mean) / std, and invert it for predictions). Lower the learning "
+                    f"rate, add a warm-up, and clip gradients before optimizer.step(): "
+                    f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={_nice(3 * med)}).")
+        elif climbing:
             message = (f"total gradient norm {v:.3g} is {v / med:.0f}x its running median {med:.3g} after climbing "
                        f"steadily ({climbing} of the last {CLIMB} steps set a new high): training is diverging; "
                        f"largest: {largest}")
@@ -271,5 +291,5 @@ class GradExplosion(Check):
         self.emit("grad-explosion", where, message, hint, step=step, source=source,
                   details={"optimizer": type(opt).__name__, "total_norm": v, "running_median": med,
                            "ratio": v / med, "threshold_ratio": ratio, "largest": [{"name": n, "norm": x} for n, x in ranked],
-                           **({"diverging": True} if climbing else {}),
+                           **({"diverging": True} if climbing else {}), **({"from_start": True} if early else {}),
                            **({"heavier_batch": True, "loss_ratio": heavier} if heavier else {})})
