@@ -1883,3 +1883,21 @@ def test_a_run_that_diverges_within_its_first_steps_is_told(scale):
     (f,) = found
     assert f.step <= 4 and f.details["from_start"] is True and "diverges from the start" in f.message
     assert "normalise the target" in f.hint
+
+
+def test_a_loss_up_a_hundred_thousandfold_with_its_gradient_is_no_heavier_batch():
+    """An L1 loss whose input blows up 1e5x at one step (an unstable rollout): loss and gradient grow together, as
+    a heavier batch's do, but no batch is that much heavier. Told as an explosion, not as a heavier batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(30):
+            x = torch.randn(16, 4)
+            y = torch.randn(16, 1)
+            loss = F.l1_loss(model(x), y) * (1e5 if step == 25 else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in g.findings if f.kind == "grad-explosion"]
+    assert f.step == 25 and "heavier_batch" not in f.details and "heavier batch" not in f.message

@@ -53,6 +53,7 @@ CLIMB_HIGHS = 7
 #: together; a squared error's wild sample raises the loss by about the square of its gradient's ratio
 HEAVIER = 0.5
 HEAVIER_MAX = 1.6
+HEAVIER_LOSS_MAX = 1000.0  # the most a heavier batch raises the loss by (more frames summed, not a blow-up)
 #: optimizers whose update is normalised per element by the gradients' running size: a heavier batch's larger
 #: gradient does not move the weights proportionally further
 ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "SparseAdam")
@@ -245,8 +246,9 @@ class GradExplosion(Check):
         if loss is None or not loss > 0.0 or not math.isfinite(loss) or len(st.losses) < WARMUP:
             return 0.0
         r = loss / median(st.losses)
-        # (a loss rising far more than its gradient, as a squared error does, is one wild sample: not this)
-        return r if r > 1.0 and HEAVIER <= math.log(r) / math.log(norm_ratio) <= HEAVIER_MAX else 0.0
+        # (a loss rising far more than its gradient, as a squared error does, is one wild sample: not this; nor is
+        # a loss up a thousandfold, no batch is that much heavier: an unstable rollout blowing up)
+        return r if 1.0 < r <= HEAVIER_LOSS_MAX and HEAVIER <= math.log(r) / math.log(norm_ratio) <= HEAVIER_MAX else 0.0
 
     def _report(self, opt, st: _State, gn, v: float, med: float, ratio: float, step: int,
                 source: Optional[str], climbing: int = 0, heavier: float = 0.0, early: bool = False) -> None:
