@@ -583,7 +583,9 @@ class Wiring:
                 tls.root_source = user_source(2)
                 if self.sampling:
                     self.staging.add_loss(tensors)
-                self.dispatch("backward", tensors, kwargs)
+                # (Tensor.backward passes retain_graph and create_graph by position: the checks read them by name)
+                self.dispatch("backward", tensors, kwargs if len(args) < 4 else
+                              {"retain_graph": args[2], "create_graph": args[3], **kwargs})
             except GuardError:
                 raise
             except Exception as exc:

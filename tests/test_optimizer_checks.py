@@ -1901,3 +1901,38 @@ def test_a_loss_up_a_hundred_thousandfold_with_its_gradient_is_no_heavier_batch(
             opt.step()
     (f,) = [f for f in g.findings if f.kind == "grad-explosion"]
     assert f.step == 25 and "heavier_batch" not in f.details and "heavier batch" not in f.message
+
+
+@pytest.mark.parametrize("how", ["bare", "inputs", "autograd_grad", "zero_grad_between"])
+def test_forces_taken_with_a_bare_backward_pollute_the_parameters_grad(how):
+    """A force field: `E.sum().backward(create_graph=True); F = -pos.grad` also writes dE/dθ into the parameters'
+    .grad, and the loss's backward adds onto it: the step applies both. Told at the optimizer, with the
+    autograd.grad fix. `backward(inputs=[pos])`, torch.autograd.grad, or a zero_grad() between are silent."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    with guard(net, opt, live=False) as g:
+        for _ in range(4):
+            x = torch.randn(8, 4, 3)
+            opt.zero_grad()
+            pos = x.clone().requires_grad_(True)
+            e = net(pos).sum((1, 2))
+            if how == "autograd_grad":
+                force = -torch.autograd.grad(e.sum(), pos, create_graph=True)[0]
+            else:
+                e.sum().backward(inputs=[pos] if how == "inputs" else None, create_graph=True)
+                force = -pos.grad
+                if how == "zero_grad_between":
+                    opt.zero_grad()
+            loss = (e - (x ** 2).sum((1, 2))).pow(2).mean() * 0.01 + (force + 2 * x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            pos.grad = None
+    found = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    if how != "bare":
+        assert found == [], found
+        return
+    (f,) = found
+    assert (f.where, f.step) == ("Adam", 0) and f.details["create_graph"] is True
+    assert "backward(create_graph=True) for the gradient of an input" in f.message
+    assert "torch.autograd.grad(E.sum(), pos, create_graph=True)" in f.hint

@@ -118,6 +118,8 @@ class MissingZeroGrad(Check):
         # model call's leaf input that requires grad, the leaves back-propagated into, the first such line, and
         # (steps, its line, the loss line) once the loop's own backward followed them
         self._input_leaf: Optional[int] = None
+        self._graph_leaf: Optional[int] = None  # a training-mode call's input leaf that requires grad (forces' pos)
+        self._input_graph = False  # an input gradient was taken with backward(create_graph=True)
         self._input_backwards: set = set()
         self._input_count = 0
         self._input_source: Optional[str] = None
@@ -143,8 +145,11 @@ class MissingZeroGrad(Check):
         leaf = None
         if module.training:
             # an attack or a sampler runs the model in eval mode (PGD, Langevin); a loss of the training itself on
-            # inputs that require grad (a PINN's collocation points) runs it in training mode and is no such pass
+            # inputs that require grad (a PINN's collocation points) runs it in training mode and is no such pass,
+            # unless its derivative is taken with backward(create_graph=True) (forces as -dE/dpos, see on_backward)
             self._input_leaf = None
+            self._graph_leaf = next((id(a) for a in args[:2] if isinstance(a, torch.Tensor) and a.requires_grad
+                                     and a.is_leaf and not isinstance(a, nn.Parameter)), None)
             return
         for a in args[:2]:
             if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, nn.Parameter):
@@ -157,6 +162,7 @@ class MissingZeroGrad(Check):
 
     def _forget_inputs(self) -> None:
         self._input_backwards, self._input_source, self._polluted, self._input_count = set(), None, None, 0
+        self._input_graph = False
 
     def _input_backward(self) -> None:
         """At a backward(): one through a model call in eval mode on an input that requires grad (a leaf, or a
@@ -168,25 +174,31 @@ class MissingZeroGrad(Check):
             self._input_count += 1
             if self._input_source is None:
                 self._input_source = self.g.source()
-        elif self._input_count >= 2 and self._polluted is None:
+        elif (self._input_count >= 2 or self._input_graph) and self._polluted is None:
             self._polluted = (self._input_count, self._input_source, self.g.source())
 
     def _judge_inputs(self, optimizer) -> None:
         n, src, loss_src = self._polluted
+        graph = self._input_graph
         self._forget_inputs()
         if not self.g.is_primary(optimizer):
             return
         self._input_told = True
         opt = type(optimizer).__name__
+        what = ("a backward(create_graph=True) for the gradient of an input (" + str(src) + ": forces as -dE/dpos, "
+                "a gradient penalty)" if graph and n == 1 else
+                f"{n} backward() calls for the gradient of an input ({src}: an attack's or a sampler's iterations)")
         self.emit("missing-zero-grad", self._label(optimizer),
-                  f"{n} backward() calls for the gradient of an input ({src}: an attack's or a sampler's iterations) "
-                  f"ran after the last zero_grad() and before the loss's backward() ({loss_src}): each also added "
-                  f"the model's gradients into its parameters' .grad, and {opt}.step() applies them with the loss's",
-                  "Take input gradients with torch.autograd.grad(out.sum(), x) (it leaves the parameters' .grad "
-                  "alone), or call optimizer.zero_grad() after the attack or sampler, right before the training "
-                  "loss's backward().",
+                  f"{what} ran after the last zero_grad() and before the loss's backward() ({loss_src}): "
+                  f"{'it' if graph and n == 1 else 'each'} also added the model's gradients into its parameters' "
+                  f".grad, and {opt}.step() applies them with the loss's",
+                  ("Take the input's gradient with torch.autograd.grad(E.sum(), pos, create_graph=True)[0] (it leaves "
+                   "the parameters' .grad alone), or backward(inputs=[pos], create_graph=True)." if graph else
+                   "Take input gradients with torch.autograd.grad(out.sum(), x) (it leaves the parameters' .grad "
+                   "alone), or call optimizer.zero_grad() after the attack or sampler, right before the training "
+                   "loss's backward()."),
                   step=self.g.step, source=loss_src, details={"input_backwards": n, "input_source": src,
-                                                              "optimizer": opt})
+                                                              "optimizer": opt, **({"create_graph": True} if graph else {})})
 
     # ------------------------------------------------------------------ zero_grad observed
     def on_opt_zero_grad_done(self, args, kwargs, result):
@@ -248,6 +260,16 @@ class MissingZeroGrad(Check):
 
     def on_backward(self, tensors, kwargs):
         if not self._input_told and (kwargs or {}).get("inputs") is None:  # backward(inputs=[x]) fills x.grad only
+            if self._graph_leaf is not None and (kwargs or {}).get("create_graph"):
+                # `E.sum().backward(create_graph=True); F = -pos.grad`: an input's gradient taken for the loss, which
+                # also writes dE/dθ into the parameters' .grad (one such pass is enough)
+                self._input_backwards.add(self._graph_leaf)
+                self._input_count += 1
+                self._input_graph = True
+                self._graph_leaf = None
+                if self._input_source is None:
+                    self._input_source = self.g.source()
+                return
             self._input_backward()
         if not self._manual_told and not self.g.has_optimizer:
             self._manual_backward()
@@ -426,6 +448,10 @@ class MissingZeroGrad(Check):
         self._during.clear()
 
     def on_step_pre(self, optimizer):
+        if self._polluted is None and self._input_graph and not self._input_told:
+            # (the loss's own backward after it may not be seen: a model guard sends no event for a backward without
+            # a model call of its own since the last one)
+            self._polluted = (self._input_count, self._input_source, self.g.source())
         if self._polluted is not None:
             self._judge_inputs(optimizer)
         if not self._closure_done and isinstance(optimizer, torch.optim.LBFGS):
