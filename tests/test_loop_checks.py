@@ -2340,3 +2340,40 @@ def test_a_no_grad_pass_right_after_model_train_is_deliberate(layer):
                 opt.step()
             after(model)
         assert kinds(g) == ([] if after is _recalibrate else ["eval-in-train-mode"]), (after, g.findings)
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_forces_from_backward_with_create_graph_keep_a_reference_cycle(reset):
+    """`E.sum().backward(inputs=[pos], create_graph=True); F = -pos.grad`: pos.grad carries a graph that holds pos,
+    a cycle that keeps every step's graph alive until the garbage collector runs. Told at `pos`, with the
+    torch.autograd.grad fix, not as a `loss` variable to turn into `loss.item()`. `pos.grad = None` after use is
+    silent."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    x = torch.randn(64, 4, 3)
+    gc_was = __import__("gc").isenabled()
+    __import__("gc").disable()  # the cycle collector would free them at its own pace: the leak is what it leaves
+    try:
+        with guard(net, opt, live=False) as g:
+            for step in range(40):
+                pos = x[(step % 4) * 16:(step % 4 + 1) * 16].clone().requires_grad_(True)
+                e = net(pos).sum((1, 2))
+                e.sum().backward(inputs=[pos], create_graph=True)
+                force = -pos.grad
+                loss = (force + 2 * pos.detach()).pow(2).mean() + 0.01 * (e - pos.detach().pow(2).sum((1, 2))).pow(2).mean()
+                opt.zero_grad()
+                loss.backward(inputs=list(net.parameters()))
+                opt.step()
+                if reset:
+                    pos.grad = None
+    finally:
+        if gc_was:
+            __import__("gc").enable()
+    found = [f for f in g.findings if f.kind == "loss-graph-retained"]
+    if reset:
+        assert found == [], found
+        return
+    (f,) = found
+    assert f.where == "pos" and f.details["grad_cycle"] is True and "reference cycle" in f.message
+    assert "torch.autograd.grad(E.sum(), pos, create_graph=True)[0]" in f.hint

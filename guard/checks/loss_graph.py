@@ -29,6 +29,7 @@ import time
 import tokenize
 import types
 import weakref
+from collections import deque
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -268,6 +269,8 @@ class LossGraph(Check):
         self._deep_step = -1  # the last step whose graph was walked and marked
         self._deep_next = False  # walk the next backward's graph whatever its step (woken by a budget)
         self._done = False
+        # (weak refs to the inputs, the line) of the last backward(inputs=..., create_graph=True) calls
+        self._cg_inputs: Optional[deque] = None
         self._min_age = MIN_AGE  # doubled each time a garbage collection freed the old graphs (`_collected`)
         self._params = WatchedParams(guard)
         self._param_look = 0  # the step of the next look for parameters (and buffers) with autograd history
@@ -476,6 +479,14 @@ class LossGraph(Check):
 
     def on_backward(self, tensors, kwargs):
         step = self.g.step
+        if kwargs and kwargs.get("create_graph") and kwargs.get("inputs") is not None and not self._done:
+            # `E.sum().backward(inputs=[pos], create_graph=True)`: pos.grad will carry a graph that holds pos
+            ins = kwargs["inputs"]
+            ins = [ins] if isinstance(ins, torch.Tensor) else list(ins)
+            if self._cg_inputs is None:
+                self._cg_inputs = deque(maxlen=4)
+            self._cg_inputs.append(([weakref.ref(t) for t in ins if isinstance(t, torch.Tensor) and t.is_leaf
+                                     and not isinstance(t, torch.nn.Parameter)][:4], self.g.source()))
         if step >= self._param_look:
             self._param_look = step + PARAM_LOOK if not self._params_told else 1 << 62
             self._param_history(step)
@@ -604,6 +615,18 @@ class LossGraph(Check):
                     continue
 
     # ------------------------------------------------------------------ naming the holder
+    def _grad_cycle(self) -> Optional[Tuple[str, Optional[str]]]:
+        """(the input's name, the backward's line) when an input given to `backward(inputs=..., create_graph=True)`
+        still has a .grad that carries a graph: the `pos` <-> `pos.grad` cycle PyTorch warns about, or None."""
+        for refs, src in self._cg_inputs or ():
+            for r in refs:
+                t = r()
+                g = t.grad if t is not None else None
+                if g is not None and g.grad_fn is not None:
+                    m = re.search(r"inputs\s*=\s*\[?\s*([A-Za-z_][\w.]*)", _line_at(src) if src else "")
+                    return (m.group(1) if m else "the input"), src
+        return None
+
     def _holders(self, before: int):
         """(name, frame, steps reached, tensors) for graph holders in the user's frames, best first."""
         walker = _Walker(before, self._key)
@@ -636,6 +659,21 @@ class LossGraph(Check):
     def _report(self, step: int, old: Set[int]) -> None:
         t0 = time.perf_counter()
         since = min(old)
+        cycle = self._grad_cycle()
+        if cycle is not None:
+            # not a variable but a reference cycle: the graphs stay alive until Python's cycle collector runs
+            name, src = cycle
+            self.emit("loss-graph-retained", name,
+                      f"`{name}.grad` carries an autograd graph (it was made by backward(create_graph=True)), and that "
+                      f"graph holds `{name}` itself: a reference cycle, so every step's graph stays alive until "
+                      f"Python's garbage collector gets to it (graphs of {len(old)} earlier steps, since step {since}, "
+                      f"are alive now), as PyTorch's own warning about create_graph says",
+                      f"Take the input's gradient with torch.autograd.grad(E.sum(), {name}, create_graph=True)[0], "
+                      f"which sets no .grad; or set `{name}.grad = None` right after reading it.",
+                      step=since, source=src,
+                      details={"steps_alive": len(old), "since_step": since, "detected_at_step": step,
+                               "holder": f"{name}.grad", "grad_cycle": True})
+            return
         holders = self._holders(step)
         scan_ms = (time.perf_counter() - t0) * 1e3
         details: Dict[str, Any] = {"steps_alive": len(old), "since_step": since, "detected_at_step": step,
