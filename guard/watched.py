@@ -459,7 +459,8 @@ class Watched:
             if label is not None:
                 self._prefix[id(module)] = label
             elif taken and any((path or type(mod).__name__) in taken for path, mod in mods if mod not in known):
-                label = base = type(module).__name__
+                # the script's variable holding it (`pose_net` beside `depth_net`, both nn.Sequential), else its class
+                label = base = _script_variable(module, frame, taken) or type(module).__name__
                 n = 1
                 while label in taken or any(p.startswith(label + ".") for p in taken):
                     n += 1
@@ -544,6 +545,21 @@ def _owner_path(module: nn.Module, frame: Any) -> Optional[str]:
     # (a single layer held directly by a variable, `h1 = nn.Linear(8, 1)`, is named by it: its parameters would be a
     # bare `weight`, the same as any other single layer's)
     return _path_in_any(f.f_locals, module, direct=True)
+
+
+def _script_variable(module: nn.Module, frame: Any, taken: set) -> Optional[str]:
+    """The name of a script's top-level variable that holds `module` itself (not read from a function's frame:
+    before Python 3.13 that would make the frame keep a snapshot of its variables), unless a path uses it."""
+    from ._frames import is_skipped
+
+    f, hops = frame, 0
+    while f is not None and hops < 16:
+        if not is_skipped(f.f_code.co_filename) and not (f.f_code.co_flags & CO_OPTIMIZED):
+            for k, v in list(f.f_globals.items()):
+                if v is module and not k.startswith("_") and k.isidentifier():
+                    return None if k in taken or any(p.startswith(k + ".") for p in taken) else k
+        f, hops = f.f_back, hops + 1
+    return None
 
 
 def _path_in(owner: nn.Module, module: nn.Module) -> Optional[str]:

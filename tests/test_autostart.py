@@ -302,3 +302,23 @@ def test_a_second_optimizer_that_steps_every_20_steps_holds_its_parameters(tmp_p
         script = script.replace("opt_phys = torch.optim.SGD([m.k], lr=0.05)  # PHYS", "opt_phys = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)")
     found = [(f["kind"], f["where"]) for f in _recorded(tmp_path, script)["findings"]]
     assert found == ([] if phys == "held" else [("param-not-in-optimizer", "k")]), found
+
+
+TWO_SEQUENTIALS = """
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+depth_net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+pose_net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.Adam(depth_net.parameters(), lr=1e-3)  # pose_net left out
+for it in range(12):
+    x = torch.randn(16, 6)
+    loss = (depth_net(x) * pose_net(x)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_a_second_model_of_the_same_class_is_named_by_the_scripts_variable(tmp_path):
+    """Two nn.Sequential models of a script under TORCH_GUARD=1: the second one's paths collide with the first's, so
+    they get a label; the script's variable (`pose_net`), not `Sequential#2`."""
+    found = [(f["kind"], f["where"]) for f in _recorded(tmp_path, TWO_SEQUENTIALS)["findings"]]
+    assert found == [("param-not-in-optimizer", "pose_net")], found
