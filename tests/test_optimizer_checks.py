@@ -1936,3 +1936,27 @@ def test_forces_taken_with_a_bare_backward_pollute_the_parameters_grad(how):
     assert (f.where, f.step) == ("Adam", 0) and f.details["create_graph"] is True
     assert "backward(create_graph=True) for the gradient of an input" in f.message
     assert "torch.autograd.grad(E.sum(), pos, create_graph=True)" in f.hint
+
+
+def test_a_second_network_trained_after_the_primary_steps_is_missing_from_the_start():
+    """Co-teaching with the second optimizer built over the first network by a typo: net2 is called and
+    back-propagated from step 0, after the primary's step (so the first look saw no gradient on it). Told as left out
+    from step 0, not as a model that appeared mid-run."""
+    torch.manual_seed(0)
+
+    def mk():
+        return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    net1, net2 = mk(), mk()
+    opt1 = torch.optim.Adam(net1.parameters(), lr=1e-3)
+    opt2 = torch.optim.Adam(net1.parameters(), lr=1e-3)  # the bug: net2.parameters()
+    with guard([net1, net2], [opt1, opt2], live=False) as g:
+        for _ in range(30):
+            x, t = torch.randn(32, 10), torch.randint(0, 4, (32,))
+            loss1 = F.cross_entropy(net1(x), t)
+            loss2 = F.cross_entropy(net2(x), t)
+            opt1.zero_grad(); loss1.backward(); opt1.step()
+            opt2.zero_grad(); loss2.backward(); opt2.step()
+    f = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert len(f) == 1 and f[0].where == "net2" and f[0].step == 0, f
+    assert "appeared mid-run" not in f[0].message and "second_model" not in f[0].details

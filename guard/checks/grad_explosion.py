@@ -53,6 +53,7 @@ CLIMB_HIGHS = 7
 #: together; a squared error's wild sample raises the loss by about the square of its gradient's ratio
 HEAVIER = 0.5
 HEAVIER_MAX = 1.6
+FIRST_LOSS_MIN = 1e-3  # a first loss below this sets no scale for "diverging from the start"
 HEAVIER_LOSS_MAX = 1000.0  # the most a heavier batch raises the loss by (more frames summed, not a blow-up)
 #: optimizers whose update is normalised per element by the gradients' running size: a heavier batch's larger
 #: gradient does not move the weights proportionally further
@@ -230,9 +231,11 @@ class GradExplosion(Check):
         st.push(lv)
 
     def _loss_blew(self, st: _State) -> bool:
-        """Whether this step's loss is at least 100x the run's first one (diverging, not a loss on a new scale)."""
+        """Whether this step's loss is at least 100x the run's first one (diverging, not a loss on a new scale). A
+        first loss near 0 (a consistency loss between a student and its just-copied teacher) sets no scale."""
         loss = self.g.step_loss
-        return bool(st.losses) and loss is not None and math.isfinite(loss) and loss >= 100.0 * st.losses[0] > 0.0
+        return (bool(st.losses) and st.losses[0] >= FIRST_LOSS_MIN and loss is not None and math.isfinite(loss)
+                and loss >= 100.0 * st.losses[0])
 
     def _note_loss(self, st: _State) -> None:
         loss = self.g.step_loss

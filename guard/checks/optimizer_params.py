@@ -123,6 +123,7 @@ class OptimizerParams(Check):
         self._seen = WeakIdMap()  # optimizer -> how many of its param groups were looked at
         self._missing_done = False
         self._cand = None  # (names missing at a look, that step, its line): confirmed CONFIRM_STEPS later
+        self._first_look: Optional[Tuple[int, set]] = None  # (step, ids of trainable parameters) of the first look
         self._was_held: set = set()  # ids of the parameters the optimizers held at the last look that found none
         # (id(module), name) -> (times its parameter was replaced, the step of the first time)
         self._rebinds: Dict[Tuple[int, str], Tuple[int, int]] = {}
@@ -306,6 +307,12 @@ class OptimizerParams(Check):
             versions = {n: (p._version, weakref.ref(p.grad), p.grad._version, weakref.ref(p)) for n, p in missing
                         if n not in self._told}
             if not versions:
+                if not self._looked_before:
+                    # what was there and trainable at the first look: a parameter of those found missing later had
+                    # its gradient after this step's look (a second network's backward after the primary's step)
+                    held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+                    self._first_look = (self.g.step, {id(p) for p in self._params()
+                                                      if p.requires_grad and id(p) not in held})
                 self._missing_done = self._looked_before = True  # every parameter with a gradient is held
                 # what the optimizers held then: a parameter missing at a later look was taken out of them since
                 self._was_held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
@@ -359,7 +366,13 @@ class OptimizerParams(Check):
             missing = [n for n, v in zip(missing, norms) if v != 0.0]
         if missing:
             self._told.update(missing)
-            self._missing(missing, step, source, later=self._looked_before)
+            later = self._looked_before
+            if later and self._first_look is not None and all(
+                    id(named[n]) in self._first_look[1] for n in missing):
+                # there and trainable since the first look (co-teaching's second network, its optimizer built over
+                # the first one's parameters): missing from the start, not appeared mid-run
+                later, step = False, self._first_look[0]
+            self._missing(missing, step, source, later=later)
         self._looked_before = True
 
     def _frozen(self, opt, groups: list, added: bool) -> None:
