@@ -276,12 +276,15 @@ def test_a_batch_pooled_away_inside_the_model_gets_the_pooling_hint_not_drop_las
             return self.bn(self.lin(x).mean(0, keepdim=True))  # meant mean(1)? it pools over the samples
 
     model = Pooled()
-    with guard(model, live=False) as g:
-        with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as ei:
+        with guard(model, live=False) as g:
             model(torch.randn(16, 6))
     [f] = by_kind(g, "batchnorm-single-sample")
     assert f.where == "bn" and f.details["model_batch"] == 16
     assert "batch of 16 samples" in f.hint and "mean(0, keepdim=True)" in f.hint and "drop_last" not in f.hint
+    # the note under PyTorch's own error says the same, not the DataLoader's drop_last
+    note = "\n".join(getattr(ei.value, "__notes__", []))
+    assert "reduced the batch dimension" in note and "drop_last" not in note
 
 
 def test_a_batch_of_one_image_says_how_many_values_each_channel_still_has():

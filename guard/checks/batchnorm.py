@@ -74,7 +74,8 @@ class BatchNormBatch(Check):
         self._crashy: Dict[str, Tuple[int, ...]] = {}  # BatchNorms that trained on one value/sample/channel, this pass
         self._has_bn: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
         self._handled: Dict[int, Tuple[Any, bool]] = {}  # id(code) -> (code, whether it handles a short last batch)
-        self._note: Optional[Tuple[str, int]] = None  # the last single-sample error, for the exception's note
+        # the last single-sample error (path, step, the model's batch when the forward pooled it), for the note
+        self._note: Optional[Tuple[str, int, Optional[int]]] = None
         self._root_batch: Optional[int] = None  # the batch size of the model call under way
 
     # ------------------------------------------------------------------ per module call
@@ -99,9 +100,10 @@ class BatchNormBatch(Check):
         shape = tuple(x.shape)
         n, spatial = shape[0], math.prod(shape[2:])
         if n * spatial == 1:
-            self._note = (path, self.g.step)
             rb = self._root_batch
-            if n == 1 and rb is not None and rb > 1:
+            pooled = n == 1 and rb is not None and rb > 1
+            self._note = (path, self.g.step, rb if pooled else None)
+            if pooled:
                 hint = (f"The model got a batch of {rb} samples but this BatchNorm gets 1: its forward reduces the "
                         f"batch dimension before it (x.mean(0, keepdim=True) or x.sum(0) pools over the samples; a "
                         f"view/reshape can move them into other dimensions). Reduce over the dimension you mean "
@@ -135,8 +137,15 @@ class BatchNormBatch(Check):
     def on_exception(self, exc):
         """PyTorch's own error for the batch of one escapes: point it at the finding (and keep explain quiet)."""
         if self._note is not None and isinstance(exc, ValueError) and "more than 1 value per channel" in str(exc):
-            path, step = self._note
+            path, step, pooled = self._note
             self._note = None
+            if pooled:  # the model's batch was larger: the forward pooled it away before this BatchNorm
+                add_guard_note(exc, f"{NOTE_PREFIX}batchnorm-single-sample at {path} (step {step}): the model got a "
+                                    f"batch of {pooled} samples, but its forward reduced the batch dimension before "
+                                    f"this BatchNorm\n  fix: reduce over the dimension you mean (x.mean(1) for "
+                                    f"features, not x.mean(0, keepdim=True)), or normalise with LayerNorm/GroupNorm "
+                                    f"after pooling over samples")
+                return
             add_guard_note(exc, f"{NOTE_PREFIX}batchnorm-single-sample at {path} (step {step}): a batch of one "
                                 f"sample reached BatchNorm in training mode\n  fix: {FIX}")
 
