@@ -1168,3 +1168,33 @@ def test_a_carried_value_updated_with_torch_math_is_detached_as_computed_unless_
     assert f.where == "q" and "q = (q * torch.exp(0.01 * gloss)).detach()" in f.hint and "`gloss`" in f.hint
     f, notes = _carried("rnn")
     assert f.where == "h" and "h = h.detach()" in f.hint and "truncated backpropagation" in f.hint
+
+
+def test_a_list_of_cached_outputs_gets_the_append_a_detached_value_fix():
+    """Hidden states appended to a list attribute with their graphs and read back by a later step's loss: the fix
+    stores detached values in the list, not an assignment to an element that the code never makes."""
+    torch.manual_seed(0)
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cache_h = []
+
+        def forward(self, x):
+            h = self.lin(x)
+            if self.cache_h:
+                h = h + self.cache_h[-1]
+            self.cache_h.append(h[0])
+            return h
+
+    m = Cached()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        with guard(m, opt, live=False) as g:
+            for _ in range(3):
+                opt.zero_grad()
+                m(torch.randn(2, 4)).pow(2).sum().backward()
+                opt.step()
+    (f,) = _explained(g)
+    assert f.where.endswith("cache_h[...]") and "cache_h.append(x.detach())" in f.hint and "= ....detach()" not in f.hint

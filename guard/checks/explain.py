@@ -855,7 +855,9 @@ class ExplainErrors(Check):
             cause = (f"this loss is computed from `{name}`, a tensor made before the last backward(), which ran "
                      f"through its graph and freed it (a tensor cached across steps, or one shared by two losses "
                      f"that are back-propagated one after the other)")
-            fix = (f"Detach it where it is kept ({name} = ....detach()) or compute it again for each step; when two "
+            kept = (f"store detached values in {name[:-5]}: {name[:-5]}.append(x.detach()), or "
+                    f"{name[:-5]}[key] = x.detach()" if name.endswith("[...]") else f"{name} = ....detach()")
+            fix = (f"Detach it where it is kept ({kept}) or compute it again for each step; when two "
                    f"losses share it on purpose, detach it for the one that must not reach its graph (a GAN's "
                    f"D(fake.detach())), or pass retain_graph=True to the first backward().")
         elif how == "sum":
