@@ -1280,3 +1280,41 @@ def test_an_evaluation_whose_model_output_is_finite_handled_its_layers_inf(nan_i
         assert g.findings == []
     else:
         assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 8)]
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-9])
+def test_a_nan_force_from_autograd_grad_is_named_as_the_losss_cause(eps):
+    """Forces as -dE/dpos with pairwise distances `sqrt(r2)`: the derivative of sqrt at r = 0 (the diagonal) is
+    infinite, so torch.autograd.grad returns NaN while the energies are finite, and the loss on the forces is NaN.
+    The finding names that autograd.grad line and the sqrt(r2 + eps) fix. With eps the run is clean."""
+    torch.manual_seed(0)
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.phi = nn.Sequential(nn.Linear(4, 8), nn.SiLU(), nn.Linear(8, 1))
+            self.register_buffer("mu", torch.linspace(0.5, 3, 4))
+
+        def forward(self, pos):
+            r = (((pos[:, :, None] - pos[:, None]) ** 2).sum(-1) + eps).sqrt()
+            mask = 1 - torch.eye(pos.shape[1])
+            return (self.phi(torch.exp(-(r[..., None] - self.mu) ** 2)).squeeze(-1) * mask).sum((1, 2))
+
+    model = Pair()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 4, 3)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            pos = x.clone().requires_grad_(True)
+            e = model(pos)
+            force = -torch.autograd.grad(e.sum(), pos, create_graph=True)[0]  # the derivative
+            loss = (e - x.pow(2).sum((1, 2))).pow(2).mean() + (force + 2 * x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if eps:
+        assert [f for f in g.findings if f.severity != "info"] == []
+        return
+    f = next(f for f in g.findings if f.kind == "nonfinite-loss")
+    assert f.step == 0 and "torch.autograd.grad took at" in f.message and "sqrt(r2 + eps)" in f.hint
+    assert f.details["derivative_source"].startswith("tests/test_nonfinite.py:")

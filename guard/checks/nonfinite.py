@@ -95,7 +95,9 @@ def _tensors(obj: Any, prefix: str) -> List[Tuple[str, torch.Tensor]]:
 class NonFinite(Check):
     name = "nonfinite"
     # (a CTC loss of the step gives its infinite loss its own fix: an utterance with no valid alignment)
-    patches = {"ctc_loss": "torch.nn.functional.ctc_loss"}
+    patches = {"ctc_loss": "torch.nn.functional.ctc_loss",
+               # shared with eval-without-no-grad (one wrapper): derivatives taken for the loss (forces as -dE/dpos)
+               "autograd_grad": "torch.autograd.grad"}
     kinds = {
         "nonfinite-input": ("error", "NaN/Inf in a tensor fed to the guarded model"),
         "nonfinite-output": ("error", "a module produced NaN/Inf from finite inputs"),
@@ -139,6 +141,9 @@ class NonFinite(Check):
         self._ends: Dict[int, Tuple[Any, list]] = {}
         self._by_hand = False  # the backward under way is of a loss scaled by hand (`_scaled_by_hand`)
         self._ctc_steps: Deque[int] = deque(maxlen=8)  # the last steps with a ctc_loss call without zero_infinity
+        # (step, line, results) of this step's torch.autograd.grad(..., create_graph=True) calls: looked at only when
+        # a loss is NaN while the model's outputs were finite; dropped when the step is resolved
+        self._derivs: Deque[tuple] = deque(maxlen=4)
         self._post_version: Tuple[int, int] = (0, 0)  # (id, version counter) of the first weight after the last update
 
     def _new_window(self) -> None:
@@ -521,6 +526,13 @@ class NonFinite(Check):
                 self._in_update = promote
 
     def _on_resolved(self):
+        try:
+            self._judge_window()
+        finally:
+            if self._derivs:
+                self._derivs.clear()
+
+    def _judge_window(self):
         bad, masks = self._bad, self._masks
         window = (self._calls, self._losses, self._grads, self._refs)
         self._new_window()
@@ -644,6 +656,18 @@ class NonFinite(Check):
                                   "the loss passed to backward() is NaN/Inf although the model's outputs were finite; "
                                   "this step's ctc_loss runs without zero_infinity",
                                   CTC_HINT, step=step, source=source, details={"ctc": True})
+                    elif self._bad_derivative(step) is not None:
+                        at = self._bad_derivative(step)
+                        self.emit("nonfinite-loss", "loss",
+                                  f"the loss passed to backward() is NaN/Inf although the model's outputs were finite: "
+                                  f"the derivative torch.autograd.grad took at {at} (create_graph=True, forces as "
+                                  f"-dE/dpos) is NaN/Inf, and the loss uses it",
+                                  "An op in the forward has an infinite derivative where the forward takes it: sqrt or a "
+                                  "norm at 0 (pairwise distances with their diagonal, r = 0), pow with an exponent "
+                                  "below 1 at 0, acos/asin at +-1. Compute sqrt(r2 + eps) (or mask the zeros before "
+                                  "the sqrt: torch.where after it does not help, the unused branch's derivative is "
+                                  "still NaN).",
+                                  step=step, source=source, details={"derivative_source": at})
                     else:
                         self.emit("nonfinite-loss", "loss",
                                   "the loss passed to backward() is NaN/Inf although the model's outputs were finite",
@@ -661,6 +685,22 @@ class NonFinite(Check):
                 self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
                                    loss_seen=bool(losses))
                 return
+
+    def on_autograd_grad_done(self, args, kwargs, result):
+        if kwargs.get("create_graph") and isinstance(result, (tuple, list)):
+            # held (not weakly: `f = -grad(...)[0]` drops the result at once) until the step is resolved
+            self._derivs.append((self.g.step, self.g.source(), [t for t in result[:4] if isinstance(t, torch.Tensor)]))
+
+    def _bad_derivative(self, step: int) -> Optional[str]:
+        """The line of this step's torch.autograd.grad(create_graph=True) whose result holds NaN/Inf (read on the
+        error path only), or None."""
+        for at, src, ts in self._derivs:
+            if at != step:
+                continue
+            for t in ts:
+                if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t.detach()).all()):
+                    return src
+        return None
 
     def _report_padded(self, first: _Call, spread: _Call, bad: set, refs: Dict[int, weakref.ref]) -> None:
         counts = {n: nonfinite_counts(t) for n, i in spread.outputs
