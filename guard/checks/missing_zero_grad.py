@@ -148,8 +148,9 @@ class MissingZeroGrad(Check):
             # inputs that require grad (a PINN's collocation points) runs it in training mode and is no such pass,
             # unless its derivative is taken with backward(create_graph=True) (forces as -dE/dpos, see on_backward)
             self._input_leaf = None
-            self._graph_leaf = next((id(a) for a in args[:2] if isinstance(a, torch.Tensor) and a.requires_grad
-                                     and a.is_leaf and not isinstance(a, nn.Parameter)), None)
+            a = args[0] if args else None
+            self._graph_leaf = (id(a) if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf
+                                and not isinstance(a, nn.Parameter) else None)
             return
         for a in args[:2]:
             if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, nn.Parameter):

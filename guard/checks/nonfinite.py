@@ -524,15 +524,10 @@ class NonFinite(Check):
         finally:
             if promote is not None:
                 self._in_update = promote
-
-    def _on_resolved(self):
-        try:
-            self._judge_window()
-        finally:
             if self._derivs:
                 self._derivs.clear()
 
-    def _judge_window(self):
+    def _on_resolved(self):
         bad, masks = self._bad, self._masks
         window = (self._calls, self._losses, self._grads, self._refs)
         self._new_window()
