@@ -334,3 +334,36 @@ def test_a_sparse_parameter_in_a_loaded_state_dict_is_no_internal_error():
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # restore a snapshot
         model.load_state_dict(model.state_dict())  # the model's own tensors: a sparse one has no data pointer
     assert g.internal_errors == [] and g.findings == []
+
+
+@pytest.mark.parametrize("copy_snapshot", [False, True])
+def test_an_uncopied_snapshot_loaded_into_a_fresh_model_is_reported(copy_snapshot):
+    """`best_state = model.state_dict()` (references) at the best epoch; at the end `final = Net();
+    final.load_state_dict(best_state)`: `final` silently gets the last epoch's weights. Told at that load, naming
+    both variables; a copied snapshot is silent."""
+    torch.manual_seed(0)
+
+    def net():
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        best_state = None
+        for epoch in range(4):
+            for _ in range(3):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            if epoch == 1:
+                best_state = ({k: v.clone() for k, v in model.state_dict().items()} if copy_snapshot
+                              else model.state_dict())
+        final = net()
+        final.load_state_dict(best_state)
+    if copy_snapshot:
+        assert g.findings == []
+        return
+    (f,) = g.findings
+    assert f.kind == "state-dict-mismatch" and f.details["aliased_to"] == "`model`"
+    assert "`final` gets `model`'s latest weights" in f.message and "copy.deepcopy" in f.hint

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from .._frames import variable_naming
 from ..findings import Finding, severity_of
 from ._notes import NOTE_PREFIX, add_guard_note
 from .base import Check
@@ -317,6 +318,7 @@ class StateDictMismatch(Check):
         # id(state_dict returned) -> (weak reference to it, its tensors' version counters then): an aliased snapshot
         # loaded back before anything changed it (the best epoch was the last) restores what it should
         self._snaps: Dict[int, Tuple[weakref.ref, Dict[str, int]]] = {}
+        self._loaded: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules a state_dict was loaded into
 
     def on_state_dict_done(self, args, kwargs, result):
         if len(args) > 1 or kwargs.get("destination") is not None or not isinstance(result, Mapping):
@@ -346,6 +348,13 @@ class StateDictMismatch(Check):
 
     def on_load_state_dict(self, args, kwargs):
         module, sd, _ = self._args(args, kwargs)
+        try:
+            self._on_load(module, sd)
+        finally:
+            if isinstance(module, nn.Module):
+                self._loaded.add(module)
+
+    def _on_load(self, module: Any, sd: Any) -> None:
         if isinstance(module, nn.Module) and isinstance(sd, Mapping) and self.g.step > 0:
             keys = _aliased(module, sd)
             snap = self._snaps.get(id(sd))
@@ -354,6 +363,34 @@ class StateDictMismatch(Check):
                 return  # nothing changed it since it was taken: loading it restores what it should
             if keys:
                 self._report(module, _alias_report(module, keys), None)
+            elif snap is not None and snap[0]() is sd and module not in self._loaded:
+                # (a model's first load: a target network synced again and again from a dict it knows to be live is
+                # not this)
+                moved = self._moved_elsewhere(module, sd, snap[1])
+                if moved:
+                    source, keys = moved
+                    res = _alias_report(module, keys)
+                    res["message"] = (
+                        f"load_state_dict() got a state_dict whose {len(keys)} parameter tensor(s) are {source}'s own "
+                        f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}), changed in place by training "
+                        f"since the snapshot was taken (state_dict() returns references, not copies): "
+                        f"`{variable_naming(module) or type(module).__name__}` gets {source}'s latest weights, not "
+                        f"the ones the snapshot was meant to keep (the best epoch's)")
+                    res["details"].update(aliased_to=source)
+                    self._report(module, res, None)
+
+    def _moved_elsewhere(self, module: nn.Module, sd: Mapping[str, Any], versions: Dict[str, int]):
+        """(the watched model whose parameters the snapshot `sd` holds, the keys changed since it was taken) when
+        that model is not `module` (the snapshot loaded into a fresh copy), else None."""
+        for root in self.g.roots:
+            if root is module:
+                continue
+            own = {p.data_ptr() for p in root.parameters() if p.layout is torch.strided and not p.is_meta}
+            keys = [k for k, v in sd.items() if isinstance(v, torch.Tensor) and v.layout is torch.strided
+                    and not v.is_meta and v.data_ptr() in own and v.data_ptr() != 0]
+            if keys and any(sd[k]._version != versions.get(k) for k in keys):
+                return f"`{variable_naming(root) or self.g.path_of(root)}`", keys
+        return None
 
     def on_load_state_dict_error(self, args, kwargs, exc):
         module, sd, strict = self._args(args, kwargs)
