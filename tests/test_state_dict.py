@@ -252,9 +252,14 @@ def test_a_whole_checkpoint_passed_for_its_state_dict_is_told_to_pass_its_model_
     assert f[0].details["nested_state_dict"] == "model"
 
 
-def _early_stopping(copy_snapshot):
+def _early_stopping(copy_snapshot, into_fresh=False):
+    """Early stopping that restores the best epoch's state_dict into the model (or, `into_fresh`, into a fresh one)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def net():
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with guard(model, opt, live=False) as g:
         best = None
@@ -267,7 +272,11 @@ def _early_stopping(copy_snapshot):
             if epoch == 1:
                 best = {k: v.clone() for k, v in model.state_dict().items()} if copy_snapshot else model.state_dict()
                 kept = {k: v.clone() for k, v in best.items()}
-        model.load_state_dict(best)  # "restore the best epoch"
+        if into_fresh:
+            final = net()
+            final.load_state_dict(best)  # "the best model" for evaluation
+        else:
+            model.load_state_dict(best)  # "restore the best epoch"
     return g, model, kept
 
 
@@ -338,29 +347,10 @@ def test_a_sparse_parameter_in_a_loaded_state_dict_is_no_internal_error():
 
 @pytest.mark.parametrize("copy_snapshot", [False, True])
 def test_an_uncopied_snapshot_loaded_into_a_fresh_model_is_reported(copy_snapshot):
-    """`best_state = model.state_dict()` (references) at the best epoch; at the end `final = Net();
-    final.load_state_dict(best_state)`: `final` silently gets the last epoch's weights. Told at that load, naming
-    both variables; a copied snapshot is silent."""
-    torch.manual_seed(0)
-
-    def net():
-        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-
-    model = net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with guard(model, opt, live=False) as g:
-        best_state = None
-        for epoch in range(4):
-            for _ in range(3):
-                loss = model(torch.randn(8, 4)).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            if epoch == 1:
-                best_state = ({k: v.clone() for k, v in model.state_dict().items()} if copy_snapshot
-                              else model.state_dict())
-        final = net()
-        final.load_state_dict(best_state)
+    """`best = model.state_dict()` (references) at the best epoch; at the end `final = Net();
+    final.load_state_dict(best)`: `final` silently gets the last epoch's weights. Told at that load, naming both
+    variables; a copied snapshot is silent."""
+    g, _, _ = _early_stopping(copy_snapshot, into_fresh=True)
     if copy_snapshot:
         assert g.findings == []
         return

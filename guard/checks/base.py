@@ -260,3 +260,16 @@ class Check:
     def emit(self, kind: str, where: str, message: str, hint: str, **kw: Any) -> None:
         """Report a finding (de-duplicated by kind and where)."""
         self.g.emit(kind, where, message, hint, check=self, **kw)
+
+
+def add_call_handlers(cls: type, event_prefix: str, names: Any, method: str) -> None:
+    """Give `cls` one ``on_<event_prefix><name>`` handler per patched function in `names`, each calling
+    ``self.<method>(name, args, kwargs)`` (checks that look at a family of loss functions the same way)."""
+    def make(fn: str) -> Callable:
+        def on_call(self: Any, args: tuple, kwargs: dict) -> None:
+            getattr(self, method)(fn, args, kwargs)
+        on_call.__name__ = f"on_{event_prefix}{fn}"
+        return on_call
+
+    for fn in names:
+        setattr(cls, f"on_{event_prefix}{fn}", make(fn))

@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-from .base import Check
+from .base import Check, add_call_handlers
 
 
 IDENTICAL = 8  # steps in a row with the very same loss value and non-zero gradients
@@ -157,12 +157,4 @@ class LossConstant(Check):
                   source=self.g.source(), details={"loss": fn, "input_shape": shape, "why": f"{fn} of a tensor and itself"})
 
 
-def _handler(fn: str):
-    def on_call(self, args: tuple, kwargs: dict) -> None:
-        self._itself(fn, args, kwargs)
-    on_call.__name__ = f"on_shape_{fn}"
-    return on_call
-
-
-for _fn in _DISTANCES:
-    setattr(LossConstant, f"on_shape_{_fn}", _handler(_fn))
+add_call_handlers(LossConstant, "shape_", _DISTANCES, "_itself")

@@ -376,15 +376,19 @@ class LossMisuse(Check):
         if is_sig and isinstance(output, torch.Tensor):
             self._sig_out = weakref.ref(output)
 
-    def on_binary_cross_entropy(self, args, kwargs):
-        if not self._want_sig:
-            return
-        x = _arg(args, kwargs, 0, "input")
+    def _sigmoid_of(self, x: Any) -> Optional[str]:
+        """How `x` came out of a sigmoid (torch.sigmoid in its graph, or the last nn.Sigmoid's output), or None."""
         if not isinstance(x, torch.Tensor):
-            return
+            return None
         via = _sigmoid_in_graph(x)
         if via is None and self._sig_out is not None and self._sig_out() is x:
             via = "an nn.Sigmoid module"
+        return via
+
+    def on_binary_cross_entropy(self, args, kwargs):
+        if not self._want_sig:
+            return
+        via = self._sigmoid_of(_arg(args, kwargs, 0, "input"))
         if via is None:
             return
         self.emit("sigmoid-before-bce", "loss",
@@ -399,12 +403,7 @@ class LossMisuse(Check):
         """binary_cross_entropy_with_logits fed probabilities: the sigmoid applied twice."""
         if not self._want_double:
             return
-        x = _arg(args, kwargs, 0, "input")
-        if not isinstance(x, torch.Tensor):
-            return
-        via = _sigmoid_in_graph(x)
-        if via is None and self._sig_out is not None and self._sig_out() is x:
-            via = "an nn.Sigmoid module"
+        via = self._sigmoid_of(_arg(args, kwargs, 0, "input"))
         if via is None:
             return
         self._want_double = False  # reported once; no more per-call work

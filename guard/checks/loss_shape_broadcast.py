@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .base import Check
+from .base import Check, add_call_handlers
 
 _FNS = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
         "binary_cross_entropy_with_logits", "gaussian_nll_loss", "poisson_nll_loss")
@@ -428,12 +428,4 @@ class LossShapeBroadcast(Check):
                   details={"loss": fn, "input_shape": xs, "target_shape": ts, "broadcast_shape": out})
 
 
-def _handler(fn: str):
-    def on_call(self, args: tuple, kwargs: dict) -> None:
-        self._look(fn, args, kwargs)
-    on_call.__name__ = f"on_shape_{fn}"
-    return on_call
-
-
-for _fn in _FNS:
-    setattr(LossShapeBroadcast, f"on_shape_{_fn}", _handler(_fn))
+add_call_handlers(LossShapeBroadcast, "shape_", _FNS, "_look")
