@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._frames import CO_OPTIMIZED, frame_locals, variable_naming
+from ._frames import CO_OPTIMIZED, frame_locals, is_skipped, variable_naming
 from ._modules import tree_stats
 from .record import Record
 from .tensors import first_tensor
@@ -550,8 +550,6 @@ def _owner_path(module: nn.Module, frame: Any) -> Optional[str]:
 def _script_variable(module: nn.Module, frame: Any, taken: set) -> Optional[str]:
     """The name of a script's top-level variable that holds `module` itself (not read from a function's frame:
     before Python 3.13 that would make the frame keep a snapshot of its variables), unless a path uses it."""
-    from ._frames import is_skipped
-
     f, hops = frame, 0
     while f is not None and hops < 16:
         if not is_skipped(f.f_code.co_filename) and not (f.f_code.co_flags & CO_OPTIMIZED):
