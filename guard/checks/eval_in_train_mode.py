@@ -250,7 +250,8 @@ class EvalInTrainMode(Check):
                 site = dropout_site(frame)
                 if site is not None and site[2]:
                     self._fdrop = site[:2]
-            if self._trained.data:
+            trained = self._trained.data
+            if trained and not any(i in trained for i in self._in_call):  # (a trained model's own call: judged whole)
                 self._parts_call(frame, site)
 
     def _parts_call(self, frame: Any, site: Optional[tuple]) -> None:
