@@ -221,7 +221,9 @@ class GradExplosion(Check):
                     st.diverged = True
                     self._report(opt, st, gn, v, med, DIVERGE, step, source, climbing=sum(st.highs))
         else:
-            if st.window and not st.diverged and lv >= math.log(DIVERGE) + st.window[0] and self._loss_blew(st):
+            # (climbing: the step before set a new high too; one wild batch among the first is no divergence)
+            if len(st.window) >= 2 and not st.diverged and lv >= math.log(DIVERGE) + st.window[0] \
+                    and st.window[-1] == st.top and st.window[-1] > st.window[0] and self._loss_blew(st):
                 # diverging from the start, before the window is set: 1000x the first step's norm within the first
                 # steps, and the loss with it (a regression target in raw units, 0-80 m, with SGD at lr 0.01)
                 st.diverged = True
