@@ -2377,3 +2377,23 @@ def test_forces_from_backward_with_create_graph_keep_a_reference_cycle(reset):
     (f,) = found
     assert f.where == "pos" and f.details["grad_cycle"] is True and "reference cycle" in f.message
     assert "torch.autograd.grad(E.sum(), pos, create_graph=True)[0]" in f.hint
+
+
+def test_a_forward_dropped_at_every_step_beside_a_used_one_on_its_line_is_still_told():
+    """FixMatch written `logits_w = net(xw); logits_s = net(xs)` on one line: the weak view's graph is dropped (it is
+    read detached) at every step, next to the strong view's, which is back-propagated. Not a skipped batch: a graph
+    built for nothing each step."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    with guard(net, opt, live=False) as g:
+        for _ in range(20):
+            xu = torch.randn(16, 12)
+            logits_w = net(xu + 0.05 * torch.randn_like(xu)); logits_s = net(xu + 0.4 * torch.randn_like(xu))  # noqa: E702
+            pl = logits_w.detach().argmax(-1)
+            loss = F.cross_entropy(logits_s, pl)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = g.findings
+    assert f.kind == "eval-without-no-grad" and f.details["dropped_at_once"] is True

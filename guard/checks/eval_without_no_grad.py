@@ -47,6 +47,9 @@ MAX_OUTPUTS = 64
 MIN_DROPPED = 3  # training-mode forwards whose graphs were dropped at once, before they are worth a word
 TRUST = 8  # back-propagated forwards in a row after which a call site is sampled
 SAMPLE = 8  # a trusted call site has one forward in this many tagged
+#: a call site skips batches on what their forward showed while its runs of dropped forwards number fewer than this
+#: many per back-propagated forward; one dropped between (nearly) every two backwards is built for nothing each step
+SKIPPING = 0.9
 
 
 def _NONE() -> None:
@@ -194,7 +197,7 @@ class EvalWithoutNoGrad(Check):
                 ent = self._skips.get(rec.site)
                 if ent is None:
                     ent = self._skips[rec.site] = [0, 0, None]
-                ent[0] += 1
+                ent[0] += SAMPLE if rec.trusted else 1  # (a sampled site's tagged forward stands for SAMPLE)
                 m = rec.module() if rec.module is not None else None
                 if m is not None and id(m) not in self._on_path.data:
                     self._on_path[m] = True
@@ -363,9 +366,11 @@ class EvalWithoutNoGrad(Check):
             drops.clear()
             self._drop_first.clear()
         # A training line whose forwards are also back-propagated, dropped in two or more separate runs between its
-        # backwards: batches skipped on what the forward showed (`if not hard.any(): continue` in hard-example mining,
-        # a batch without a pair), known only after computing it; so is its last forward, skipped and still held by
-        # the loop's variable at the end. (An evaluation from that same line is then not told apart from them.)
+        # backwards, but not between (nearly) every two: batches skipped on what the forward showed (`if not hard.any():
+        # continue` in hard-example mining, a batch without a pair), known only after computing it; so is its last
+        # forward, skipped and still held by the loop's variable at the end. (An evaluation from that same line is
+        # then not told apart from them.) One dropped between every two backwards is built for nothing each step
+        # (FixMatch's weak view on the strong view's line, `logits_w = net(xw); logits_s = net(xs)`).
         skips = self._skips
         if len(skips) > 256:
             skips.clear()
@@ -377,7 +382,7 @@ class EvalWithoutNoGrad(Check):
                 ent[1], ent[2] = ent[1] + 1, b
         unused = self._trained([r for r in unused if r.eval_mode or (
             (not r.short or drops.get((r.path, r.source), 0) >= MIN_DROPPED)
-            and not ((ent := skips.get(r.site)) and ent[0] and ent[1] >= 2))])
+            and not ((ent := skips.get(r.site)) and ent[1] >= 2 and ent[1] < SKIPPING * ent[0]))])
         if not unused:
             return
         self._done = True
