@@ -796,15 +796,17 @@ def test_batchnorm_statistics_recomputed_by_hand_are_deliberate():
             assert "momentum = None" in f.hint and f.step == 1
 
 
+@pytest.mark.parametrize("said", [False, True])
 @pytest.mark.parametrize("n", [10, 60])
-def test_batchnorm_reestimation_with_the_usual_momentum_is_judged_by_what_it_leaves(n):
+def test_batchnorm_reestimation_with_the_usual_momentum_is_judged_by_what_it_leaves(n, said):
     """BN re-estimation after training (reset_running_stats(), forwards in train mode under no_grad) with
     momentum 0.1: over 10 batches 35% of the reset values (mean 0, variance 1) stay in the statistics; over 60,
-    0.2%: nothing to tell. Judged when training resumes."""
+    0.2%: nothing to tell. Judged when training resumes; the same with `model.train()` said right before it."""
     model, opt, (x, y) = _bn_model()
     with guard(model, opt, live=False) as g:
         _train(model, opt, x, y, 4)
         model[1].reset_running_stats()
+        model.train() if said else None
         with torch.no_grad():
             for _ in range(n):
                 model(x)

@@ -270,8 +270,7 @@ class EvalInTrainMode(Check):
                 or model in self._pending or getattr(model, OPT_OUT, False):
             return
         source = _caller_outside(frame)
-        if not self._set_by_hand(source):
-            self._evaluation(model, self.g.path_of(model), None, source)
+        self._evaluation(model, self.g.path_of(model), None, source, deliberate=self._set_by_hand(source))
 
     on_f_dropout = on_f_dropout1d = on_f_dropout2d = on_f_dropout3d = _f_dropout
 
@@ -317,9 +316,10 @@ class EvalInTrainMode(Check):
             return  # (dry: the call that sized its lazy modules, `with torch.no_grad(): model(dummy)`)
         if not module.training:
             return  # model.eval() was called: layers in train mode under it were switched back on purpose (MC dropout)
-        if self._set_by_hand(self.g.root_source):
-            return  # model.train() just before: the train mode is this pass's purpose
-        self._evaluation(module, path, fdrop, self.g.root_source)
+        # model.train() just before: the train mode is this pass's purpose (BatchNorm reset before it still counts
+        # its re-estimation batches)
+        self._evaluation(module, path, fdrop, self.g.root_source,
+                         deliberate=self._set_by_hand(self.g.root_source))
 
     def _set_by_hand(self, source: Optional[str]) -> bool:
         """Whether the call from `source` follows a `.train()` in the user's code (decided once per line)."""
@@ -330,9 +330,11 @@ class EvalInTrainMode(Check):
             v = self._deliberate[source] = _train_called_before(sys._getframe(2))
         return v
 
-    def _evaluation(self, module, path: str, fdrop: Optional[tuple], source: Optional[str]) -> None:
+    def _evaluation(self, module, path: str, fdrop: Optional[tuple], source: Optional[str],
+                    deliberate: bool = False) -> None:
         """A no_grad call of `module` (in training mode) from `source`: deferred as an evaluation if any of its
-        Dropout/BatchNorm layers (or a functional dropout, `fdrop`) runs in training mode."""
+        Dropout/BatchNorm layers (or a functional dropout, `fdrop`) runs in training mode; not when the train mode
+        is `deliberate` (set by the user's `model.train()` for it), whose reset BatchNorms are still counted."""
         mods = self._mods.get(module)
         if mods is None:
             mods = self._mods[module] = mode_sensitive(module)
@@ -348,6 +350,8 @@ class EvalInTrainMode(Check):
                 and not getattr(m, OPT_OUT, False) and not _recalibrating(m)]
         if self._reset.data:
             live = self._reestimation(module, path, live)
+        if deliberate:
+            return
         training = [(n, type(m).__name__) for n, m in live]
         if not training and fdrop is not None and not getattr(fdrop[0], OPT_OUT, False):
             owner, line = fdrop
