@@ -1198,3 +1198,19 @@ def test_a_list_of_cached_outputs_gets_the_append_a_detached_value_fix():
                 opt.step()
     (f,) = _explained(g)
     assert f.where.endswith("cache_h[...]") and "cache_h.append(x.detach())" in f.hint and "= ....detach()" not in f.hint
+
+
+def test_integer_targets_of_a_binary_cross_entropy_are_explained():
+    """Ordinal levels built with a comparison and .long(), given to BCEWithLogitsLoss: PyTorch says only that the
+    result type Float cannot be cast to Long. Explained at the loss, with the .float() fix."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = torch.randint(0, 5, (16,))
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type") as ei:
+        with guard(model, opt, live=False) as g:
+            levels = (y.unsqueeze(1) > torch.arange(4)).long()
+            nn.functional.binary_cross_entropy_with_logits(model(torch.randn(16, 6)), levels).backward()
+    (f,) = _explained(g)
+    assert f.where == "loss" and f.details["target_dtype"] == "int64" and "y.float()" in f.hint
+    assert "y.float()" in _notes(ei.value)

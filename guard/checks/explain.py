@@ -651,6 +651,18 @@ class ExplainErrors(Check):
         m = _INVALID_GRAD_RE.search(text)
         if isinstance(exc, RuntimeError) and m:
             return self._reshaped_leaf(m.group(2), m.group(3))
+        if isinstance(exc, RuntimeError) and "can't be cast to the desired output type" in text:
+            target = _local_of(exc, ("binary_cross_entropy_with_logits", "binary_cross_entropy"), "target")
+            if isinstance(target, torch.Tensor) and not target.is_floating_point():
+                # BCE computes in the target's dtype: an int64 target (ordinal levels, multi-hot labels built with
+                # a comparison and .long()) leaves a float result nowhere to go
+                dtype = str(target.dtype).replace("torch.", "")
+                cause = (f"the binary cross-entropy's targets are {dtype}: BCE/BCEWithLogitsLoss take float targets "
+                         f"(probabilities in [0, 1], of the input's shape), and PyTorch's message speaks of the "
+                         f"result's type instead")
+                fix = ("Make the targets float: loss_fn(logits, y.float()) (or build them as float: "
+                       "(y[:, None] > torch.arange(K)).float() for ordinal levels).")
+                return "loss", cause, fix, {"target_dtype": dtype}
         m = _TARGET_DTYPE_RE.search(text)
         if isinstance(exc, RuntimeError) and m:
             got = m.group(1)
