@@ -1001,3 +1001,33 @@ def test_a_first_layer_used_on_some_batches_only_is_no_cut():
             loss = F.cross_entropy(model(x, gate), (x[:, 0] > 0).long())
             opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
     assert g.findings == [], g.findings
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_a_weighted_sampler_given_one_weight_per_class(per_sample):
+    """`WeightedRandomSampler(class_w, num_samples=len(y))` with class_w of C entries draws indices from range(C)
+    only: every batch is the dataset's first C samples (class 0 of a sorted dataset). Told at the loader's first
+    iteration; one weight per sample (`class_w[y]`) is silent."""
+    from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+    torch.manual_seed(0)
+    counts = [120, 40, 10]
+    x = torch.cat([torch.randn(n, 4) + k for k, n in enumerate(counts)])
+    y = torch.cat([torch.full((n,), k, dtype=torch.long) for k, n in enumerate(counts)])
+    class_w = 1.0 / torch.tensor(counts, dtype=torch.float)
+    sampler = WeightedRandomSampler(class_w[y] if per_sample else class_w, num_samples=len(y), replacement=True)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, sampler=sampler, drop_last=True)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(model, opt, live=False) as g:
+        for xb, yb in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    found = [f for f in g.findings if f.kind == "unshuffled-labels"]
+    if per_sample:
+        assert found == []
+        return
+    (f,) = found
+    assert f.step == 0 and f.details == {"sampler": "WeightedRandomSampler", "weights": 3, "dataset": 170}
+    assert "class_weights[labels]" in f.hint

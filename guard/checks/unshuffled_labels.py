@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from typing import Any, List, Optional
 
 import torch
-from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
+from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler, WeightedRandomSampler
 
 from .._frames import frame_locals, user_frame
 from .base import Check
@@ -135,12 +135,15 @@ class UnshuffledLabels(Check):
         self._loaders: "weakref.WeakKeyDictionary[Any, _Loader]" = weakref.WeakKeyDictionary()
         self._iters: "weakref.WeakKeyDictionary[Any, _Loader]" = weakref.WeakKeyDictionary()
         self._pending: Optional[tuple] = None  # (loader state, single class?, label) of the latest batch
+        self._weights_told = False
 
     def on_dataloader_iter_done(self, args, kwargs, result):
         loader = args[0] if args else None
         st = self._loaders.get(loader) if loader is not None else None
         if st is None:
             bs = getattr(loader, "batch_sampler", None)
+            if type(bs) is BatchSampler and type(bs.sampler) is WeightedRandomSampler:
+                self._weighted(loader, bs.sampler)
             if (type(bs) is not BatchSampler or type(bs.sampler) is not SequentialSampler
                     or not isinstance(bs.batch_size, int) or bs.batch_size < 2
                     or isinstance(getattr(loader, "dataset", None), IterableDataset)):
@@ -158,6 +161,27 @@ class UnshuffledLabels(Check):
             st.size = bs.batch_size
         if not st.done and result is not None:
             self._iters[result] = st
+
+    def _weighted(self, loader: Any, sampler: WeightedRandomSampler) -> None:
+        """A WeightedRandomSampler with fewer weights than the dataset has samples draws only from the first ones:
+        one weight per class given where one per sample was meant (`WeightedRandomSampler(class_w, len(y))`)."""
+        if self._weights_told:
+            return
+        try:
+            n, k = len(loader.dataset), len(sampler.weights)
+        except Exception:
+            return
+        if not 2 <= k < n:
+            return
+        self._weights_told = True
+        self.emit("unshuffled-labels", "DataLoader",
+                  f"the DataLoader's WeightedRandomSampler has {k} weights for a dataset of {n} samples: it draws "
+                  f"indices from range({k}) only, so every batch repeats the dataset's first {k} samples (one class, "
+                  f"if the dataset is sorted by label), and the other {n - k} are never seen: one weight per class was "
+                  f"given where one per sample is meant",
+                  "Give every sample its class's weight: WeightedRandomSampler(class_weights[labels], "
+                  "num_samples=len(labels), replacement=True), with labels the dataset's label per sample.",
+                  source=self.g.source(), details={"sampler": "WeightedRandomSampler", "weights": k, "dataset": n})
 
     def on_dataloader_next_done(self, args, kwargs, result):
         st = self._iters.get(args[0]) if args else None
