@@ -1960,3 +1960,37 @@ def test_a_second_network_trained_after_the_primary_steps_is_missing_from_the_st
     f = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
     assert len(f) == 1 and f[0].where == "net2" and f[0].step == 0, f
     assert "appeared mid-run" not in f[0].message and "second_model" not in f[0].details
+
+
+def test_follow_on_findings_of_gradients_piling_up_or_wiped_are_not_told():
+    """Two causes with consequences that other rules would see: gradients piling up without zero_grad() blow up
+    within the first steps (not an early divergence to lower the learning rate for), and gradients wiped by a
+    zero_grad() between backward and step leave the first layers with none (not a cut in the graph)."""
+    torch.manual_seed(0)
+    feat = nn.Sequential(nn.Linear(8, 16), nn.PReLU(), nn.Linear(16, 4))
+    centers = nn.Parameter(torch.randn(3, 4))
+    opt, opt_c = torch.optim.SGD(feat.parameters(), lr=0.01), torch.optim.SGD([centers], lr=0.5)
+    with guard(feat, [opt, opt_c], live=False) as g:
+        for _ in range(6):
+            x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+            f = feat(x)
+            loss = (f - centers[y]).pow(2).sum(1).mean()
+            opt.zero_grad()  # the bug: opt_c.zero_grad() missing
+            loss.backward()
+            opt.step()
+            opt_c.step()
+    assert "missing-zero-grad" in [f.kind for f in g.findings] and "grad-explosion" not in [f.kind for f in g.findings]
+    torch.manual_seed(0)
+    pi = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    v = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = nn.ModuleDict({"pi": pi, "v": v})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for _ in range(30):
+            s = torch.randn(16, 4)
+            pi(s).logsumexp(-1).mean().backward()
+            opt.zero_grad()  # the bug: wipes the policy's gradients
+            v(s).pow(2).mean().backward()
+            opt.step()
+    kinds_ = [f.kind for f in g.findings]
+    assert "zero-grad-before-step" in kinds_ and "vanishing-gradients" not in kinds_

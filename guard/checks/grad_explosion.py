@@ -237,7 +237,9 @@ class GradExplosion(Check):
         first loss near 0 (a consistency loss between a student and its just-copied teacher) sets no scale."""
         loss = self.g.step_loss
         return (bool(st.losses) and st.losses[0] >= FIRST_LOSS_MIN and loss is not None and math.isfinite(loss)
-                and loss >= 100.0 * st.losses[0])
+                and loss >= 100.0 * st.losses[0]
+                # gradients piling up without zero_grad() blow up too: that finding names the cause
+                and not any(f.kind == "missing-zero-grad" for f in self.g.findings))
 
     def _note_loss(self, st: _State) -> None:
         loss = self.g.step_loss

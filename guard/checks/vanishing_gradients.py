@@ -103,7 +103,9 @@ class VanishingGradients(Check):
             # no gradient at all while the last layer has one: the backward never reached it (a comparison's
             # `(x > 0).float()` leaves the graph), counted as a cut; a layer that had one at any sample, or whose
             # weights moved between the samples (updated at other steps: a stem used on some batches only), is not
-            if self._had_grad or (self._run and self._none and first._version != self._none_version):
+            if self._had_grad or (self._run and self._none and first._version != self._none_version) or any(
+                    f.kind == "zero-grad-before-step" for f in self.g.findings):
+                # (gradients wiped by a zero_grad() between backward and step: that finding is the cause)
                 self._run, self._ratios, self._had_grad = 0, [], True
                 return
             if not (self._run and self._none):
