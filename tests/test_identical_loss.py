@@ -160,3 +160,19 @@ def test_a_loss_frozen_by_gradients_piling_up_is_told_as_the_missing_zero_grad_o
             loss.backward()  # the bug: no opt.zero_grad()
             opt.step()
     assert [f.kind for f in g.findings] == ["missing-zero-grad"], g.findings
+
+
+def test_two_empty_selections_are_no_tensor_compared_with_itself():
+    """Per-arm losses on boolean-indexed subsets: a batch with no treated unit gives two empty tensors, which share a
+    data pointer. That is a mean over nothing (NaN, nonfinite's), not a loss that compares a tensor with itself."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for t in (torch.tensor([True, False, True, False]), torch.zeros(4, dtype=torch.bool)):
+            out, y = model(torch.randn(4, 4)).squeeze(1), torch.randn(4)
+            loss = F.mse_loss(out[t], y[t]) if t.any() else F.mse_loss(out[t], out[t].detach()) * 0 + out.sum() * 0
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not [f for f in g.findings if f.kind == "loss-constant"], g.findings

@@ -2399,3 +2399,27 @@ def test_a_forward_dropped_at_every_step_beside_a_used_one_on_its_line_is_still_
             opt.step()
     (f,) = g.findings
     assert f.kind == "eval-without-no-grad" and f.details["dropped_at_once"] is True
+
+
+def test_a_containers_train_at_the_top_of_the_step_does_not_excuse_another_models_no_grad_pass():
+    """`models.train()` at the top of each step (a ModuleDict holding a frozen classifier too), then the frozen
+    classifier's pseudo-labels under no_grad: the `.train()` above is not that model's, so it is no word about it."""
+    torch.manual_seed(0)
+    clf = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    models = nn.ModuleDict({"clf": clf, "net": net})
+    opt = torch.optim.SGD(list(net.parameters()) + list(clf.parameters()), lr=0.05)
+    with guard(models, opt, live=False) as g:
+        for step in range(12):
+            models.train()
+            x = torch.randn(16, 8)
+            if step % 6 == 5:
+                with torch.no_grad():
+                    pl = clf(x).argmax(1)  # an evaluation in train mode
+            else:
+                pl = torch.randint(0, 3, (16,))
+            loss = F.cross_entropy(net(x), pl) + F.cross_entropy(clf(x), pl)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert "eval-in-train-mode" in kinds(g), g.findings

@@ -143,7 +143,8 @@ def _caller_outside(frame: Any) -> Optional[str]:
     return None
 
 
-_TRAIN_CALL = re.compile(r"\.train\(\s*(True|mode\s*=\s*True)?\s*\)")
+_TRAIN_CALL = re.compile(r"([A-Za-z_][\w.]*)\.train\(\s*(True|mode\s*=\s*True)?\s*\)")
+_CALLEE = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 _TRAINING = ("backward(", ".step(")
 LOOK_BACK = 8  # lines above a no_grad model call searched for the `model.train()` that set its mode on purpose
 
@@ -158,6 +159,9 @@ def _train_called_before(frame: Any) -> bool:
         if frame is None:
             return False
         co, at = frame.f_code, frame.f_lineno
+        # what the call's line calls (`model`, `m.encode`): the `.train()` must be that model's (`models.train()` over
+        # a container, then a frozen classifier's pseudo-labels, is no word about the classifier)
+        callees = set(_CALLEE.findall(linecache.getline(co.co_filename, at).split("#")[0]))
         indent = None  # the least indentation so far: a line indented deeper sits in a block closed before the call
         for n in range(at, max(co.co_firstlineno, at - LOOK_BACK) - 1, -1):
             raw = linecache.getline(co.co_filename, n)
@@ -170,8 +174,9 @@ def _train_called_before(frame: Any) -> bool:
             if indent is not None and depth > indent:
                 continue  # (an `if` branch above the call may not have run)
             indent = depth
-            if _TRAIN_CALL.search(line):
-                return True
+            for who, _ in _TRAIN_CALL.findall(line):
+                if any(c == who or c.startswith(who + ".") for c in callees):
+                    return True
         frame = frame.f_back
     return False
 

@@ -140,8 +140,8 @@ class LossConstant(Check):
             return
         x = args[0] if args else kwargs.get("input")
         t = args[1] if len(args) > 1 else kwargs.get("target")
-        if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor) or not x.requires_grad:
-            return
+        if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor) or not x.requires_grad or x.numel() == 0:
+            return  # (two empty selections share a data pointer: a mean over nothing is NaN, nonfinite's business)
         if t is not x and (x.is_meta or x.dtype != t.dtype or x.shape != t.shape or x.stride() != t.stride()
                            or x.device != t.device or x.data_ptr() != t.data_ptr()):
             return
