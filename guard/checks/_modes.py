@@ -52,6 +52,19 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _MAX_UP = 4  # user frames searched for the module whose forward called (helpers called from forward)
 
 
+def method_owner(f: Any) -> Optional[nn.Module]:
+    """The module whose method frame `f` runs, or None. A method's first parameter, whatever its name (`def
+    forward(s, x)`); a plain function taking a module first (`def block(lin, x, p)`, `def greedy(m, src)`) is a
+    helper, not that module's method."""
+    co = f.f_code
+    first = co.co_varnames[0] if co.co_argcount else None
+    me = f.f_locals.get(first) if first else None
+    if isinstance(me, nn.Module) and (first == "self" or getattr(getattr(type(me), co.co_name, None),
+                                                                 "__code__", None) is co):
+        return me
+    return None
+
+
 def forward_caller(frame: Any, with_frame: bool = False) -> Tuple[Optional[object], ...]:
     """(frame that called the patched function, the module whose forward it runs in) or (None, None);
     `with_frame` adds the frame of that module's method (a helper's caller)."""
@@ -64,13 +77,8 @@ def forward_caller(frame: Any, with_frame: bool = False) -> Tuple[Optional[objec
     for _ in range(_MAX_UP):
         if f is None or os.path.abspath(f.f_code.co_filename).startswith(_TORCH):
             break  # left the forward (torch's Module.__call__)
-        co = f.f_code
-        # a method's first parameter, whatever its name (`def forward(s, x)`); a plain function taking a module first
-        # (`def block(lin, x, p)`) is a helper, not that module's method
-        first = co.co_varnames[0] if co.co_argcount else None
-        me = f.f_locals.get(first) if first else None
-        if isinstance(me, nn.Module) and (first == "self" or getattr(getattr(type(me), co.co_name, None),
-                                                                     "__code__", None) is co):
+        me = method_owner(f)
+        if me is not None:
             return (call, me, f) if with_frame else (call, me)
         f = f.f_back
     return (call, None, None) if with_frame else (call, None)

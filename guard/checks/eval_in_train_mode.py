@@ -53,7 +53,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from .._frames import is_skipped, short_path
 from ..tensors import iter_tensors
-from ._modes import F_DROPOUT_PATCHES, dropout_site, mode_sensitive
+from ._modes import F_DROPOUT_PATCHES, dropout_site, method_owner, mode_sensitive
 from .base import Check
 from .._weak import WeakIdMap, WeakIdSet
 
@@ -132,13 +132,8 @@ def _caller_outside(frame: Any) -> Optional[str]:
     while f is not None:
         co = f.f_code
         fn = os.path.abspath(co.co_filename)
-        if not (fn.startswith(_GUARD_DIR) or fn.startswith(_TORCH_DIR) or fn == _CONTEXTLIB):
-            first = co.co_varnames[0] if co.co_argcount else None
-            me = f.f_locals.get(first) if first else None
-            # (a function taking the model first, `def greedy(m, src)`, is the loop's helper, not a method of it)
-            if not (isinstance(me, nn.Module) and (first == "self" or getattr(
-                    getattr(type(me), co.co_name, None), "__code__", None) is co)):
-                return f"{short_path(co.co_filename)}:{f.f_lineno}"
+        if not (fn.startswith(_GUARD_DIR) or fn.startswith(_TORCH_DIR) or fn == _CONTEXTLIB) and method_owner(f) is None:
+            return f"{short_path(co.co_filename)}:{f.f_lineno}"
         f = f.f_back
     return None
 
