@@ -114,6 +114,7 @@ class Guard(Wiring):
         self._owner: Optional[Tuple[int, threading.Thread, bool]] = None
         self._told_threads = False  # another thread's events were seen while one is followed
         self._noticed_threads = False
+        self._left_alone: Dict[int, threading.Thread] = {}  # threads whose steps were skipped (Wiring._foreign)
         self._standins: Set[int] = set()  # ids of layers whose calls stand in for a model never called (Wiring._standin)
         self.compile = CompileBoundary(self, {"pre": self._hook_pre, "post": self._hook_post,
                                               "pre_global": self._hook_pre_global, "post_global": self._hook_post_global},

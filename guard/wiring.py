@@ -199,6 +199,11 @@ class Wiring:
                             f"{owner[1].name} trains: this guard follows {owner[1].name} until it ends and leaves "
                             f"the other threads alone. To watch each, start a guard inside each thread's function.")
             return True
+        left = self._left_alone.get(_thread_id())
+        if left is threading.current_thread():
+            # a thread that trained beside the followed one stays left alone: picked up mid-run, its steps
+            # would count on from the ended thread's and its checks would start halfway
+            return True
         self._owner = None  # the training thread ended: the next one to step is followed
         if self._told_threads:
             self._told_threads = False
@@ -406,6 +411,8 @@ class Wiring:
         owner = self._owner
         self._tls.step_skip = skip = (owner is not None and owner[0] != _thread_id()
                                       and self._foreign(stepping=self._counts_steps(opt)))
+        if skip:
+            self._left_alone[_thread_id()] = threading.current_thread()
         if skip or not self._watches_optimizer(opt):
             return None
         if self._lagging is not None:  # the step of a trailing optimizer raised: its post hook never came

@@ -443,6 +443,37 @@ def test_one_guard_over_two_threads_training_at_once_follows_one(scope):
         assert 50 <= g.step <= 60
 
 
+def test_a_thread_left_alone_stays_left_alone_when_the_followed_one_ends_first():
+    """Two trials of a threaded search at once: the slower one, left alone while the first trained, is not
+    picked up halfway when the first ends (its steps would count on from the first's, its checks start mid-run)."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)) for _ in range(2)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    first_stepped, first_done = threading.Event(), threading.Event()
+
+    def fast():
+        _thread_loop(models[0], opts[0], 0, 1)
+        first_stepped.set()
+        _thread_loop(models[0], opts[0], 1, 9)
+
+    def slow():
+        first_stepped.wait(30)
+        _thread_loop(models[1], opts[1], 2, 1)  # while the first trains: left alone
+        first_done.wait(30)
+        _thread_loop(models[1], opts[1], 3, 20)  # after it ended
+
+    with guard(models, opts, live=False) as g:
+        a, b = threading.Thread(target=fast), threading.Thread(target=slow)
+        a.start(), b.start()
+        a.join(30)
+        first_done.set()
+        b.join(30)
+    assert g.findings == [] and g.internal_errors == []
+    assert g.step == 10
+    assert any("this guard follows" in n for n in g.notices)
+    assert not any("stepped" in n for n in g.notices)
+
+
 def test_training_in_a_thread_started_by_the_guarding_thread_is_watched():
     """The guard in the main thread, the loop in a worker (the main thread only waits, then evaluates)."""
     torch.manual_seed(0)
