@@ -30,7 +30,7 @@ def test_reentering_1000_times_leaks_neither_hooks_nor_memory():
                 opt.step()
                 opt.zero_grad()
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time: other work on the machine does not count
     enter(100)  # warm caches (registry, imports, torch kernels)
     gc.collect()
     tracemalloc.start()
@@ -48,7 +48,7 @@ def test_reentering_1000_times_leaks_neither_hooks_nor_memory():
     assert guard_hooks.active_patches() == [] and not guard_hooks._orphans
     assert len(guard_hooks._exit_callbacks) == 0
     assert grown < 256 * 1024, f"{grown} bytes retained over 800 guard sessions"
-    assert time.perf_counter() - t0 < 60  # 29 checks built and 30-odd patches placed per session: ~10 ms, tracemalloc on
+    assert time.process_time() - t0 < 60  # 29 checks built and 30-odd patches placed per session: ~10 ms, tracemalloc on
     assert saved_tensor_hooks() is None
 
 
