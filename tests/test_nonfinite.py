@@ -1318,3 +1318,57 @@ def test_a_nan_force_from_autograd_grad_is_named_as_the_losss_cause(eps):
     f = next(f for f in g.findings if f.kind == "nonfinite-loss")
     assert f.step == 0 and "torch.autograd.grad took at" in f.message and "sqrt(r2 + eps)" in f.hint
     assert f.details["derivative_source"].startswith("tests/test_nonfinite.py:")
+
+
+class _Fusion(nn.Module):
+    """Text queries attend to audio frames (key_padding_mask True at padding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cross = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, q, kv, pad):
+        fused, _ = self.cross(q, kv, kv, key_padding_mask=pad)
+        return self.head(fused.mean(1))
+
+
+@pytest.mark.parametrize("cause", ["empty-stream", "inverted-mask"])
+def test_nan_from_an_attention_row_with_every_key_masked_says_so(cause):
+    """A sample whose audio is missing (its padding mask all True), or a Hugging Face mask (1 = keep) passed as
+    torch's (True = ignore) to a sample with no padding: the training path's softmax over all -inf is NaN. The
+    finding names the attention and the masked rows, with the mask fix (not the overflow/epsilon one)."""
+    torch.manual_seed(0)
+    model = _Fusion()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for step in range(3):
+            lengths = torch.tensor([7, 5, 7, 3])
+            if cause == "empty-stream" and step == 1:
+                lengths[1] = 0
+            keep = torch.arange(7)[None] < lengths[:, None]
+            pad = keep if cause == "inverted-mask" else ~keep  # inverted: True at the real frames
+            loss = F.cross_entropy(model(torch.randn(4, 5, 16), torch.randn(4, 7, 16), pad),
+                                   torch.tensor([0, 1, 2, 0]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = g.findings[0]
+    assert (f.kind, f.where, f.step) == ("nonfinite-output", "cross", 1 if cause == "empty-stream" else 0)
+    assert f.details["fully_masked_rows"] == (5 if cause == "empty-stream" else 10)
+    assert "every key masked" in f.message and "~attention_mask.bool()" in f.hint
+    assert "overflow" not in f.hint
+
+
+def test_nan_of_an_overflowing_attention_beside_masked_rows_keeps_the_overflow_fix():
+    """NaN in rows that are not masked (inputs of 1e20 overflow q·k) is not the mask's doing."""
+    attn = nn.MultiheadAttention(16, 2, batch_first=True)
+    pad = torch.zeros(2, 4, dtype=torch.bool)
+    pad[1] = True
+    with guard(attn, live=False) as g:
+        q, kv = torch.full((2, 3, 16), 1e20), torch.full((2, 4, 16), 1e20)
+        out, _ = attn(q, kv, kv, key_padding_mask=pad)
+        out.sum().backward()
+    f = g.findings[0]
+    assert (f.kind, f.where) == ("nonfinite-output", "MultiheadAttention")
+    assert "fully_masked_rows" not in f.details and "overflow" in f.hint

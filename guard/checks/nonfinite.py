@@ -37,7 +37,7 @@ class _Call:
     """One module call's screened inputs and outputs, by flag index."""
 
     __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module", "graded", "padded",
-                 "evaluating")
+                 "evaluating", "masks")
 
     def __init__(self, path: str, mtype: str, is_root: bool, source: Optional[str], step: int, module: Any,
                  inputs: List[Tuple[str, int]], outputs: List[Tuple[str, int]]):
@@ -47,6 +47,7 @@ class _Call:
         self.graded = torch.is_grad_enabled()  # a training forward (not an evaluation under no_grad)
         self.evaluating = not self.graded and not module.training  # eval mode under no_grad: no loss will follow
         self.padded: Optional[int] = None  # flag of the output outside its fully masked rows (attention, see below)
+        self.masks: Optional[tuple] = None  # an attention's (query, key_padding_mask, attn_mask), read if it made NaN
 
 
 # Modules whose output cannot become NaN/Inf from finite inputs (and parameter-free containers):
@@ -287,6 +288,8 @@ class NonFinite(Check):
         if outputs and (self._pad_rows is not None or (
                 cls is nn.MultiheadAttention and not module.training and not torch.is_grad_enabled())):
             call.padded = self._padded_flag(module, args, kwargs, output)
+        elif cls is nn.MultiheadAttention and outputs and (len(args) > 3 or kwargs):
+            call.masks = _attention_masks(args, kwargs)  # kept (not read) until the step is resolved
         if is_root:
             self._pad_rows = None
         self._calls.append(call)
@@ -308,25 +311,12 @@ class NonFinite(Check):
                     if tuple(out.shape[:2]) != tuple(rows.shape):
                         return None
                 return self._flag(out.masked_fill(rows.reshape(*rows.shape, *[1] * (out.dim() - 2)), 0))
-            named = dict(zip(("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask"), args))
-            named.update(kwargs)
-            kpm, am, q = named.get("key_padding_mask"), named.get("attn_mask"), named.get("query")
-            out = output[0] if isinstance(output, tuple) else output
-            if (kpm is None and am is None) or not isinstance(q, torch.Tensor) or q.dim() != 3:
+            rows = _masked_rows(module.batch_first, *_attention_masks(args, kwargs))
+            if rows is None:
                 return None
-            batch_first = module.batch_first
-            bsz, tgt = (q.shape[0], q.shape[1]) if batch_first else (q.shape[1], q.shape[0])
-            full = None
-            if kpm is not None:
-                k = kpm if kpm.dtype is torch.bool else torch.isneginf(kpm)
-                full = k.reshape(bsz, 1, -1)
-            if am is not None:
-                a = am if am.dtype is torch.bool else torch.isneginf(am)
-                a = a.reshape(1, tgt, -1) if a.dim() == 2 else a.reshape(bsz, -1, tgt, a.shape[-1]).any(1)
-                full = a if full is None else full | a
-            rows = full.all(-1).expand(bsz, tgt)  # (batch, query) rows with every key masked
+            out = output[0] if isinstance(output, tuple) else output
             self._pad_rows = rows
-            if not batch_first:
+            if not module.batch_first:
                 rows = rows.t()
             return self._flag(out.masked_fill(rows.unsqueeze(-1), 0))
         except Exception:  # a mask of another layout: screened as any other output
@@ -817,6 +807,19 @@ class NonFinite(Check):
             hint = ("Use a large finite value for forbidden entries (-1e4 rather than -inf), or check that the gold "
                     "sequences respect the constraints (a noisy label that takes a forbidden transition); a "
                     "logsumexp over rows that are all -inf is -inf, and its difference with itself NaN.")
+        module_masks = call.masks if not bad_params and not huge and module is not None else None
+        rows = _fully_masked(module, module_masks, next((refs.get(i, lambda: None)() for name, i in call.outputs
+                                                          if i in bad), None)) if module_masks else None
+        if rows is not None:
+            samples = int(rows.all(-1).sum())
+            why = (f"its inputs were finite, but {int(rows.sum())} of its query rows have every key masked"
+                   + (f" ({samples} sample(s) with no key left at all)" if samples else "")
+                   + ": softmax over keys that are all -inf is 0/0 = NaN")
+            hint = ("Leave at least one key unmasked for every query: a sample whose keys are all padding (an empty or "
+                    "missing stream) needs a placeholder key (a learned null token) or to be left out of the batch. "
+                    "Check the mask's convention too: torch's key_padding_mask and boolean attn_mask are True where "
+                    "a key is IGNORED, the opposite of a Hugging Face attention_mask (1 = keep): pass "
+                    "`key_padding_mask=~attention_mask.bool()`.")
         if huge:
             # The standard layers inside are not screened one by one: their weights say which one overflowed.
             owners = list(dict.fromkeys(owner for _, _, owner in huge))
@@ -837,6 +840,7 @@ class NonFinite(Check):
                   step=call.step, source=call.source,
                   details={"module": call.type, "counts": out_counts, "input_stats": in_stats,
                            "output_stats": out_stats, "nonfinite_params": bad_params,
+                           **({"fully_masked_rows": int(rows.sum())} if rows is not None else {}),
                            **({"huge_weights": {n: v for n, v, _ in huge[:20]}} if huge else {}),
                            **({"nonfinite_buffers": inf_buffers[:20]} if inf_buffers else {})})
         return True
@@ -984,6 +988,46 @@ MASK_HINT = ("Arithmetic on -inf makes NaN: 0 * -inf (an entropy sum(p * log_sof
              "instead of -inf.")
 #: a weight this large is no trained network's: a blown-up update (float32 overflows at 3.4e38)
 HUGE_WEIGHT = 1e10
+
+
+def _attention_masks(args: tuple, kwargs: dict) -> tuple:
+    """A MultiheadAttention call's (query, key_padding_mask, attn_mask)."""
+    named = dict(zip(("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask"), args))
+    named.update(kwargs)
+    return named.get("query"), named.get("key_padding_mask"), named.get("attn_mask")
+
+
+def _masked_rows(batch_first: bool, q: Any, kpm: Any, am: Any) -> Optional[torch.Tensor]:
+    """The (batch, query) rows of an attention call whose keys are all masked, or None (no mask, other layout)."""
+    if (kpm is None and am is None) or not isinstance(q, torch.Tensor) or q.dim() != 3:
+        return None
+    bsz, tgt = (q.shape[0], q.shape[1]) if batch_first else (q.shape[1], q.shape[0])
+    full = None
+    if kpm is not None:
+        k = kpm if kpm.dtype is torch.bool else torch.isneginf(kpm)
+        full = k.reshape(bsz, 1, -1)
+    if am is not None:
+        a = am if am.dtype is torch.bool else torch.isneginf(am)
+        a = a.reshape(1, tgt, -1) if a.dim() == 2 else a.reshape(bsz, -1, tgt, a.shape[-1]).any(1)
+        full = a if full is None else full | a
+    return full.all(-1).expand(bsz, tgt)
+
+
+def _fully_masked(module: Any, masks: tuple, out: Any) -> Optional[torch.Tensor]:
+    """The fully masked (batch, query) rows of an attention call whose output `out` is NaN/Inf in those rows
+    only (error path), or None."""
+    try:
+        rows = _masked_rows(module.batch_first, *masks)
+        if rows is None or not bool(rows.any()):
+            return None
+        if not isinstance(out, torch.Tensor) or out.dim() != 3:
+            return rows  # the output is gone (freed after the step's backward): its rows cannot be compared
+        bad = ~torch.isfinite(out.detach()).all(-1)
+        if not module.batch_first:
+            bad = bad.t()
+        return rows if tuple(bad.shape) == tuple(rows.shape) and not bool((bad & ~rows).any()) else None
+    except Exception:  # a mask of another layout: the generic message
+        return None
 
 
 def _output_hint(mtype: str, params: bool) -> str:
