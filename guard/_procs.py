@@ -107,9 +107,16 @@ _explicit_reports: set = set()  # report paths of the guards from the code (a ba
 
 
 def _aside_note(g: Any) -> str:
-    where = f"report {g.config.report}" if g.config.report else "no report"
-    return (f"guard: a guard from the code ({where}) was active in this process; the environment's guard "
-            f"stepped aside meanwhile, so that guard's findings are in its own report, not here")
+    if not g.config.report:
+        return ("guard: a guard from the code (no report of its own) was active in this process; the environment's "
+                "guard stepped aside meanwhile, and that guard's findings are listed here with its step numbers")
+    return (f"guard: a guard from the code (report {g.config.report}) was active in this process; the environment's "
+            f"guard stepped aside meanwhile, so that guard's findings are in its own report, not here")
+
+
+def environment_guard_running() -> bool:
+    """Whether an environment's guard (TORCH_GUARD, ``guard run``) was started in this process."""
+    return bool(list(_background))  # (closed ones leave it)
 
 
 def after_start(g: Any) -> None:
@@ -137,6 +144,11 @@ def after_close(g: Any) -> None:
     _explicit.discard(g)
     for bg in list(_background):
         bg.aside_findings.extend(g.findings)
+        if not g.config.report:
+            # a guard from the code that writes no report: its findings go to the environment's, which a CI job
+            # reads (else the run's report would say nothing of them)
+            for f in g.findings:
+                bg.record.put(f)
     if not any(e.active for e in _explicit):
         for bg in list(_background):
             bg.resume()

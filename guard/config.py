@@ -94,6 +94,12 @@ def parse_budget(value: Any, origin: str = "budget") -> Optional[float]:
     return f
 
 
+def _environment_guard_running() -> bool:
+    from ._procs import environment_guard_running  # (guard's process bookkeeping imports the config)
+
+    return environment_guard_running()
+
+
 def parse_live(value: Any, origin: str = "live", default: Optional[bool] = None) -> Union[bool, str]:
     """``live``: None means ``TORCH_GUARD_LIVE`` if set, else `default`, else whether stderr is a terminal.
 
@@ -268,7 +274,9 @@ def make_config(registry: Mapping[str, Any], *, checks: Any = "default", mode: A
         mode=mode,
         report=parse_report(report, o.get("report", "report")),
         # record mode collects silently; the environment's guard prints off a terminal too (plain lines)
-        live=parse_live(live, o.get("live", "live"), default=False if mode == "record" else True if bg else None),
+        # (a guard from the code under TORCH_GUARD prints as the environment's would: it steps aside for it)
+        live=parse_live(live, o.get("live", "live"), default=False if mode == "record" else True if bg or (
+            live is None and _environment_guard_running()) else None),
         every=parse_every(every, o.get("every", "every")),
         snoop=snoop,
         budget=parse_budget(budget, o.get("budget", "budget")),

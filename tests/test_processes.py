@@ -112,6 +112,24 @@ def test_explicit_guard_only_leaves_no_environment_dump(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["mine.json"]
 
 
+
+@pytest.mark.parametrize("live", ["default", "0"])
+def test_a_guard_from_the_code_without_report_or_live_is_heard_under_torch_guard(tmp_path, live):
+    """`with guard(model, opt):` (no report=, no live=) in a script run with TORCH_GUARD=1 off a terminal (CI):
+    its findings are printed as the environment's guard would print them, and go into the environment's report
+    (before, the environment's guard stepped aside and nothing was printed or written)."""
+    script = TRAIN.replace("for step in range(3):", "from guard import guard\n"
+                           "with guard(model, opt):\n  for step in range(3):")
+    (tmp_path / "train.py").write_text(script.replace("\n    ", "\n      "))
+    env = {"TORCH_GUARD": "1"} if live == "default" else {"TORCH_GUARD": "1", "TORCH_GUARD_LIVE": live}
+    r = _run(["train.py"], tmp_path, **env)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("guard ERROR nonfinite-input at input, step 1")]
+    assert len(lines) == (1 if live == "default" else 0), r.stderr
+    dump = _load(tmp_path / "guard-report.json")
+    assert _kinds(dump) == [("nonfinite-input", "input")] and dump["findings"][0]["step"] == 1
+    assert any("no report of its own" in n for n in dump["notices"])
+
 # ---------------------------------------------------------------- issue 15.5: several processes, one report path
 
 FORKED = """\
