@@ -1579,6 +1579,25 @@ def test_updates_by_hand_that_clear_the_gradients_are_silent(update, clear):
     assert g.findings == [] and g.internal_errors == []
 
 
+
+def clip_then_sub(p):
+    p.grad.clamp_(-1e9, 1e9)  # clipping in place before the update (clip_grad_value_, clamp_): not a clear
+    sub(p)
+
+
+def clip_norm_then_sub(p):
+    torch.nn.utils.clip_grad_norm_([p], 1e9)
+    sub(p)
+
+
+@pytest.mark.parametrize("update", [clip_then_sub, clip_norm_then_sub])
+def test_updates_by_hand_behind_gradient_clipping_that_never_clear_are_found(update):
+    """Clipping changes the gradients in place before the update: they are still the piled-up ones (a clip
+    between backward() and the update used to hide the missing clear)."""
+    g = manual_loop(update, None)
+    assert [(f.kind, f.where, f.step) for f in g.findings] == [("missing-zero-grad", "parameters (no optimizer)", 1)]
+    assert manual_loop(update, zero).findings == [] and manual_loop(update, none).findings == []
+
 def test_accumulation_by_hand_is_silent_and_its_missing_clear_is_found():
     """Several backwards before one update change no parameter in between: accumulation, not the bug."""
     g = manual_loop(sub, none, steps=12, every=3)

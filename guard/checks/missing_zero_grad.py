@@ -297,8 +297,10 @@ class MissingZeroGrad(Check):
         for pref, gref, gv, pv, first in kept:
             p = pref()
             g = p.grad if p is not None else None
-            if g is None or g is not gref() or g._version != gv:
-                continue  # cleared (None, zero_(), a new tensor) since: this parameter is fine
+            if g is None or g is not gref():
+                continue  # cleared (None, a new tensor) since: this parameter is fine
+            # changed in place since (zero_(), or clip_grad_norm_/clip_grad_value_/clamp_ before the update): its
+            # norm, read below, tells a cleared gradient (0) from one scaled and kept
             stale.append(p)
             if p._version != pv:
                 moved = True
