@@ -1372,3 +1372,37 @@ def test_nan_of_an_overflowing_attention_beside_masked_rows_keeps_the_overflow_f
     f = g.findings[0]
     assert (f.kind, f.where) == ("nonfinite-output", "MultiheadAttention")
     assert "fully_masked_rows" not in f.details and "overflow" in f.hint
+
+
+class _SquashedActor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 2)
+
+    def forward(self, s):
+        a = torch.tanh(self.l(s) * 20)  # saturated: tanh(u) == 1 in float32
+        return a, -torch.log(1 - a.pow(2)).sum(-1)  # the tanh-squash correction without its epsilon: log(0)
+
+
+@pytest.mark.parametrize("scope", ["models", "global"])
+def test_inf_made_before_the_update_that_broke_the_weights_is_not_blamed_on_them(scope):
+    """TD3/SAC order: the critic steps first (its step ends guard's steps), then the actor's forward makes +inf
+    from finite weights, and the actor's own update (NaN gradients) breaks them before the window is read. The
+    finding says its inputs were finite, with the epsilon fix, not "its parameters are non-finite"."""
+    torch.manual_seed(0)
+    actor, critic = _SquashedActor(), nn.Linear(6, 1)
+    a_opt, c_opt = torch.optim.SGD(actor.parameters(), 0.01), torch.optim.SGD(critic.parameters(), 0.01)
+    models, opts = ([critic, actor], [c_opt, a_opt]) if scope == "models" else (None, None)
+    with guard(models, opts, live=False) as g:
+        for _ in range(3):
+            c_opt.zero_grad()
+            critic(torch.randn(16, 6)).pow(2).mean().backward()
+            c_opt.step()
+            a, logp = actor(torch.randn(16, 4))
+            a_opt.zero_grad()
+            (logp.mean() + a.pow(2).mean()).backward()
+            a_opt.step()
+    f = g.findings[0]
+    assert (f.kind, f.where) == ("nonfinite-output", "_SquashedActor" if scope == "global" else "actor")
+    assert f.details["nonfinite_params"] == [] and "its inputs were finite" in f.message
+    assert "epsilon" in f.hint and "reload good weights" not in f.hint

@@ -156,6 +156,8 @@ class NonFinite(Check):
         self._calls: List[_Call] = []
         self._losses: List[Tuple[int, Optional[str], int]] = []
         self._grads: List[Tuple[int, Any, int, Optional[str]]] = []
+        # updates staged in this window: (calls made before it, the optimizer, its gradients' flags)
+        self._updates: List[Tuple[int, weakref.ref, List[int]]] = []
 
     # staging ---------------------------------------------------------------
     def _flag(self, t: torch.Tensor, own: bool = False) -> int:
@@ -445,8 +447,12 @@ class NonFinite(Check):
     def _stage_grads(self, optimizer) -> None:
         self._screened.append(self.g.step)
         gn = self.g.grad_norms(optimizer)
+        flags = []
         for total in gn.totals.values():
-            self._grads.append((self._flag(total, own=True), gn, self.g.step, self.g.source()))
+            flags.append(self._flag(total, own=True))
+            self._grads.append((flags[-1], gn, self.g.step, self.g.source()))
+        if optimizer is not None:  # (None: gradients of a backward with no optimizer known yet)
+            self._updates.append((len(self._calls), weakref.ref(optimizer), flags))
 
     # Weights are not reduced after every step: NaN/Inf weights make the next forward's outputs (and
     # loss) non-finite, and only then, at that resolution, are the weights looked at, before any module
@@ -520,6 +526,7 @@ class NonFinite(Check):
     def _on_resolved(self):
         bad, masks = self._bad, self._masks
         window = (self._calls, self._losses, self._grads, self._refs)
+        self._window_updates = (self._calls, self._updates)
         self._new_window()
         if not bad:
             return
@@ -687,6 +694,23 @@ class NonFinite(Check):
                     return src
         return None
 
+    def _broken_after(self, call: _Call, module: Any, bad: set, names: List[str]) -> bool:
+        """Whether an update with NaN/Inf gradients of an optimizer holding those weights ran after `call`
+        (in the window resolved now): they were broken by it, after the call made its NaN/Inf (an actor stepped
+        after the critic whose step the window ends at, TD3/SAC's order), not before it."""
+        calls, updates = getattr(self, "_window_updates", ((), ()))
+        pos = next((k for k, c in enumerate(calls) if c is call), None)
+        if pos is None:
+            return False
+        params = dict(module.named_parameters())
+        ids = {id(params[n]) for n in names if n in params}
+        for before, ref, flags in updates:
+            opt = ref()
+            if before > pos and opt is not None and any(f in bad for f in flags) and any(
+                    id(p) in ids for grp in opt.param_groups for p in grp["params"]):
+                return True
+        return False
+
     def _report_padded(self, first: _Call, spread: _Call, bad: set, refs: Dict[int, weakref.ref]) -> None:
         counts = {n: nonfinite_counts(t) for n, i in spread.outputs
                   if i in bad and (t := refs.get(i, lambda: None)()) is not None}
@@ -747,6 +771,8 @@ class NonFinite(Check):
                     if self.g.param_name(p) in self._bad_param_names:
                         return True  # a consequence of an already reported nonfinite-param
                     bad_params.append(n)
+            if bad_params and self._broken_after(call, module, bad, bad_params):
+                bad_params = []
         out_counts, in_stats, out_stats = {}, {}, {}
         for name, i in call.outputs:
             t = refs.get(i, lambda: None)()
