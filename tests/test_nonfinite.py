@@ -1406,3 +1406,35 @@ def test_inf_made_before_the_update_that_broke_the_weights_is_not_blamed_on_them
     assert (f.kind, f.where) == ("nonfinite-output", "_SquashedActor" if scope == "global" else "actor")
     assert f.details["nonfinite_params"] == [] and "its inputs were finite" in f.message
     assert "epsilon" in f.hint and "reload good weights" not in f.hint
+
+
+def test_normalisation_buffers_computed_from_data_with_nan_are_named_with_the_clean_data_fix():
+    """Observation statistics taken over a dataset with a few NaN readings hold NaN: every output is NaN although
+    the batches fed are clean. Named at the buffer with the nanmean fix, not as a CRF's hard constraint."""
+    torch.manual_seed(0)
+    obs = torch.randn(256, 6)
+    obs[::97, 2] = float("nan")
+
+    class Policy(nn.Module):
+        def __init__(self, mean, std):
+            super().__init__()
+            self.register_buffer("o_mean", mean)
+            self.register_buffer("o_std", std)
+            self.net = nn.Linear(6, 2)
+
+        def forward(self, o):
+            return self.net((o - self.o_mean) / self.o_std)
+
+    pi = Policy(obs.mean(0), obs.std(0) + 1e-6)
+    opt = torch.optim.Adam(pi.parameters(), 1e-3)
+    clean = obs[~obs.isnan().any(1)]
+    with guard(pi, opt, live=False) as g:
+        for _ in range(3):
+            loss = F.mse_loss(pi(clean[:32]), torch.zeros(32, 2))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = g.findings[0]
+    assert (f.kind, f.where, f.step) == ("nonfinite-output", "Policy", 0)
+    assert f.details["nonfinite_buffers"] == ["o_mean", "o_std"] and "holds NaN" in f.message
+    assert "nanmean" in f.hint and "CRF" not in f.message

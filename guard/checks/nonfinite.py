@@ -826,7 +826,15 @@ class NonFinite(Check):
             # (read when reporting only) a buffer of the module's own holding +-inf: a hard constraint (forbidden CRF
             # transitions) that a path the data takes meets, where -inf - -inf or 0 * -inf makes NaN
             inf_buffers = [n for n, b in module.named_buffers() if screenable(b) and not bool(torch.isfinite(b).all())]
-        if inf_buffers:
+        nan_buffers = [n for n in inf_buffers if bool(torch.isnan(dict(module.named_buffers())[n]).any())]
+        if nan_buffers:
+            why = (f"its inputs were finite, but its buffer {', '.join(f'`{n}`' for n in nan_buffers[:3])} holds NaN "
+                   f"(statistics computed from data with NaN in it: a mean or std over a dataset with missing "
+                   f"readings), and every output that uses it is NaN")
+            hint = ("Compute the statistics from clean data: drop or impute the NaN readings first, or use "
+                    "torch.nanmean and a NaN-aware std; then check the buffer once after filling it "
+                    "(torch.isfinite(buf).all()).")
+        elif inf_buffers:
             why = (f"its inputs were finite, but its buffer {', '.join(f'`{n}`' for n in inf_buffers[:3])} holds "
                    f"-inf/inf (a hard constraint, such as forbidden CRF transitions): a path the data takes meets it, "
                    f"and -inf - -inf or 0 * -inf is NaN")
