@@ -1438,3 +1438,26 @@ def test_normalisation_buffers_computed_from_data_with_nan_are_named_with_the_cl
     assert (f.kind, f.where, f.step) == ("nonfinite-output", "Policy", 0)
     assert f.details["nonfinite_buffers"] == ["o_mean", "o_std"] and "holds NaN" in f.message
     assert "nanmean" in f.hint and "CRF" not in f.message
+
+
+@pytest.mark.parametrize("loss_fn", [lambda p, y: F.mse_loss(p, y), nn.SmoothL1Loss()], ids=["F.mse_loss", "SmoothL1Loss"])
+def test_a_nan_loss_from_a_nan_target_names_the_target(loss_fn):
+    """Behaviour cloning with z-scored actions: one action dimension is constant, its std 0, its targets 0/0.
+    The model's outputs are finite; the finding names the loss function's target, not the loss computation."""
+    torch.manual_seed(0)
+    obs, act = torch.randn(64, 5), torch.randn(64, 3)
+    act[:, 2] = 1.0
+    act_n = (act - act.mean(0)) / act.std(0)
+    pi = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(pi.parameters(), 1e-3)
+    with guard(pi, opt, live=False) as g:
+        for it in range(3):
+            idx = torch.arange(16) + 16 * it
+            loss = loss_fn(pi(obs[idx]), act_n[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = g.findings[0]
+    assert (f.kind, f.where, f.step) == ("nonfinite-loss", "loss", 0)
+    assert "target given to" in f.message and "16 NaN" in f.message
+    assert f.details["target_of"] in ("mse_loss", "smooth_l1_loss") and "std.clamp_min" in f.hint

@@ -25,7 +25,7 @@ from .. import tensors as _tensor_mod
 from ..tensors import (distinct_view, finite_stats, fused_norms, iter_named_tensors, iter_tensors, nonfinite_counts,
                        screenable, stored_values)
 from .._weak import WeakIdMap
-from .base import Check
+from .base import Check, add_call_handlers
 
 _HALF = (torch.float16, torch.bfloat16)
 _WIDE_SUM = (torch.float32, torch.float64)  # 0-dim tensors of these dtypes are used as their own sum
@@ -93,12 +93,19 @@ def _tensors(obj: Any, prefix: str) -> List[Tuple[str, torch.Tensor]]:
     return list(iter_named_tensors(obj, prefix))
 
 
+#: losses whose target is looked at when the loss is NaN/Inf from finite outputs
+_TARGETED = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+             "binary_cross_entropy_with_logits")
+
+
 class NonFinite(Check):
     name = "nonfinite"
     # (a CTC loss of the step gives its infinite loss its own fix: an utterance with no valid alignment)
     patches = {"ctc_loss": "torch.nn.functional.ctc_loss",
                # shared with eval-without-no-grad (one wrapper): derivatives taken for the loss (forces as -dE/dpos)
-               "autograd_grad": "torch.autograd.grad"}
+               "autograd_grad": "torch.autograd.grad",
+               # shared with loss-shape-broadcast (one wrapper per function): the target of a NaN loss is looked at
+               **{f"shape_{fn}": f"torch.nn.functional.{fn}" for fn in _TARGETED}}
     kinds = {
         "nonfinite-input": ("error", "NaN/Inf in a tensor fed to the guarded model"),
         "nonfinite-output": ("error", "a module produced NaN/Inf from finite inputs"),
@@ -156,6 +163,9 @@ class NonFinite(Check):
         self._calls: List[_Call] = []
         self._losses: List[Tuple[int, Optional[str], int]] = []
         self._grads: List[Tuple[int, Any, int, Optional[str]]] = []
+        # (loss function, its target) of this window: held (a temporary `y[idx]` is gone by the read) until the
+        # step is read, a few per window
+        self._targets: List[Tuple[str, torch.Tensor]] = []
         # updates staged in this window: (calls made before it, the optimizer, its gradients' flags)
         self._updates: List[Tuple[int, weakref.ref, List[int]]] = []
 
@@ -525,12 +535,12 @@ class NonFinite(Check):
 
     def _on_resolved(self):
         bad, masks = self._bad, self._masks
-        window = (self._calls, self._losses, self._grads, self._refs)
+        window = (self._calls, self._losses, self._grads, self._refs, self._targets)
         self._window_updates = (self._calls, self._updates)
         self._new_window()
         if not bad:
             return
-        calls, losses, grads, refs = window
+        calls, losses, grads, refs = window[:4]
         known: set = set()  # flags of -inf masks seen before (not an origin)
         held = {f for f, _, _ in losses} | {f for f, _, _, _ in grads}  # the loss and gradient flags
         if masks:
@@ -660,6 +670,8 @@ class NonFinite(Check):
                                   "the sqrt: torch.where after it does not help, the unused branch's derivative is "
                                   "still NaN).",
                                   step=step, source=source, details={"derivative_source": at})
+                    elif self._dirty_target(step, source, window[4]):
+                        pass
                     else:
                         self.emit("nonfinite-loss", "loss",
                                   "the loss passed to backward() is NaN/Inf although the model's outputs were finite",
@@ -677,6 +689,27 @@ class NonFinite(Check):
                 self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
                                    loss_seen=bool(losses))
                 return
+
+    def _target(self, fn: str, args: tuple, kwargs: dict) -> None:
+        t = args[1] if len(args) > 1 else kwargs.get("target")
+        if isinstance(t, torch.Tensor) and len(self._targets) < 4 and self.g.sampling:
+            self._targets.append((fn, t))  # looked at only if the loss turns out NaN/Inf
+
+    def _dirty_target(self, step: int, source: Optional[str], targets: list) -> bool:
+        """A NaN/Inf loss from finite outputs whose loss function's target holds NaN/Inf (error path): told so."""
+        for fn, t in targets:
+            if not screenable(t) or bool(torch.isfinite(t.detach()).all()):
+                continue
+            self.emit("nonfinite-loss", "loss",
+                      f"the loss passed to backward() is NaN/Inf although the model's outputs were finite: the target "
+                      f"given to {fn} holds NaN/Inf ({_counted(nonfinite_counts(t))})",
+                      "The targets are dirty, not the loss: a normalisation that divided by a zero standard deviation "
+                      "(a constant column in (y - mean) / std: clamp it, std.clamp_min(1e-6)) or NaN in the labels. "
+                      "Clean or clamp them where they are made, and check torch.isfinite(y).all() once on the "
+                      "dataset.",
+                      step=step, source=source, details={"target_of": fn, "counts": nonfinite_counts(t)})
+            return True
+        return False
 
     def on_autograd_grad_done(self, args, kwargs, result):
         if kwargs.get("create_graph") and isinstance(result, (tuple, list)):
@@ -1024,6 +1057,10 @@ MASK_HINT = ("Arithmetic on -inf makes NaN: 0 * -inf (an entropy sum(p * log_sof
 HUGE_WEIGHT = 1e10
 
 
+def _counted(c: Dict[str, int]) -> str:
+    return f"{c.get('nan', 0)} NaN and {c.get('posinf', 0) + c.get('neginf', 0)} Inf of {c.get('numel', '?')} values"
+
+
 def _attention_masks(args: tuple, kwargs: dict) -> tuple:
     """A MultiheadAttention call's (query, key_padding_mask, attn_mask)."""
     named = dict(zip(("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask"), args))
@@ -1073,3 +1110,6 @@ def _output_hint(mtype: str, params: bool) -> str:
                 "or check for constant/zero features.")
     return ("This module's computation overflowed or hit an undefined point (log(0), sqrt(<0), x/0, exp of a large "
             "value): clamp inputs, add an epsilon, lower the learning rate, or clip gradients.")
+
+
+add_call_handlers(NonFinite, "shape_", _TARGETED, "_target")
