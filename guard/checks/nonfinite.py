@@ -147,6 +147,7 @@ class NonFinite(Check):
         # id(optimizer) -> (weak reference whose callback checks the weights as it dies, its param_groups):
         # a script whose model and optimizer are locals of main() drops them before guard's exit
         self._ends: Dict[int, Tuple[Any, list]] = {}
+        self._left: Dict[int, Tuple[int, int]] = {}  # id(optimizer) -> (its first weight's version after its last update, window)
         self._by_hand = False  # the backward under way is of a loss scaled by hand (`_scaled_by_hand`)
         self._ctc_steps: Deque[int] = deque(maxlen=8)  # the last steps with a ctc_loss call without zero_infinity
         # (step, line, results) of this step's torch.autograd.grad(..., create_graph=True) calls: looked at only when
@@ -166,8 +167,10 @@ class NonFinite(Check):
         # (loss function, its target) of this window: held (a temporary `y[idx]` is gone by the read) until the
         # step is read, a few per window
         self._targets: List[Tuple[str, torch.Tensor]] = []
-        # updates staged in this window: (calls made before it, the optimizer, its gradients' flags)
-        self._updates: List[Tuple[int, weakref.ref, List[int]]] = []
+        # updates staged in this window: (calls made before it, the optimizer, its gradients' flags, whether its
+        # weights were as its previous update left them: `_broken_after`)
+        self._updates: List[Tuple[int, weakref.ref, List[int], Any]] = []
+        self._window = getattr(self, "_window", 0) + 1
 
     # staging ---------------------------------------------------------------
     def _flag(self, t: torch.Tensor, own: bool = False) -> int:
@@ -432,15 +435,15 @@ class NonFinite(Check):
         for p in params:
             by_device.setdefault(p.device, []).append(p)
 
-        def collect():
-            out = []
-            with torch.no_grad():
-                for group in by_device.values():
-                    norms, _ = fused_norms([p.detach() for p in group])
-                    out.append((torch.stack([n.reshape(()).float() for n in norms]),
-                                lambda values, group=group: self._note_born(group, values)))
-            return out
-        self.g.stage_batch(collect)
+        # computed now, before the update (the step's read comes later: after it, for an optimizer stepping
+        # after the one whose steps guard counts), read with the step's other values
+        out = []
+        with torch.no_grad():
+            for group in by_device.values():
+                norms, _ = fused_norms([p.detach() for p in group])
+                out.append((torch.stack([n.reshape(()).float() for n in norms]),
+                            lambda values, group=group: self._note_born(group, values)))
+        self.g.stage_batch(lambda: out)
 
     def _note_born(self, params: List[torch.Tensor], values: List[float]) -> None:
         for p, v in zip(params, values):
@@ -462,7 +465,12 @@ class NonFinite(Check):
             flags.append(self._flag(total, own=True))
             self._grads.append((flags[-1], gn, self.g.step, self.g.source()))
         if optimizer is not None:  # (None: gradients of a backward with no optimizer known yet)
-            self._updates.append((len(self._calls), weakref.ref(optimizer), flags))
+            # whether its weights are as its previous update, in a window read before this one, left them
+            left = self._left.get(id(optimizer))
+            groups = optimizer.param_groups
+            p0 = groups[0]["params"][0] if groups and groups[0]["params"] else None
+            intact = "first" if left is None else (p0 is not None and left[0] == p0._version and left[1] < self._window)
+            self._updates.append((len(self._calls), weakref.ref(optimizer), flags, intact))
 
     # Weights are not reduced after every step: NaN/Inf weights make the next forward's outputs (and
     # loss) non-finite, and only then, at that resolution, are the weights looked at, before any module
@@ -478,6 +486,7 @@ class NonFinite(Check):
         if groups and groups[0]["params"]:
             p0 = groups[0]["params"][0]
             self._post_version = (id(p0), p0._version)
+            self._left[id(optimizer)] = (p0._version, self._window)
 
     def on_exit(self):
         """At the end the weights are looked at once: the last update may have broken them."""
@@ -727,21 +736,25 @@ class NonFinite(Check):
                     return src
         return None
 
-    def _broken_after(self, call: _Call, module: Any, bad: set, names: List[str]) -> bool:
-        """Whether an update with NaN/Inf gradients of an optimizer holding those weights ran after `call`
-        (in the window resolved now): they were broken by it, after the call made its NaN/Inf (an actor stepped
-        after the critic whose step the window ends at, TD3/SAC's order), not before it."""
+    def _broken_after(self, call: _Call, module: Any, bad: set) -> bool:
+        """Whether the module's weights found NaN/Inf (some are) were finite when `call` ran, and broken after it (in the window resolved
+        now) by an update with NaN/Inf gradients of an optimizer holding them: an actor stepped after the critic
+        whose step the window ends at (TD3/SAC's order). Finite then: nothing changed them since that optimizer's
+        previous update, which a window read before this one had finite gradients for (or it is the optimizer's
+        first update, and they were finite before it)."""
         calls, updates = getattr(self, "_window_updates", ((), ()))
         pos = next((k for k, c in enumerate(calls) if c is call), None)
         if pos is None:
             return False
-        params = dict(module.named_parameters())
-        ids = {id(params[n]) for n in names if n in params}
-        for before, ref, flags in updates:
+        held = [p for p in module.parameters() if screenable(p) and not bool(torch.isfinite(p.detach()).all())]
+        if not held:
+            return False
+        ids = {id(p) for p in held}
+        for before, ref, flags, intact in updates:
             opt = ref()
             if before > pos and opt is not None and any(f in bad for f in flags) and any(
                     id(p) in ids for grp in opt.param_groups for p in grp["params"]):
-                return True
+                return intact is True or (intact == "first" and all(self._born.get(p) is None for p in held))
         return False
 
     def _report_padded(self, first: _Call, spread: _Call, bad: set, refs: Dict[int, weakref.ref]) -> None:
@@ -792,20 +805,19 @@ class NonFinite(Check):
 
     def _report_output(self, call: _Call, bad: set, refs: Dict[int, weakref.ref], taken: List[str] = (),
                        masked: bool = False) -> bool:
-        if self._bad_param_names:
+        module = call.module()
+        after = module is not None and self._broken_after(call, module, bad)
+        if self._bad_param_names and not after:
             # Weights are already NaN/Inf (found after an optimizer step): every later NaN output is
             # their consequence, and standard layers with such weights passed their input's flag on.
             return True
-        module = call.module()
         bad_params: List[str] = []
-        if module is not None:
+        if module is not None and not after:
             for n, p in module.named_parameters():
                 if screenable(p) and not bool(torch.isfinite(p.detach()).all()) and self._born.get(p) != "inf":
                     if self.g.param_name(p) in self._bad_param_names:
                         return True  # a consequence of an already reported nonfinite-param
                     bad_params.append(n)
-            if bad_params and self._broken_after(call, module, bad, bad_params):
-                bad_params = []
         out_counts, in_stats, out_stats = {}, {}, {}
         for name, i in call.outputs:
             t = refs.get(i, lambda: None)()
