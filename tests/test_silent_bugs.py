@@ -1031,3 +1031,44 @@ def test_a_weighted_sampler_given_one_weight_per_class(per_sample):
     (f,) = found
     assert f.step == 0 and f.details == {"sampler": "WeightedRandomSampler", "weights": 3, "dataset": 170}
     assert "class_weights[labels]" in f.hint
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_grads_all_zero_from_a_clip_to_zero_names_the_clip(clip):
+    """A config's `clip=0.0`, meant as "no clipping", passed straight to clip_grad_norm_ (or clip_grad_value_):
+    every gradient is scaled to 0 after backward(). The finding names the clip's line and argument, not the loss
+    path; with clipping skipped when it is 0 nothing is told."""
+    def run(skip_zero):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 20))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        cfg_clip = 0.0
+        with guard(model, opt, live=False) as g:
+            for _ in range(12):
+                x = torch.rand(16, 20)
+                loss = nn.functional.mse_loss(model(x), x)
+                opt.zero_grad()
+                loss.backward()
+                if not skip_zero or cfg_clip > 0:
+                    if clip == "norm":
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg_clip)
+                    else:
+                        torch.nn.utils.clip_grad_value_(model.parameters(), cfg_clip)
+                opt.step()
+        return g
+
+    g = run(False)
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("grads-all-zero", "loss", 0)
+    fn = "clip_grad_norm_(max_norm=0)" if clip == "norm" else "clip_grad_value_(clip_value=0)"
+    assert fn in f.message and f.details["cause"] == "clip_to_zero"
+    assert f.details["cause_source"].endswith(str(_line_of_clip(clip)))
+    assert "no clipping" in f.hint and "loss path" not in f.hint
+    assert run(True).findings == []
+
+
+def _line_of_clip(clip):
+    import inspect
+    src, start = inspect.getsourcelines(test_grads_all_zero_from_a_clip_to_zero_names_the_clip)
+    needle = "clip_grad_norm_(model" if clip == "norm" else "clip_grad_value_(model"
+    return start + next(i for i, line in enumerate(src) if needle in line)

@@ -41,6 +41,8 @@ class GradsAllZero(Check):
     kinds = {"grads-all-zero": ("warning", "every gradient the optimizer applies has been exactly zero for "
                                            "several steps: training has stopped")}
     description = "every gradient the optimizer applies exactly zero for several steps (training has stopped)"
+    # shared with clip-before-unscale (one patch): a clip to 0 zeroes every gradient after backward()
+    patches = {"clip_grad_norm": "torch.nn.utils.clip_grad_norm_", "clip_grad_value": "torch.nn.utils.clip_grad_value_"}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -50,6 +52,17 @@ class GradsAllZero(Check):
         self._grad_seen = WeakIdMap()  # optimizer -> (its first gradient, that gradient's version) at the last look
         self._ever = False  # some step had a non-zero gradient
         self._idle: Optional[list] = None  # [(first idle step's zeros entry), steps with loss 0 and zero gradients]
+        self._clip_zero: Optional[tuple] = None  # (function, argument, its line) of a clip to 0 seen
+
+    def on_clip_grad_norm(self, args, kwargs):
+        self._clip("clip_grad_norm_", "max_norm", args[1] if len(args) > 1 else kwargs.get("max_norm"))
+
+    def on_clip_grad_value(self, args, kwargs):
+        self._clip("clip_grad_value_", "clip_value", args[1] if len(args) > 1 else kwargs.get("clip_value"))
+
+    def _clip(self, fn: str, arg: str, value) -> None:
+        if self._clip_zero is None and isinstance(value, (int, float)) and value == 0:
+            self._clip_zero = (fn, arg, self.g.source())
 
     def on_step_pre(self, optimizer):
         if not self.sampling:
@@ -167,6 +180,7 @@ class GradsAllZero(Check):
                    if cause is not None else "")
         # The norms are 0, but the gradients may not be: below ~1e-19 their squares underflow float32. Read once.
         tiny = cause is None and _nonzero(opt)
+        clip = self._clip_zero if cause is None and not tiny else None
         what = ("has had a norm of 0 (its values are not all 0, but too small to square in float32: below ~1e-19)"
                 if tiny else "has been exactly zero")
         hint = ("The gradients shrank geometrically to nothing: something scales them down at every step. A "
@@ -176,6 +190,11 @@ class GradsAllZero(Check):
                 "The loss no longer depends on the parameters: look for detach()/.item()/argmax/round in the "
                 "loss path, a loss multiplied by 0 or a constant, cross_entropy over a single class, dead ReLUs "
                 "or saturated outputs.")
+        if clip is not None:
+            because = f" because {clip[0]}({clip[1]}=0) at {clip[2]} scales every gradient to 0 after backward()"
+            hint = (f"{clip[1]}=0 does not mean \"no clipping\": it clips every gradient to 0. Skip the call when "
+                    f"clipping is off (`if cfg.clip > 0: torch.nn.utils.{clip[0]}(model.parameters(), cfg.clip)`), "
+                    f"or pass the limit you meant (1.0 is common).")
         stopped = ("training has stopped" if not to_end else
                    "that part of the model stopped learning, to the end of the run, while the other optimizer(s) "
                    "trained the rest")
@@ -185,8 +204,8 @@ class GradsAllZero(Check):
                   (cause.hint if cause is not None else hint),
                   step=run.since, seen=self.g.step, source=run.source,
                   details={"optimizer": type(opt).__name__, "steps": run.count, "parameters": n,
-                           "cause": cause.kind if cause is not None else None,
-                           "cause_source": cause.source if cause is not None else None,
+                           "cause": cause.kind if cause is not None else ("clip_to_zero" if clip is not None else None),
+                           "cause_source": cause.source if cause is not None else (clip[2] if clip is not None else None),
                            **({"underflow": True} if tiny else {}), **({"beside_training": True} if to_end else {})})
 
 
