@@ -2295,6 +2295,45 @@ def test_decoding_through_the_models_own_methods_in_training_mode(with_eval, eve
     assert f.source == line_of(_greedy.__wrapped__, "h = m.encode(src)") and f.details["modules"] == ["drop"]
 
 
+class _Cap(nn.Module):
+    """A captioner whose encoder (with BatchNorm) is called by the model's own `greedy` method."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16))
+        self.cell, self.drop, self.out = nn.GRUCell(16, 16), nn.Dropout(0.3), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.out(self.drop(self.cell(self.enc(x), None)))
+
+    def greedy(self, x):
+        h = self.enc(x)
+        return self.out(self.drop(self.cell(h, h))).argmax(-1)
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_a_part_called_by_the_models_own_method_is_one_evaluation_of_the_model(scope):
+    """`m.greedy(x)` under no_grad with `m.eval()` forgotten: its `self.enc(x)` is a model call of its own under a
+    global guard. One finding, at the model, at the user's line, naming the encoder's BatchNorm by its full path;
+    not a second one at `enc` with a line inside `greedy` and the BatchNorm called `1`."""
+    torch.manual_seed(0)
+    m = _Cap()
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+    with guard(m if scope == "model" else None, opt if scope == "model" else None, live=False) as g:
+        for step in range(8):
+            loss = F.cross_entropy(m(torch.randn(8, 8)), torch.randint(0, 5, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 3:
+                with torch.no_grad():
+                    m.greedy(torch.randn(8, 8))  # the evaluation
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("eval-in-train-mode", "_Cap", 4)
+    assert f.source == line_of(test_a_part_called_by_the_models_own_method_is_one_evaluation_of_the_model,
+                               "m.greedy(torch.randn(8, 8))  # the evaluation")
+    assert sorted(f.details["modules"]) == ["drop", "enc.1"]
+
 def _mining(evaluate):
     """Threshold hard-example mining: the forward shows which samples are hard, and a batch with none is skipped
     (its graph dropped) in runs scattered over the epoch. With `evaluate`, a validation pass outside no_grad from

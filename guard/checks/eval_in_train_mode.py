@@ -138,6 +138,18 @@ def _caller_outside(frame: Any) -> Optional[str]:
     return None
 
 
+def _user_method_of(frame: Any, model: nn.Module) -> bool:
+    """Whether the first frame of the user's code above `frame` is a method of `model` (or of a module in it)."""
+    f = frame
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if not (fn.startswith(_GUARD_DIR) or fn.startswith(_TORCH_DIR) or fn == _CONTEXTLIB):
+            owner = method_owner(f)
+            return owner is not None and any(m is owner for m in model.modules())
+        f = f.f_back
+    return False
+
+
 _TRAIN_CALL = re.compile(r"([A-Za-z_][\w.]*)\.train\(\s*(True|mode\s*=\s*True)?\s*\)")
 _CALLEE = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 _TRAINING = ("backward(", ".step(")
@@ -254,6 +266,14 @@ class EvalInTrainMode(Check):
             if trained and not any(i in trained for i in self._in_call):  # (a trained model's own call: judged whole)
                 self._parts_call(frame, site)
 
+    def _holding_model(self, part: nn.Module) -> Optional[nn.Module]:
+        """The trained model that holds `part` (a layer, or a submodule such as a dropout), if any (cached)."""
+        model = self._holder.data.get(id(part))
+        if model is None:
+            model = next((m for m in self._trained if m is not part and any(x is part for x in m.modules())), None)
+            self._holder[part] = model = weakref.ref(model) if model is not None else False
+        return model() if isinstance(model, weakref.ref) else None
+
     def _parts_call(self, frame: Any, site: Optional[tuple]) -> None:
         """A dropout running in training mode under no_grad outside every call of the trained model that holds it:
         the model's own methods (a greedy decoder's ``m.encode(src)``, ``m.step(tok, h)``) or its parts called one by
@@ -261,11 +281,7 @@ class EvalInTrainMode(Check):
         drop = _dropout_module(frame) or (site[0] if site is not None else None)
         if drop is None:
             return
-        model = self._holder.data.get(id(drop))
-        if model is None:
-            model = next((m for m in self._trained if any(x is drop for x in m.modules())), None)
-            self._holder[drop] = model = weakref.ref(model) if model is not None else False  # (it holds the dropout)
-        model = model() if isinstance(model, weakref.ref) else model
+        model = self._holding_model(drop)
         if not model or id(model) in self._in_call or not model.training or model in self._reported \
                 or model in self._pending or getattr(model, OPT_OUT, False):
             return
@@ -316,6 +332,14 @@ class EvalInTrainMode(Check):
             return  # (dry: the call that sized its lazy modules, `with torch.no_grad(): model(dummy)`)
         if not module.training:
             return  # model.eval() was called: layers in train mode under it were switched back on purpose (MC dropout)
+        holder = self._holding_model(module) if self._trained.data else None
+        if holder is not None and holder.training and holder not in self._reported and holder not in self._pending \
+                and _user_method_of(sys._getframe(), holder):
+            # a part of a trained model called by that model's own method (a greedy decoder's `s.enc(x)` inside
+            # `m.greedy(x)`): an evaluation of the model, told once, at the user's line outside its methods
+            source = _caller_outside(sys._getframe())
+            self._evaluation(holder, self.g.path_of(holder), fdrop, source, deliberate=self._set_by_hand(source))
+            return
         # model.train() just before: the train mode is this pass's purpose (BatchNorm reset before it still counts
         # its re-estimation batches)
         self._evaluation(module, path, fdrop, self.g.root_source,
