@@ -150,3 +150,24 @@ def test_the_train_override_in_the_hint_is_python_for_a_numbered_submodule():
             opt.step()
     [f] = g.findings
     assert f.where == "1" and "self[1].eval()" in f.hint, f.hint
+
+
+def test_under_a_global_guard_the_frozen_part_called_alone_gets_the_train_override_too():
+    """TORCH_GUARD=1 sees `self.features(out)` in the model's `loss` method as a model call of its own: the frozen
+    network is still the trained model's part, which `model.train()` switches back, so the fix is the override in
+    that model (not "never call train() on it": the script never does)."""
+    torch.manual_seed(0)
+    model = frozen_bn_train_mode.Restorer(keep_features_eval=False)
+    opt = torch.optim.Adam(model.gen.parameters(), lr=1e-3)
+    with guard(live=False) as g:
+        for _ in range(3):
+            model.train()
+            x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
+            loss = model.loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("eval-in-train-mode", "features", 0)
+    assert "self.features.eval()" in f.hint and "never call train()" not in f.hint
+    assert "model.train() switches" in f.message

@@ -477,6 +477,11 @@ class EvalInTrainMode(Check):
             shown = ", ".join(f"{path}.{n} ({t})" if n else f"{path} ({t})" for n, t in bns[:MAX_NAMED])
             more = f" and {len(bns) - MAX_NAMED} more" if len(bns) > MAX_NAMED else ""
             attr = _accessor(path)
+            holder = self._holding_model(module) if root else None
+            if holder is not None:
+                # called on its own (a global guard's model call: `s.feat(y_hat)` in the model's method) but held by
+                # the trained model, whose train() switches it back: the fix is the holder's, as for a part
+                root, attr = False, _accessor(next((n for n, m in holder.named_modules() if m is module), path))
             message = (f"{path} ({type(module).__name__}) is frozen (every parameter requires_grad=False, in no "
                        f"optimizer) and used for inference on the gradient path, but its BatchNorm layers run in "
                        f"training mode: {shown}{more}; each training step overwrites its pretrained running "
