@@ -440,6 +440,40 @@ def test_healthy_zero_grad_orders_are_silent():
         assert g.findings == [], pattern.__name__
 
 
+@pytest.mark.parametrize("scope", ["models", "global"])
+@pytest.mark.parametrize("bug", [True, False])
+def test_a_modules_zero_grad_between_its_backward_and_its_step_with_another_backward_between(scope, bug):
+    """Dreamer's order: `wm_loss.backward(); wm.zero_grad(); cr_loss.backward(); cr_opt.step(); wm_opt.step()`.
+    The critic's backward reaches none of the world model's parameters: its step applies nothing. Found although a
+    backward sits between the zero_grad() and the step; the DCGAN order (`netG.zero_grad()` after D's backward,
+    then G's own backward) stays silent."""
+    torch.manual_seed(0)
+    wm, critic = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 4)), nn.Linear(4, 1)
+    wm_opt, cr_opt = torch.optim.Adam(wm.parameters(), 1e-3), torch.optim.Adam(critic.parameters(), 1e-3)
+    models, opts = ([wm, critic], [wm_opt, cr_opt]) if scope == "models" else (None, None)
+    with guard(models, opts, live=False) as g:
+        for _ in range(6):
+            x = torch.randn(32, 4)
+            wm_opt.zero_grad()
+            cr_opt.zero_grad()
+            wm_loss = (wm(x) - x.roll(1, 1)).pow(2).mean()
+            if bug:
+                wm_loss.backward()
+            with torch.no_grad():
+                feats = wm(x)
+            wm.zero_grad()  # the bug: meant to clear before the critic's pass
+            critic(feats).pow(2).mean().backward()
+            if not bug:
+                wm_loss.backward()  # the wm's own backward after the zero_grad: fine
+            cr_opt.step()
+            wm_opt.step()
+    if not bug:
+        assert g.findings == []
+        return
+    f = only(g, "zero-grad-before-step")[0]
+    assert f.where in ("Adam[0]", "Adam[1]")  # (wm_opt: the first built, the second seen stepping)
+    assert f.step <= 1 and "reached none of" in f.message and f.details["grads"] == "None"
+
 def test_partial_zero_grad_and_gradient_surgery_are_silent():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

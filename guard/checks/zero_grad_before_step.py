@@ -48,7 +48,7 @@ def _stored(g: torch.Tensor) -> bool:
 
 class _Opt:
     __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids", "had_grads", "wiped", "wiped_src", "run",
-                 "run_src", "run_step")
+                 "run_src", "run_step", "module_zero")
 
     def __init__(self, stepped_at: int) -> None:
         self.zero_at = -1  # backward count at its latest zero_grad()
@@ -62,6 +62,7 @@ class _Opt:
         self.wiped: Optional[list] = None
         self.wiped_src: Optional[str] = None
         self.run, self.run_src, self.run_step = 0, None, -1  # steps in a row with such a partial wipe
+        self.module_zero = False  # its latest zero_grad() after a backward was a module's covering its parameters
 
 
 class ZeroGradBeforeStep(Check):
@@ -112,6 +113,7 @@ class ZeroGradBeforeStep(Check):
         if not args or not isinstance(args[0], torch.optim.Optimizer):
             return
         st = self._state(args[0])
+        st.module_zero = False
         if not st.had_grads:
             st.had_grads = True
             st.zero_at = -1  # it wiped nothing
@@ -146,6 +148,7 @@ class ZeroGradBeforeStep(Check):
             if st.ids and st.ids <= mids:
                 st.zero_at = self._backwards
                 st.zero_src = self.g.source()
+                st.module_zero, st.wiped_src = True, self._backward_src
 
     def on_step_pre(self, optimizer):
         st = self._st.data.get(id(optimizer))
@@ -153,13 +156,20 @@ class ZeroGradBeforeStep(Check):
             st = self._first_step(optimizer)
         if st is None or st.zero_at <= st.stepped_at:
             return
-        if st.zero_at != self._backwards:
+        between = st.zero_at != self._backwards
+        if between:
             if st.wiped is not None:
                 self._partial(optimizer, st)
-            return
+                return
+            if not st.module_zero:
+                return
+            # `wm_loss.backward(); wm.zero_grad(); cr_loss.backward(); cr_opt.step(); wm_opt.step()`: the backwards
+            # after the module's zero_grad() may have reached none of this optimizer's parameters
         present = [g for grp in optimizer.param_groups for p in grp["params"] if (g := p.grad) is not None]
+        info = (st.zero_src, st.wiped_src if between else self._backward_src, self.g.source(), self.g.step,
+                self._backward_src if between else None)
         if not present:
-            self._emit(optimizer, st, none=True)
+            self._emit(optimizer, st, none=True, info=info)
             return
         if any(g.layout is not torch.strided and not g.is_meta and _stored(g) for g in present):
             return  # a sparse gradient holding values after zero_grad(): set by hand (surgery on an embedding's)
@@ -172,7 +182,6 @@ class ZeroGradBeforeStep(Check):
             _, totals = fused_norms(grads)
         total = torch.stack([t.float().cpu() if len(totals) > 1 else t.float() for t in totals.values()]).sum()
         oref = weakref.ref(optimizer)
-        info = (st.zero_src, self._backward_src, self.g.source(), self.g.step)
 
         def verdict(v: float) -> None:
             opt = oref()
@@ -250,18 +259,23 @@ class ZeroGradBeforeStep(Check):
         self._state(optimizer).stepped_at = self._any_step = self._backwards
 
     def _emit(self, opt, st: _Opt, none: bool, info: Optional[Tuple] = None) -> None:
-        zero_src, backward_src, src, step = info or (st.zero_src, self._backward_src, self.g.source(), self.g.step)
+        zero_src, backward_src, src, step, later = info or (st.zero_src, self._backward_src, self.g.source(),
+                                                            self.g.step, None)
         where = self._label(opt)
         effect = ("every gradient is None, so the step skips all parameters" if none else
                   "every gradient is zero, so only weight decay and momentum move the parameters")
         message = (f"{where}.step() runs right after zero_grad() ({zero_src}), which came after backward() "
                    f"({backward_src}): the gradients of this step were wiped before the update; {effect}, "
-                   f"and the model does not learn")
+                   f"and the model does not learn" if later is None else
+                   f"zero_grad() ({zero_src}) came after backward() ({backward_src}) and before {where}.step(), and "
+                   f"the backward() after it ({later}) reached none of {where}'s parameters: the gradients of this "
+                   f"step were wiped before the update; {effect}, and that part of the model does not learn")
         hint = ("Zero the gradients before backward() (or right after step()): optimizer.zero_grad(); "
                 "loss.backward(); optimizer.step().")
         self.emit("zero-grad-before-step", where, message, hint, source=src, step=step,
                   details={"optimizer": type(opt).__name__, "zero_grad_source": zero_src,
-                           "backward_source": backward_src, "grads": "None" if none else "zero"})
+                           "backward_source": backward_src, "grads": "None" if none else "zero",
+                           **({"later_backward_source": later} if later is not None else {})})
 
     def _label(self, opt) -> str:
         name = type(opt).__name__
