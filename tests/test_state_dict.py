@@ -252,7 +252,7 @@ def test_a_whole_checkpoint_passed_for_its_state_dict_is_told_to_pass_its_model_
     assert f[0].details["nested_state_dict"] == "model"
 
 
-def _early_stopping(copy_snapshot, into_fresh=False):
+def _early_stopping(copy_snapshot, into_fresh=False, cpu=False):
     """Early stopping that restores the best epoch's state_dict into the model (or, `into_fresh`, into a fresh one)."""
     torch.manual_seed(0)
 
@@ -270,7 +270,8 @@ def _early_stopping(copy_snapshot, into_fresh=False):
                 loss.backward()
                 opt.step()
             if epoch == 1:
-                best = {k: v.clone() for k, v in model.state_dict().items()} if copy_snapshot else model.state_dict()
+                best = ({k: v.clone() for k, v in model.state_dict().items()} if copy_snapshot else
+                        {k: v.cpu() for k, v in model.state_dict().items()} if cpu else model.state_dict())
                 kept = {k: v.clone() for k, v in best.items()}
         if into_fresh:
             final = net()
@@ -288,6 +289,16 @@ def test_restoring_a_state_dict_snapshot_taken_without_a_copy_is_reported():
     assert "copy.deepcopy(model.state_dict())" in f.hint and f.details["aliased"] is True
     assert not torch.equal(model[0].weight, kept["0.weight"])  # indeed: the best epoch's weights are gone
 
+
+def test_a_snapshot_built_with_cpu_on_a_cpu_run_is_reported_with_the_explicit_copy():
+    """`{k: v.cpu() for ...}` copies only from a GPU: on a CPU run it holds the model's own tensors. The message
+    says why the dict was no copy, and the fix copies explicitly."""
+    g, model, kept = _early_stopping(copy_snapshot=False, cpu=True)
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("state-dict-mismatch", "Sequential", 12)
+    assert ".cpu() / .to(device)" in f.message and f.details["rebuilt_dict"] is True
+    assert "v.detach().clone().cpu()" in f.hint
+    assert not torch.equal(model[0].weight, kept["0.weight"])
 
 def test_restoring_a_copied_snapshot_and_syncing_another_model_are_silent():
     g, model, kept = _early_stopping(copy_snapshot=True)

@@ -287,8 +287,9 @@ def _aliased(module: nn.Module, state_dict: Mapping[str, Any]) -> List[str]:
     return same if same and len(same) == shared else []
 
 
-def _alias_report(module: nn.Module, keys: List[str]) -> Dict[str, Any]:
-    return {
+def _alias_report(module: nn.Module, keys: List[str], rebuilt: bool = False) -> Dict[str, Any]:
+    """`rebuilt`: the dict loaded is not what state_dict() returned but one built from it (`{k: v.cpu() ...}`)."""
+    res = {
         "message": (f"load_state_dict() got a state_dict whose {len(keys)} parameter tensor(s) are the model's own "
                     f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): state_dict() returns references, "
                     f"not copies, so training since it was taken changed them in place, and loading it changes "
@@ -300,6 +301,16 @@ def _alias_report(module: nn.Module, keys: List[str]) -> Dict[str, Any]:
         "details": {"model": type(module).__name__, "aliased": True, "aliased_keys": len(keys),
                     "examples": keys[:5]},
     }
+    if rebuilt:
+        # `{k: v.cpu() for k, v in model.state_dict().items()}`: a copy on a GPU, the same tensors on a CPU run
+        res["message"] += (" (the dict was built from state_dict()'s tensors without copying them: a shallow "
+                           "dict(...), or .cpu() / .to(device), which return the very same tensor when it is already "
+                           "there: on a CPU run they copy nothing)")
+        res["hint"] = ("Copy explicitly when taking the snapshot: {k: v.detach().clone().cpu() for k, v in "
+                       "model.state_dict().items()} (or v.to('cpu', copy=True)), or copy.deepcopy(model.state_dict()); "
+                       "then model.load_state_dict(best).")
+        res["details"]["rebuilt_dict"] = True
+    return res
 
 
 class StateDictMismatch(Check):
@@ -362,7 +373,7 @@ class StateDictMismatch(Check):
                     isinstance(sd[k], torch.Tensor) and sd[k]._version == snap[1].get(k) for k in keys):
                 return  # nothing changed it since it was taken: loading it restores what it should
             if keys:
-                self._report(module, _alias_report(module, keys), None)
+                self._report(module, _alias_report(module, keys, rebuilt=snap is None), None)
             elif snap is not None and snap[0]() is sd and module not in self._loaded:
                 # (a model's first load: a target network synced again and again from a dict it knows to be live is
                 # not this)
