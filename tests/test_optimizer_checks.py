@@ -1027,6 +1027,41 @@ def test_a_target_network_guard_does_not_watch_given_gradients_is_found(fixed):
     assert f.step == 1 and "torch.no_grad()" in f.hint and "which guard does not watch" in f.message
 
 
+@pytest.mark.parametrize("in_optimizer", [False, True])
+def test_a_temperature_left_out_of_every_optimizer_is_found_with_two_backwards_per_step(in_optimizer):
+    """SAC's `log_alpha = nn.Parameter(...)`, its loss added to the actor's, then the critic's own backward: the
+    walk for parameters outside the watched models looks at every backward of its step (the critic's alone does
+    not reach it). Under TORCH_GUARD=1; held by an optimizer of its own, nothing is told."""
+    torch.manual_seed(0)
+    actor, critic = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2)), nn.Linear(6, 1)
+    log_alpha = nn.Parameter(torch.zeros(1))
+    a_opt, c_opt = torch.optim.Adam(actor.parameters(), 1e-3), torch.optim.Adam(critic.parameters(), 1e-3)
+    al_opt = torch.optim.Adam([log_alpha], 1e-3) if in_optimizer else None
+    with guard(live=False) as g:
+        for _ in range(14):
+            s = torch.randn(16, 4)
+            a = actor(s)
+            logp = -a.pow(2).sum(-1)
+            alpha_loss = -(log_alpha * (logp - 2.0).detach()).mean()
+            actor_loss = (log_alpha.exp().detach() * logp - critic(torch.cat([s, a], -1)).squeeze(-1)).mean()
+            a_opt.zero_grad()
+            if al_opt is not None:
+                al_opt.zero_grad()
+            (actor_loss + alpha_loss).backward()
+            a_opt.step()
+            if al_opt is not None:
+                al_opt.step()
+            c_loss = (critic(torch.cat([s, a.detach()], -1)).squeeze(-1) - 1).pow(2).mean()
+            c_opt.zero_grad()
+            c_loss.backward()
+            c_opt.step()
+    if in_optimizer:
+        assert g.findings == [] and g.internal_errors == []
+        return
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("param-not-in-optimizer", "log_alpha", 1)
+    assert f.details["outside_watched_models"] is True and "add_param_group" in f.hint
+
 def test_a_learnable_loss_weight_left_out_of_the_optimizer_is_named():
     """Uncertainty weighting: `log_vars` is an nn.Parameter of no module, and the optimizer is built over the
     model's parameters only: the task weights never learn."""

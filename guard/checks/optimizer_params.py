@@ -15,7 +15,7 @@
   the model is looked at again every `RELOOK` steps: layers unfrozen mid-run (``requires_grad_(True)``)
   without ``add_param_group`` get gradients that no optimizer applies (nor zeroes: they pile up).
 
-  Parameters outside the watched models too: the backward of step 1 (and every `OUTSIDE_EVERY` steps) is
+  Parameters outside the watched models too: the backwards of step 1 (up to `OUTSIDE_WALKS`; and every `OUTSIDE_EVERY` steps) are
   walked for ``nn.Parameter``s that belong to no watched model and no optimizer holds (a target network run
   outside ``no_grad``, a bare ``log_vars``), confirmed `CONFIRM_STEPS` steps later like the others.
 
@@ -50,6 +50,7 @@ RELOOK = 16
 OUTSIDE_FIRST = 1
 OUTSIDE_EVERY = 64
 OUTSIDE_NODES = 20_000  # graph nodes one such walk visits at most
+OUTSIDE_WALKS = 4  # backwards of that step walked at most
 TARGET_FIX = ("Compute what they produce under torch.no_grad() (a DQN/SAC/TD3 target: with torch.no_grad(): "
               "y = r + gamma * target(next_obs).max(1).values), or freeze them: target.requires_grad_(False).")
 
@@ -136,16 +137,22 @@ class OptimizerParams(Check):
         self._moved: dict = {}  # names missing at a look but changed in place by the confirmation -> that look's step
         self._params = WatchedParams(guard)
         self._walk_at = OUTSIDE_FIRST  # the step of the next walk for parameters outside the watched models
+        self._walk_step, self._walks = -1, 0  # the step of the latest walk, and the backwards walked in it
         # the parameters such a walk found: id -> (parameter ref, its version, its gradient's (ref, version)), step
         self._outside: Optional[Tuple[Dict[int, tuple], int]] = None
         self._outside_told: set = set()
         self._attrs: Dict[int, str] = {}  # id(tensor) -> the module attribute holding it (a plain tensor to train)
 
     def on_backward(self, tensors, kwargs):
-        if self.g.step < self._walk_at:
-            return  # the usual backward: one comparison
-        self._walk_at = self.g.step + OUTSIDE_EVERY
-        if self._outside is None and self.g.optimizers:
+        step = self.g.step
+        if step < self._walk_at and step != self._walk_step:
+            return  # the usual backward: two comparisons
+        if step >= self._walk_at:
+            self._walk_at, self._walk_step, self._walks = step + OUTSIDE_EVERY, step, 0
+        # every backward of that step, up to OUTSIDE_WALKS (an actor's and a critic's: a temperature parameter left
+        # out of every optimizer is reached by the actor's only)
+        if self._walks < OUTSIDE_WALKS and self.g.optimizers and (self._outside is None or self._outside[1] == step):
+            self._walks += 1
             self._walk_outside(tensors)
 
     def _walk_outside(self, tensors) -> None:
@@ -178,7 +185,10 @@ class OptimizerParams(Check):
                                       (weakref.ref(g), g._version) if g is not None else None)
             self._attrs.update(attrs)
         if found:
-            self._outside = (found, self.g.step)
+            if self._outside is not None and self._outside[1] == self.g.step:
+                self._outside[0].update(found)  # another backward of the same step
+            else:
+                self._outside = (found, self.g.step)
 
     def _tensor_attributes(self, ids: set) -> Dict[int, str]:
         """``{id(tensor): "path.attr"}`` of the tensors among `ids` that a watched module keeps as a plain attribute
