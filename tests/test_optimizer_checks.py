@@ -2029,3 +2029,41 @@ def test_follow_on_findings_of_gradients_piling_up_or_wiped_are_not_told():
             opt.step()
     kinds_ = [f.kind for f in g.findings]
     assert "zero-grad-before-step" in kinds_ and "vanishing-gradients" not in kinds_
+
+
+def _iql_value_step(scope, steps_v):
+    """IQL's value net with its own optimizer: `v_opt.zero_grad(); v_loss.backward()` every iteration, and
+    `v_opt.step()` only when `steps_v` (dropped: the bug)."""
+    torch.manual_seed(0)
+    q, v = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1)), nn.Sequential(nn.Linear(4, 16), nn.ReLU(),
+                                                                                      nn.Linear(16, 1))
+    q_opt, v_opt = torch.optim.Adam(q.parameters(), 1e-3), torch.optim.Adam(v.parameters(), 1e-3)
+    models, opts = ([q, v], [q_opt, v_opt]) if scope == "models" else (None, None)
+    with guard(models, opts, live=False) as g:
+        for _ in range(16):
+            s, a, r = torch.randn(32, 4), torch.randn(32, 2), torch.randn(32, 1)
+            with torch.no_grad():
+                tq = q(torch.cat([s, a], 1))
+            diff = tq - v(s)
+            v_opt.zero_grad()
+            (torch.where(diff > 0, 0.7, 0.3) * diff.pow(2)).mean().backward()
+            if steps_v:
+                v_opt.step()
+            with torch.no_grad():
+                y = r + 0.99 * v(s)
+            q_opt.zero_grad()
+            nn.functional.mse_loss(q(torch.cat([s, a], 1)), y).backward()
+            q_opt.step()
+    return g
+
+
+@pytest.mark.parametrize("scope", ["models", "global"])
+def test_an_optimizer_whose_step_was_dropped_is_named_at_the_end(scope):
+    """Its zero_grad() and the backward run every iteration, its step() never: the value net never changes.
+    Told at the end of the run, naming the optimizer's variable and the network it holds; with the step, silent."""
+    g = _iql_value_step(scope, steps_v=False)
+    (f,) = g.findings
+    assert (f.kind, f.step) == ("params-not-updating", 0) and f.where in ("v", "1")
+    assert f.details["never_stepped"] is True and f.details["variable"] == "v_opt"
+    assert "v_opt.step()" in f.hint
+    assert _iql_value_step(scope, steps_v=True).findings == []

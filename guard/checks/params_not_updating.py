@@ -25,7 +25,9 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from ._params import module_prefixes
+from .._frames import frame_locals, variable_naming
+from ._graphs import user_frames
+from ._params import frame_optimizers, module_prefixes
 from .base import Check
 from .._weak import WeakIdMap
 
@@ -33,6 +35,9 @@ STEPS = 20  # sampled optimizer steps with lr = 0 and non-zero gradients before 
 #: a learning rate this small moves no float32 weight (its resolution is ~1e-7 of the weight's size); no schedule
 #: in use spends many steps below it, except by mistake (a cosine to 0 over 100k steps spends its last 2 there)
 TINY_LR = 1e-12
+#: the step of the main optimizer at which the optimizers the user's code holds that never stepped are noted
+#: (those whose parameters get gradients): one that still never stepped at the end of the run is told
+IDLE_LOOK = 8
 
 
 #: half-precision weights stepped directly: every HALF_EVERY-th step of the main optimizer, whether a sample of
@@ -102,6 +107,20 @@ def _lr(group) -> float:
     return float(lr) if isinstance(lr, (int, float)) else -1.0
 
 
+def _module_variable(opt: Any) -> Optional[str]:
+    """The user's variable holding the smallest module that holds every parameter of `opt` (`vf`), if any."""
+    ids = {id(p) for grp in opt.param_groups for p in grp["params"]}
+    best: Optional[tuple] = None
+    for fr in user_frames():
+        for scope in (frame_locals(fr), fr.f_globals):
+            for k, v in list(scope.items()):
+                if isinstance(v, nn.Module) and not k.startswith("_"):
+                    own = {id(p) for p in v.parameters()}
+                    if ids <= own and (best is None or len(own) < best[0]):
+                        best = (len(own), k)
+    return best[1] if best else None
+
+
 class ParamsNotUpdating(Check):
     name = "params-not-updating"
     kinds = {"params-not-updating": ("warning", "parameters with non-zero gradients do not change for many steps "
@@ -122,6 +141,53 @@ class ParamsNotUpdating(Check):
         self._stuck_before: Optional[Any] = None  # (step, [(parameter, sample copy)]) of the last look
         self._stuck_run: list = []  # first steps of the windows in a row in which no sampled parameter changed
         self._stuck_told = False
+        self._idle: Optional[list] = None  # [(optimizer ref, [(parameter ref, version, gradient ref)])] (IDLE_LOOK)
+
+    def _note_idle(self) -> None:
+        """The optimizers the user's code holds that have not stepped (guard saw no step of theirs) although some
+        of their parameters hold gradients: a sample of those parameters, to compare at the end of the run."""
+        stepped = self.g.watched.stepped_in  # id(optimizer) -> the thread it stepped in: those that stepped
+        self._idle = []
+        for o in frame_optimizers():
+            if id(o) in stepped:
+                continue
+            ps = [p for grp in o.param_groups for p in grp["params"] if isinstance(p, torch.Tensor)
+                  and p.grad is not None and p.grad.layout is torch.strided and not p.grad.is_meta][:4]
+            if ps:
+                self._idle.append((weakref.ref(o), [(weakref.ref(p), p._version, weakref.ref(p.grad)) for p in ps],
+                                   variable_naming(o), _module_variable(o)))
+
+    def _judge_idle(self) -> None:
+        """An optimizer that never stepped in the whole run while its parameters kept getting new gradients
+        (cleared and computed again, by its zero_grad() and a backward) and never changed: its step() is missing."""
+        stepped = self.g.watched.stepped_in  # id(optimizer) -> the thread it stepped in: those that stepped
+        for oref, sample, var, held_by in self._idle or ():
+            opt = oref()
+            if opt is None or id(opt) in stepped:
+                continue
+            ps = [(p, g) for pref, v, gref in sample if (p := pref()) is not None and p._version == v
+                  and (g := p.grad) is not None and g is not gref()]
+            if not ps or len(ps) < len(sample):
+                continue  # moved (updated another way), or no new gradients since the look
+            with torch.no_grad():
+                if not any(bool((g != 0).any()) for _, g in ps):
+                    continue
+            params = [p for grp in opt.param_groups for p in grp["params"] if isinstance(p, torch.Tensor)
+                      and p.grad is not None]
+            names = [self.g.param_name(p) for p in params]
+            prefixes = [held_by] if held_by else module_prefixes(names, [n for n, _ in self.g.named_parameters()],
+                                                                 limit=6)
+            var = var or type(opt).__name__
+            self.emit("params-not-updating", prefixes[0] if prefixes else names[0],
+                      f"`{var}` ({type(opt).__name__}) never stepped in the run, while the {len(params)} parameter(s) "
+                      f"it holds ({', '.join(prefixes[:4])}) got new gradients step after step (cleared and computed "
+                      f"again) and never changed: its step() is never called, so that part of the model does not "
+                      f"learn",
+                      f"Call {var}.step() after the backward() of its loss (before its next zero_grad()). If those "
+                      f"parameters are meant to stay fixed, set requires_grad=False on them and drop the optimizer.",
+                      step=0, seen=self.g.step, source=None,
+                      details={"optimizer": type(opt).__name__, "variable": var, "parameters": len(params),
+                               "modules": prefixes[:6], "never_stepped": True, "whole_run": True})
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
@@ -222,6 +288,8 @@ class ParamsNotUpdating(Check):
             self._half_before = (self.g.step, [(p, p.detach().reshape(-1)[:HALF_SAMPLE].clone()) for p in ps])
 
     def on_step_post(self, optimizer):
+        if self._idle is None and self.g.step >= IDLE_LOOK and self.g.is_primary(optimizer):
+            self._note_idle()  # once (a walk of the user's frames)
         before, self._half_before = self._half_before, None
         if before is None or not self.g.is_primary(optimizer):
             return
@@ -283,6 +351,8 @@ class ParamsNotUpdating(Check):
             self._report_lr(opt, i, run)
 
     def on_exit(self):
+        if self._idle:
+            self._judge_idle()
         for opt, runs in list(self._runs.items()):
             for i, run in runs.items():
                 if (run.deferred and not run.reported and run.count >= STEPS and i < len(opt.param_groups)
