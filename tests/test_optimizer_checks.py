@@ -2067,3 +2067,42 @@ def test_an_optimizer_whose_step_was_dropped_is_named_at_the_end(scope):
     assert f.details["never_stepped"] is True and f.details["variable"] == "v_opt"
     assert "v_opt.step()" in f.hint
     assert _iql_value_step(scope, steps_v=True).findings == []
+
+
+@pytest.mark.parametrize("scope", ["models", "global"])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_polyak_targets_run_with_grad_are_found(scope, fixed):
+    """TD3's targets, deep-copied and Polyak-updated in place at every step, evaluated outside no_grad for the TD
+    target: their gradients pile up and nothing uses them. Changed in place, they used to pass for parameters
+    trained some other way."""
+    import contextlib
+    import copy
+
+    torch.manual_seed(0)
+    actor = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2), nn.Tanh())
+    critic = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    actor_t, critic_t = copy.deepcopy(actor), copy.deepcopy(critic)
+    a_opt, c_opt = torch.optim.Adam(actor.parameters(), 1e-3), torch.optim.Adam(critic.parameters(), 1e-3)
+    models, opts = ([actor, critic], [c_opt, a_opt]) if scope == "models" else (None, None)
+    with guard(models, opts, live=False) as g:
+        for _ in range(14):
+            s, a, r, s2 = torch.randn(16, 4), torch.rand(16, 2) * 2 - 1, torch.randn(16, 1), torch.randn(16, 4)
+            with (torch.no_grad() if fixed else contextlib.nullcontext()):
+                y = r + 0.99 * critic_t(torch.cat([s2, actor_t(s2)], -1))
+            c_opt.zero_grad()
+            nn.functional.mse_loss(critic(torch.cat([s, a], -1)), y).backward()
+            c_opt.step()
+            a_opt.zero_grad()
+            (-critic(torch.cat([s, actor(s)], -1)).mean()).backward()
+            a_opt.step()
+            with torch.no_grad():
+                for net, tgt in ((actor, actor_t), (critic, critic_t)):
+                    for p, pt in zip(net.parameters(), tgt.parameters()):
+                        pt.lerp_(p, 0.005)
+    if fixed:
+        assert g.findings == [] and g.internal_errors == []
+        return
+    (f,) = g.findings
+    assert f.kind == "param-not-in-optimizer" and f.where in ("actor_t", "critic_t") and f.step <= 1
+    assert f.details["polyak_target"] is True and "torch.no_grad()" in f.hint
+    assert "actor_t" in f.message and "critic_t" in f.message

@@ -35,7 +35,7 @@ from ..tensors import as_float
 from ._graphs import Budget, user_frames, walk
 from ._params import WatchedParams, frame_optimizers, module_prefixes
 from .base import Check
-from .._weak import WeakIdMap
+from .._weak import WeakIdMap, WeakIdSet
 
 
 #: primary optimizer steps between the look at the missing parameters and the report: optimizers that step less
@@ -117,7 +117,9 @@ class OptimizerParams(Check):
     description = "requires_grad=False parameters handed to an optimizer; trainable ones that are in none"
     patches = {"module_init": "torch.nn.Module.__init__",  # (shared with module-not-registered: one wrapper)
                # `m.weight = nn.Parameter(...)` (a head's weight replaced, or re-bound every step to renormalize)
-               "register_parameter": "torch.nn.Module.register_parameter"}
+               "register_parameter": "torch.nn.Module.register_parameter",
+               # (shared with state-dict) a target synced by load_state_dict is no Polyak target (`_polyak`)
+               "load_state_dict": "torch.nn.Module.load_state_dict"}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -141,7 +143,12 @@ class OptimizerParams(Check):
         # the parameters such a walk found: id -> (parameter ref, its version, its gradient's (ref, version)), step
         self._outside: Optional[Tuple[Dict[int, tuple], int]] = None
         self._outside_told: set = set()
+        self._synced = WeakIdSet()  # modules something loaded a state_dict into (a target synced every N steps)
         self._attrs: Dict[int, str] = {}  # id(tensor) -> the module attribute holding it (a plain tensor to train)
+
+    def on_load_state_dict(self, args, kwargs):
+        if args and isinstance(args[0], nn.Module):
+            self._synced.add(args[0])
 
     def on_backward(self, tensors, kwargs):
         step = self.g.step
@@ -211,15 +218,22 @@ class OptimizerParams(Check):
         found, step = self._outside
         self._outside = None
         held = self._held()
-        params = []
+        params, piling = [], []
         for pid, (pref, version, gstate) in found.items():
             p = pref()
-            if p is None or pid in held or p._version != version or not p.is_leaf:
+            if p is None or pid in held or not p.is_leaf:
                 continue
             g = p.grad
+            if p._version != version:
+                if g is not None and gstate is not None and g is gstate[0]() and g._version != gstate[1]:
+                    piling.append(p)  # moved, its gradients piling up: a Polyak/EMA target run with grad
+                continue
             if g is None or (gstate is not None and g is gstate[0]() and g._version == gstate[1]):
                 continue  # no gradient since: that backward was a one-off
             params.append(p)
+        if piling and not params:
+            names, owner, _ = _outside_names(piling)
+            self._polyak(piling, names, step, self.g.source(), owner)
         if not params:
             return
         with torch.no_grad():
@@ -366,6 +380,13 @@ class OptimizerParams(Check):
         for n, (v, _, _, _) in versions.items():
             if n in still and n in named and named[n]._version != v:
                 self._moved.setdefault(n, step)
+        # Moved, and their gradients piled up meanwhile (the same tensor, added to, never cleared): no optimizer uses
+        # them, and what moves the weights is no gradient step: a Polyak/EMA target run with grad for the TD target
+        piling = [n for n, (v, gref, gv, pref) in versions.items() if n in still and n in named
+                  and named[n] is pref() and named[n]._version != v and named[n].grad is not None
+                  and named[n].grad is gref() and named[n].grad._version != gv]
+        if piling and not missing and self._polyak([named[n] for n in piling], piling, step, source):
+            self._told.update(piling)
         if missing:
             # Gradients computed as exactly 0 (a head whose loss term is weighted by 0, left out of the optimizer
             # on purpose) carry no signal to miss. Read once, when reporting.
@@ -438,6 +459,33 @@ class OptimizerParams(Check):
                 self._rebound[args[2]] = first  # the step of the first re-binding
             if len(self._rebinds) > 4096:
                 self._rebinds.clear()
+
+    def _polyak(self, params: List[torch.Tensor], names: List[str], step: int, source, owner=None) -> bool:
+        """Parameters in no optimizer, changed in place at every step while gradients pile up on them: a target
+        network updated by Polyak averaging (TD3, SAC, DDPG) whose TD target is computed with gradient."""
+        synced = {id(p) for m in list(self._synced) for p in m.parameters()}
+        params = [p for p in params if id(p) not in self._outside_told and id(p) not in synced]
+        if not params:
+            return False
+        with torch.no_grad():
+            if not any(bool((p.grad != 0).any()) for p in params if p.grad.layout is torch.strided):
+                return False
+        self._outside_told.update(id(p) for p in params)  # (told once: not again by a later look or walk)
+        named, owned, _ = _outside_names(params)  # the user's variables (`critic_t.q.0.weight`): clearer than paths
+        if all(named):
+            names, owner = named, owned or owner
+        prefixes = module_prefixes(names, names, limit=11)
+        shown = prefixes[:10]
+        what = owner or ", ".join(shown[:3])
+        self.emit("param-not-in-optimizer", shown[0],
+                  f"{len(params)} parameter(s) of {what} get gradients from the loss at every step, are in no optimizer, "
+                  f"and change in place between steps while those gradients pile up in .grad (nothing uses or clears "
+                  f"them): a target network updated by Polyak/EMA averaging, run with gradient for the TD target: "
+                  f"the target is not a constant, and back-propagation goes through it for nothing",
+                  TARGET_FIX, step=step, source=source,
+                  details={"modules": shown, "parameters": len(params), "names": names[:20], "polyak_target": True,
+                           "appeared_mid_run": False})
+        return True
 
     def _missing(self, missing: List[str], step: int, source, later: bool = False) -> None:
         named = self.g.named_parameters()
