@@ -907,7 +907,7 @@ class _LeftPadded(nn.Module):
 @pytest.mark.parametrize("when", ["after training", "mid-run"])
 def test_nan_of_the_attention_fast_path_in_fully_masked_rows_is_no_origin(when):
     """torch's MultiheadAttention fast path (eval, no_grad) returns NaN for a query whose keys are all masked (a
-    left pad under a causal mask) where the training path returns 0: padding the evaluation discards. An evaluation
+    left pad under a causal mask): padding the evaluation discards. An evaluation
     after the last training step was reported as a nonfinite-output error (one mid-run was judged with the next
     step's finite loss); a NaN at a position that is not padding still is."""
 
@@ -978,6 +978,8 @@ def test_padding_nan_that_a_later_attention_spreads_to_real_positions_is_reporte
     assert (f.kind, f.where, f.step) == ("nonfinite-output", "blocks.0", 3)
     assert f.details["padding_rows_only"] and f.details["spread_by"] == "blocks.1"
     assert "masked_fill(pad.unsqueeze(-1), 0)" in f.hint
+    # (torch 2.13's training path gives NaN there too: the message must not say it gives 0)
+    assert "softmax over no key" in f.message and "gives 0" not in f.message
 
 
 @pytest.mark.parametrize("layout", ["jagged", "sparse_coo", "sparse_csr"])

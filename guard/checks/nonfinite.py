@@ -313,8 +313,8 @@ class NonFinite(Check):
         """The flag of an attention's output with its fully masked query rows zeroed.
 
         torch's MultiheadAttention fast path (eval mode, no grad) returns NaN for a query whose keys are all
-        masked (a left-padded position under a causal mask), where the training path returns 0: padding that
-        the script discards (SASRec's evaluation reads the last position). Only those rows NaN is no origin."""
+        masked (a left-padded position under a causal mask: a softmax over no key): padding that the script
+        discards (SASRec's evaluation reads the last position). Only those rows NaN is no origin."""
         try:
             if type(module) is not nn.MultiheadAttention:
                 # a later layer of the same model call: the same rows zeroed, when its output has them
@@ -762,10 +762,8 @@ class NonFinite(Check):
                   if i in bad and (t := refs.get(i, lambda: None)()) is not None}
         self.emit("nonfinite-output", first.path,
                   f"{first.path} (MultiheadAttention) produced NaN in its fully masked query rows (padding: every key "
-                  f"masked), as torch's attention fast path does in eval mode under no_grad (training mode gives 0 "
-                  f"there); {spread.path} then took those rows as keys and values, and a masked key's NaN value still "
-                  f"makes NaN (0 * NaN), so positions that are not padding are NaN too: the evaluation's outputs are "
-                  f"NaN where training's are finite",
+                  f"masked: a softmax over no key); {spread.path} then took those rows as keys and values, and a "
+                  f"masked key's NaN value still makes NaN (0 * NaN), so positions that are not padding are NaN too",
                   "Zero the padded rows after each attention (`a = a.masked_fill(pad.unsqueeze(-1), 0)`; multiplying "
                   "by a mask keeps NaN, since NaN * 0 is NaN), or replace them with torch.nan_to_num(a) before the "
                   "next layer.",
