@@ -89,6 +89,35 @@ def test_dqn_gathered_q_values_against_1d_targets():
     assert [(f.kind, f.details["broadcast_shape"]) for f in g.findings] == [("loss-shape-broadcast", [12, 12])]
 
 
+def _labels(n=12):
+    """Deep SAD's semi-supervised labels as a dataset stored them: [N, 1] (0 unlabeled, -1 a known anomaly)."""
+    return torch.cat([torch.zeros(n - 3), -torch.ones(3)]).unsqueeze(1)
+
+
+@pytest.mark.parametrize("op", ["**", "where"])
+def test_a_label_column_as_exponent_or_condition_of_a_1d_distance(op):
+    """Deep SAD: distances [N] raised to labels [N, 1] (or chosen by them in torch.where) give [N, N]: every
+    sample's distance meets every sample's label. Both ops were missed (only -, +, *, / were judged)."""
+    s = _labels()
+
+    def deep_sad(p, x, y):
+        dist = (p.squeeze(-1) - 0.5) ** 2  # [N]
+        if op == "**":
+            return torch.where(s == 0, dist, (dist + 1e-6) ** s).mean()
+        return torch.where(s == 0, dist, 0.0).mean() + 1e-3 * dist.mean()
+    g, same = run(deep_sad)
+    [f] = g.findings
+    assert (f.kind, f.severity, f.where, f.step) == ("loss-shape-broadcast", "error", "loss", 0)
+    assert f.details["op"] == op and f.details["input_shape"] == [12] and f.details["target_shape"] == [12, 1]
+    assert f.details["broadcast_shape"] == [12, 12]
+    what = "exponent" if op == "**" else "condition"
+    assert f"each sample's term meets every sample's {what}" in f.message
+    assert f.hint == (f"Make the shapes equal before `{'**' if op == '**' else 'torch.where'}`: "
+                      f"{'e' if op == '**' else 'c'}.view_as(x) (or {'e' if op == '**' else 'c'}.squeeze(-1)) so the "
+                      f"shapes are equal.")
+    assert same
+
+
 CLEAN = {
     "squeezed": lambda p, x, y: ((p.squeeze(-1) - y) ** 2).mean(),
     "view_as": lambda p, x, y: ((p - y.view_as(p)) ** 2).mean(),
@@ -105,6 +134,14 @@ CLEAN = {
     "hinge ranking against targets reshaped to [1, N]": lambda p, x, y: torch.relu(0.1 - (p - y.view(1, -1))).mean(),
     "soft histogram, bins as many as samples": lambda p, x, y: (
         torch.exp(-(p - torch.linspace(-3, 3, 12)) ** 2).sum(0) / 12 - torch.full((12,), 1 / 12)).pow(2).sum(),
+    "Deep SAD with labels [N]": lambda p, x, y: (lambda d, s: torch.where(s == 0, d, (d + 1e-6) ** s).mean())(
+        (p.squeeze(-1) - 0.5) ** 2, _labels().squeeze(1)),
+    "a [N, N] mask choosing among pairwise distances": lambda p, x, y: torch.where(
+        torch.eye(12, dtype=torch.bool), 0.0, (p.view(-1, 1) - p.view(1, -1)).abs()).mean(),
+    "a row of distances chosen by a full [N, N] mask": lambda p, x, y: torch.where(
+        torch.eye(12, dtype=torch.bool), (p.squeeze(-1) - y) ** 2, 0.0).sum(),
+    "polynomial features, exponents as a column": lambda p, x, y: (
+        (p.squeeze(-1).abs() + 1) ** torch.arange(1.0, 4.0).unsqueeze(1) - y).pow(2).mean(),
 }
 
 

@@ -23,8 +23,9 @@ targets, and equal shapes (a deliberate
 
 Hand-written losses (``((pred - y) ** 2).mean()``, ``(w * per_sample).mean()``) broadcast the same way
 with no warning at all. They are found in the loss's autograd graph at ``backward()``: from the loss,
-through the elementwise arithmetic and reductions a loss is written with, to a ``-``, ``+``, ``*`` or
-``/`` whose one operand that carries gradient was widened along a new dimension of its own batch size
+through the elementwise arithmetic and reductions a loss is written with, to a ``-``, ``+``, ``*``,
+``/``, ``**`` (a tensor exponent) or ``torch.where`` whose one operand that carries gradient was widened along a
+new dimension of its own batch size
 (``[N, 1]`` against ``[N]`` gives ``[N, N]``; ``[N]`` against ``[N, 1]`` the same), a ``-``/``+`` only below a square,
 an absolute value or a log-cosh (a fit; a difference fed to softplus or a hinge is a ranking term). Left alone: both
 operands with gradient (pairwise terms between predictions, residual streams), an operand made
@@ -62,7 +63,11 @@ _ARITH = frozenset((
     "MinimumBackward0", "WhereBackward0", "LogBackward0", "Log1PBackward0", "SoftplusBackward0",
     "ReluBackward0", "CoshBackward0"))  # not exp: a kernel exp(-(x - c) ** 2) over bins or centers is pairwise on purpose
 _PAIRS = {"SubBackward0": "-", "RsubBackward0": "-", "AddBackward0": "+", "MulBackward0": "*",
-          "DivBackward0": "/"}
+          "DivBackward0": "/", "PowBackward1": "**", "WhereBackward0": "where"}
+# ops judged wherever they lie (not only below a fit), and the saved tensor that holds their other operand's shape
+# for the operand with gradient at position 0 / 1 (where's one is its condition)
+_OTHER = {"*": ("_saved_other", "_saved_self"), "/": ("_saved_other", "_saved_self"),
+          "**": ("_saved_exponent", "_saved_self"), "where": ("_saved_condition", "_saved_condition")}
 # What makes a difference a fit of prediction to target (a square, an absolute value, log-cosh): a `-` or `+` is
 # judged only below one of these. A difference fed to softplus, a sigmoid or a hinge alone is a ranking term,
 # pairwise by design (an AUC surrogate against a queue of scores, RankNet).
@@ -165,7 +170,7 @@ def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
             if hit is not None:
                 found.append(hit)
                 continue
-        if op is not None and len(nexts) == 2 and (fitted or op in ("*", "/")):
+        if op is not None and len(nexts) == 2 and (fitted or op in _OTHER):
             hit = _judge(node, op, nexts)
             if hit is not None:
                 found.append(hit)
@@ -266,10 +271,10 @@ def _judge(node: Any, op: str, nexts: Any) -> Optional[Dict[str, Any]]:
     if n is None:
         return None
     other = None
-    if op in ("*", "/"):
-        other = _saved_shape(node, "_saved_other" if k == 0 else "_saved_self")
+    if op in _OTHER:
+        other = _saved_shape(node, _OTHER[op][k])
         if other is not None and _numel(other) >= _numel(out):
-            return None  # the other operand has the full shape already: a deliberate [N, N] term
+            return None  # the other operand (where's condition) has the full shape already: a deliberate [N, N] term
     return {"op": op, "grad_shape": shape, "other_shape": other, "broadcast_shape": out}
 
 
@@ -338,6 +343,16 @@ class LossShapeBroadcast(Check):
                     f"prediction is compared with every target and the model learns their mean")
             fix = ("pred.squeeze(-1) - y, or pred - y.view_as(pred)" if shape[-1:] == [1] else
                    "pred - y.squeeze(-1), or pred.view_as(y) - y")
+        elif op in ("**", "where"):
+            of = f" of shape {other}" if other is not None else ""
+            w = "an exponent" if op == "**" else "a condition"
+            what = (f"a hand-written loss computes `{'x ** e' if op == '**' else 'torch.where(c, x, ...)'}` with x (it "
+                    f"carries gradient) of shape {shape} and {w}{of}, and the result has shape {out}: each sample's "
+                    f"term meets every sample's {'exponent' if op == '**' else 'condition'} (a label, a mask), not "
+                    f"only its own")
+            e = "e" if op == "**" else "c"
+            fix = (f"{e}.view_as(x) (or {e}.squeeze(-1)) so the shapes are equal"
+                   if other is not None and other[-1:] == [1] else f"give x and {e} the same shape")
         else:
             of = f" of shape {other}" if other is not None else ""
             what = (f"a hand-written loss computes `{'x * w' if op == '*' else 'x / w'}` with x (it carries gradient) "
@@ -346,7 +361,7 @@ class LossShapeBroadcast(Check):
             fix = ("w.view_as(x) (or w.squeeze(-1)) so the shapes are equal" if other is not None and other[-1:] == [1]
                    else "give both the same shape (x.squeeze(-1), or w.view_as(x))")
         message = what[0].upper() + what[1:] + "; PyTorch computes it without a warning"
-        hint = f"Make the shapes equal before `{op}`: {fix}."
+        hint = f"Make the shapes equal before `{'torch.where' if op == 'where' else op}`: {fix}."
         source = self.g.source()
         self.emit("loss-shape-broadcast", "loss", message, hint, source=loss_line(source) or source,
                   details={"loss": "hand-written", "op": op, "input_shape": shape, "target_shape": other,
