@@ -145,10 +145,11 @@ def after_close(g: Any) -> None:
     for bg in list(_background):
         bg.aside_findings.extend(g.findings)
         if not g.config.report:
-            # a guard from the code that writes no report: its findings go to the environment's, which a CI job
-            # reads (else the run's report would say nothing of them)
+            # a guard from the code that writes no report: its findings and steps go to the environment's, which a
+            # CI job reads (else the run's report would say nothing of them, or be missing when it found nothing)
             for f in g.findings:
                 bg.record.put(f)
+            bg.aside_steps += max(g.step, 1)
     if not any(e.active for e in _explicit):
         for bg in list(_background):
             bg.resume()
@@ -167,7 +168,7 @@ def report_path_for(g: Any) -> Optional[str]:
         return None
     if not g.config.background:
         return rank_report_path(path)
-    if not (g.step or g.findings or g.modules or g.timeline or g.internal_errors):
+    if not (g.step or g.findings or g.modules or g.timeline or g.internal_errors or g.aside_steps):
         return None  # a helper process that merely imported torch (a compile worker): no empty dump
     path = process_report_path(path)
     if path in _explicit_reports:

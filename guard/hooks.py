@@ -416,7 +416,10 @@ _kill_after_exit = False  # a fatal SIGTERM came while they ran: delivered once 
 
 
 def _run_exit_callbacks(reason: str) -> None:
-    for obj in list(_exit_callbacks.values()):
+    # guards from the code close first (`guard.wrap`, `.start()` never closed): the environment's guard, which
+    # stepped aside for them, then writes the run's report with their findings
+    objs = sorted(_exit_callbacks.values(), key=lambda o: bool(getattr(getattr(o, "config", None), "background", False)))
+    for obj in objs:
         run_exit_callback(obj, reason)
 
 

@@ -85,6 +85,7 @@ class Guard(Wiring):
         #: findings of the guards from the code this (background) guard stepped aside for: theirs to report,
         #: counted by `guard run --fail-on`
         self.aside_findings: List[Any] = []
+        self.aside_steps = 0  # ... and their steps (the run's report counts them: it is the one a CI job reads)
         self.router = Router(self)
         self.staging = Staging(self.router.contain, self.flush)
         self.watched = w = Watched(self._models, self._optimizers, self.notice, self.router.contain, self._labels)

@@ -130,6 +130,30 @@ def test_a_guard_from_the_code_without_report_or_live_is_heard_under_torch_guard
     assert _kinds(dump) == [("nonfinite-input", "input")] and dump["findings"][0]["step"] == 1
     assert any("no report of its own" in n for n in dump["notices"])
 
+@pytest.mark.parametrize("how", ["with", "wrap"])
+def test_the_run_report_is_written_for_a_clean_guard_from_the_code_and_for_a_wrap_never_closed(tmp_path, how):
+    """Under TORCH_GUARD=1, a guard from the code without a report of its own: the run's report (what CI reads) is
+    written even when that guard found nothing, with its steps (before: no file at all, and "1 finding(s) in 0
+    step(s)" when it found something); a `guard.wrap(...)` never closed (as the README shows it) is closed at exit
+    before the environment's guard, whose report then holds its findings (before: no report was written)."""
+    if how == "with":
+        script = TRAIN.replace("x[0, 0] = float(\"nan\")", "pass").replace(
+            "for step in range(3):", "from guard import guard\nwith guard(model, opt):\n  for step in range(3):")
+        script = script.replace("\n    ", "\n      ")
+    else:
+        script = TRAIN.replace("opt = torch.optim", "from guard import guard\nopt = torch.optim").replace(
+            "loss = model(x)", "loss = wrapped(x)").replace("for step in range(3):",
+                                                           "wrapped = guard.wrap(model, opt)\nfor step in range(3):")
+    (tmp_path / "train.py").write_text(script)
+    r = _run(["train.py"], tmp_path, TORCH_GUARD="1", TORCH_GUARD_REPORT="run.json")
+    assert r.returncode == 0 and "trained" in r.stdout, r.stderr
+    dump = _load(tmp_path / "run.json")
+    assert dump["steps"] == 3
+    assert _kinds(dump) == ([] if how == "with" else [("nonfinite-input", "input")])
+    assert any("no report of its own" in n for n in dump["notices"])
+    assert f"guard: {len(dump['findings'])} finding(s) in 3 step(s)" in r.stderr and "in 0 step(s)" not in r.stderr
+
+
 # ---------------------------------------------------------------- issue 15.5: several processes, one report path
 
 FORKED = """\

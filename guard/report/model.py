@@ -74,7 +74,7 @@ def build_record(g: "Guard") -> Record:
                      notices=list(getattr(g, "notices", [])), internal_errors=list(g.internal_errors))
     rec.environment = environment()
     rec.config = g.config.to_dict()
-    rec.steps = g.step
+    rec.steps = g.step + getattr(g, "aside_steps", 0)  # an environment's guard: with those of the code's guards
     cost = getattr(g, "cost", None)
     rec.cost = cost() if callable(cost) else {}
     if getattr(g, "processes", None):
