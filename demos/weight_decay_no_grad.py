@@ -21,7 +21,7 @@ class Net(nn.Module):
         return self.fc(h)
 
 
-def train(fixed: bool = False, steps: int = 12, **guard_options):
+def train(fixed: bool = False, steps: int = 24, **guard_options):
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)

@@ -73,7 +73,7 @@ def worker(rank, world, out):
     model = DDP(net, find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
     with guard(model, opt, mode="record", live=False, report=os.path.join(out, "wd.json")):
-        for step in range(8):
+        for step in range(24):
             net.use_branch = step < 2
             loss = model(torch.randn(8, 4)).pow(2).mean()
             opt.zero_grad(set_to_none=False)

@@ -69,7 +69,7 @@ class Net(nn.Module):
         return self.fc(h + self.layer4(h) if deep else h)
 
 
-def _phase_run(make, steps=8, warm=2, set_to_none=False, fill_zeros=False, pin=None, **opts):
+def _phase_run(make, steps=24, warm=2, set_to_none=False, fill_zeros=False, pin=None, **opts):
     torch.manual_seed(0)
     model = Net()
     opt = make(model)
@@ -114,13 +114,13 @@ def test_layer4_with_adamw_names_the_prefix_group_decay_and_step():
 
 
 def test_layer4_with_sgd_weight_decay_reports_the_shrink():
-    g = _phase_run(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.01), steps=10)
+    g = _phase_run(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.01), steps=24)
     f = only(g, "weight-decay-without-grad")
     assert f.where == "layer4" and f.details["cause"] == "weight_decay"
     assert f.details["norm_now"] < f.details["norm_first"] and f.details["norm_change_pct"] < 0
     assert "shrank" in f.message and "halves it every ~693 steps" in f.message
     assert len(g.findings) == 1  # one finding for the module, not one per parameter
-    assert f.last_step == f.details["measured_at_step"] == 9  # counted at each step it lasts, not per parameter
+    assert f.last_step == f.details["measured_at_step"] == 23  # counted at each step it lasts, not per parameter
 
 
 def test_ddp_style_zero_filled_grads_are_caught():
@@ -128,6 +128,33 @@ def test_ddp_style_zero_filled_grads_are_caught():
                    set_to_none=True, fill_zeros=True, steps=6, warm=0)
     f = only(g, "weight-decay-without-grad")
     assert f.where == "layer4" and f.step == 0
+
+
+def test_blocks_skipped_by_layerdrop_are_no_unused_part():
+    """LayerDrop / stochastic depth (a Kaggle kernel: SGD with momentum and weight decay, zero_grad(set_to_none=False))
+    skips a residual block with probability 0.5, three steps in a row now and then: the block trains again at the next
+    step that keeps it. It was reported after 3 zero steps; a part that trained before must stay out for 20."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)) for _ in range(3)])
+    model = nn.ModuleDict({"inp": nn.Linear(8, 16), "blocks": blocks, "out": nn.Linear(16, 3)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9, weight_decay=5e-4)
+    run, longest = [0] * 3, [0] * 3
+    with guard(model, opt, live=False) as g:
+        for step in range(120):
+            x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+            h = model["inp"](x)
+            for i, blk in enumerate(blocks):
+                if torch.rand(()) < 0.5:
+                    run[i] += 1
+                    longest[i] = max(longest[i], run[i])
+                    continue
+                run[i] = 0
+                h = h + blk(h) / 0.5
+            opt.zero_grad(set_to_none=False)
+            nn.functional.cross_entropy(model["out"](h), y).backward()
+            opt.step()
+    assert min(longest) >= 3 and max(longest) < 20  # the precondition: runs that were reported before
+    assert g.findings == [], g.findings
 
 
 def test_one_unlucky_step_is_not_reported():
@@ -170,10 +197,10 @@ def test_a_head_trained_every_other_step_is_no_run_when_sampled(opts, pin):
 
 @pytest.mark.parametrize("opts,pin", [({"every": 2}, None), ({"budget": 0.05}, 2)], ids=["every=2", "budget-period-2"])
 def test_a_module_without_gradient_is_still_caught_when_sampled(opts, pin):
-    g = _phase_run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), steps=10, pin=pin, **opts)
+    g = _phase_run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), steps=24, pin=pin, **opts)
     f = only(g, "weight-decay-without-grad")
-    assert f.where == "layer4" and f.step == 2 and "all-zero gradients for 3 steps" in f.message
-    assert f.details["zero_grad_steps"] == 8  # the run went on to the last step, followed step by step
+    assert f.where == "layer4" and f.step == 2 and "all-zero gradients for 20 steps" in f.message
+    assert f.details["zero_grad_steps"] == 22  # the run went on to the last step, followed step by step
 
 
 def test_a_head_frozen_after_the_optimizer_was_built_is_told_it_is_frozen():
@@ -222,7 +249,7 @@ def test_two_unused_modules_give_one_finding_each():
     model = Two()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
     with guard(model, opt, live=False) as g:
-        for step in range(5):
+        for step in range(24):
             opt.zero_grad(set_to_none=False)
             model(torch.randn(3, 4), all_=step == 0).sum().backward()
             opt.step()
@@ -755,7 +782,7 @@ def test_one_backward_two_optimizers_both_checked():
     opt_b = torch.optim.SGD(list(model.layer4.parameters()) + list(model.fc.parameters()), lr=0.1,
                             weight_decay=0.01)
     with guard(model, [opt_a, opt_b], live=False) as g:
-        for step in range(7):
+        for step in range(24):
             opt_a.zero_grad(set_to_none=False)
             opt_b.zero_grad(set_to_none=False)
             out = model(torch.randn(16, 8), deep=step < 1)

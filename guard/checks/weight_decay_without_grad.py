@@ -11,7 +11,9 @@ it), so those are not candidates; an all-zero gradient moves it in all of them
 when ``weight_decay > 0``, and in SGD+momentum/Adam/AdamW even with
 ``weight_decay=0`` once optimizer state exists. Rather than trusting a table,
 the check reports only parameters whose norm really changed while their
-gradient stayed zero, and that were not in the step's autograd graph at all
+gradient stayed zero (3 steps in a row; 20 for a part that had a gradient before and
+is not frozen: LayerDrop skips a block three times in a row now and then), and that
+were not in the step's autograd graph at all
 (a parameter that was, with an exactly-zero gradient, is a cancellation: an L1
 loss's output bias when as many residuals lie above as below). Whether backward
 reached a parameter is told by a post-accumulate-grad hook, put on a parameter
@@ -37,6 +39,11 @@ from .base import Check
 from .._weak import WeakIdMap
 
 STEPS = 3  # consecutive steps with a zero gradient before reporting (not one unlucky batch)
+# ... for parameters that had a gradient at an earlier step of their optimizer: a part that trained and stopped
+# (layer4 left out after a warm-up) shrinks for the rest of the run; one that a step leaves out now and then (LayerDrop
+# or stochastic depth skipping a block, p = 0.5: three skips in a row are common, twenty are one start in a million)
+# trains again at the next step that keeps it
+TRAINED_STEPS = 20
 # A layer in the graph whose gradients are computed as exactly 0 is reported only when they have been zero from the
 # optimizer's first step on, for this many steps: a head whose loss term is weighted by 0. A detection head's box
 # branch on background-only batches (zero for a few steps between batches with positives) is training.
@@ -55,6 +62,12 @@ class _Track:
         self.group, self.why, self.wd, self.reported = group, why, wd, False
         self.unreached = False  # seen outside a backward graph of its step at least once
         self.in_graph = False  # reached by backward, its whole layer's gradients computed as exactly 0
+
+
+def _frozen(t: _Track) -> bool:
+    """A parameter frozen with requires_grad_(False) while its optimizer keeps it: it will not train again."""
+    p = t.ref()
+    return p is not None and not p.requires_grad
 
 
 def _norms(ts: List[_Track]) -> Tuple[float, float, float]:
@@ -301,7 +314,8 @@ class WeightDecayWithoutGrad(Check):
         first = self._first_seen.get(opt, 0)
         # (a whole layer whose gradients backward computes as exactly 0 is judged when the run ends: a loss term
         # weighted by 0 for a warm-up, BBN's re-balancing branch during its first epoch, trains later)
-        due = [t for t in live.values() if not t.reported and t.unreached and t.count >= STEPS
+        due = [t for t in live.values() if not t.reported and t.unreached
+               and t.count >= (STEPS if t.first_step <= first or _frozen(t) else TRAINED_STEPS)
                and t.first_norm is not None and t.last_norm != t.first_norm and not t.in_graph]
         self._source[opt] = source
         if due:
