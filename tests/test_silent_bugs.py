@@ -111,6 +111,38 @@ def test_dropout_in_a_forward_whose_first_parameter_is_not_called_self_is_found(
     assert f.where == "0" and "training=self.training" in f.hint
 
 
+class _Branch(nn.Module):
+    def __init__(s, how):
+        super().__init__()
+        s.fc, s.how = nn.Linear(8, 8), how
+
+    def forward(s, x):  # noqa: N805
+        h = s.fc(x)
+        if s.how == "if":
+            if s.training:
+                h = F.dropout(h, 0.25)
+        elif s.how == "expression":
+            h = F.dropout(h, 0.25) if s.training else h
+        elif s.how == "else":  # the bug: dropout in the branch that runs in eval mode
+            if s.training:
+                h = h * 1.0
+            else:
+                h = F.dropout(h, 0.25)
+        return h
+
+
+@pytest.mark.parametrize("how", ["if", "expression", "else"])
+def test_dropout_only_under_if_self_training_is_silent(how):
+    """`if self.training: h = F.dropout(h, p)` never runs in eval mode (an AlphaFold-style shared dropout): it was
+    reported as dropout left on in eval. The else branch of that `if` does run in eval, and is found."""
+    g = _loop(nn.Sequential(_Branch(how)), {})
+    if how == "else":
+        f = only(g, "dropout-in-eval")
+        assert f.where == "0" and f.details["module_training"] is False
+    else:
+        assert g.findings == [] and g.internal_errors == []
+
+
 def test_dropout_in_a_helper_called_from_forward_is_found_in_global_mode_too():
     model = nn.Sequential(Block("helper"))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

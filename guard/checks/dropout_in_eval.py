@@ -11,7 +11,8 @@ Observed through declared patches of the four functions. A call that passes
 test. Only for a call without it, the caller's frame is looked at on the host:
 a call from torch's own code (``multi_head_attention_forward`` passes a ``p``
 that is already 0 in eval) or from outside any module's ``forward`` is not
-reported, nor is ``p == 0``. Nothing on the device.
+reported, nor is ``p == 0``, nor a call that only training reaches (``if self.training:`` around it, read
+from the source). Nothing on the device.
 """
 from __future__ import annotations
 
@@ -29,6 +30,33 @@ from .base import Check
 
 _grad_on = torch.is_grad_enabled
 _PASSES_MODE = re.compile(r"\btraining\b|\btrain(?:ing)?_?mode\b|\b(?:is_)?train\s*=")  # not `x_train`, `trainer`
+
+
+_BRANCH = re.compile(r"^\s*(?:if|elif)\b(?!\s+not\b)(.*)$")
+
+
+def _training_only(code, lineno: int) -> bool:
+    """Whether the line `lineno` of `code` runs only in training mode: under an ``if`` (or ``elif``) whose condition
+    reads the mode (``if self.training:``, ``if training and p > 0:``), or as a conditional expression on the mode
+    (``F.dropout(h, p) if self.training else h``)."""
+    path = code.co_filename
+    line = linecache.getline(path, lineno).split("#")[0]
+    if re.search(r"\bif\s+[^:]*\btraining\b[^:]*\belse\b", line):
+        return True
+    indent = len(line) - len(line.lstrip())
+    for k in range(lineno - 1, max(code.co_firstlineno, lineno - 60) - 1, -1):
+        text = linecache.getline(path, k).split("#")[0]
+        if not text.strip():
+            continue
+        ind = len(text) - len(text.lstrip())
+        if ind < indent:
+            indent = ind
+            m = _BRANCH.match(text)
+            if m and re.search(r"\btraining\b", m.group(1)):
+                return True
+            if text.lstrip().startswith("def "):
+                return False
+    return False
 
 
 class DropoutInEval(Check):
@@ -130,6 +158,8 @@ class DropoutInEval(Check):
         self._lines.add(line)
         if module is None:
             return  # outside a module's forward: not this check's pattern
+        if _training_only(frame.f_code, frame.f_lineno):
+            return  # `if self.training: h = F.dropout(h, p)`: never runs in eval mode
         path = self.g.known_path(module)
         if path is None:
             if self.g.models:
