@@ -176,3 +176,118 @@ def test_two_empty_selections_are_no_tensor_compared_with_itself():
             loss.backward()
             opt.step()
     assert not [f for f in g.findings if f.kind == "loss-constant"], g.findings
+
+
+class _Spike(torch.autograd.Function):
+    """A spike (v > 0) with a fast-sigmoid surrogate gradient."""
+
+    @staticmethod
+    def forward(ctx, v):
+        ctx.save_for_backward(v)
+        return (v > 0).float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (v,) = ctx.saved_tensors
+        return grad / (1 + 2 * v.abs()) ** 2
+
+
+class _SNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        m1, m2, cnt = torch.zeros(len(x), 32), torch.zeros(len(x), 4), 0
+        for _ in range(6):
+            m1 = 0.9 * m1 + self.fc1((torch.rand_like(x) < x).float())
+            s1 = _Spike.apply(m1 - 1)
+            m1 = m1 - s1.detach()
+            m2 = 0.9 * m2 + self.fc2(s1)
+            s2 = _Spike.apply(m2 - 1)
+            m2 = m2 - s2.detach()
+            cnt = cnt + s2
+        return cnt
+
+
+def _snn(steps, out_scale, bias, lr):
+    """A spiking classifier on spike counts whose output neurons start silent (all-zero counts: the loss is exactly
+    log 4 whatever the batch); the surrogate gradient raises their potentials until they fire."""
+    torch.manual_seed(0)
+    model = _SNN()
+    with torch.no_grad():
+        model.fc2.weight.mul_(out_scale)
+        model.fc2.bias.fill_(bias)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    x_all = torch.rand(256, 12)
+    y_all = x_all[:, :4].argmax(1)
+    losses = []
+    with guard(model, opt, live=False) as g:
+        for step in range(steps):
+            idx = torch.randint(0, 256, (32,))
+            loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return g, losses
+
+
+def test_spiking_outputs_silent_at_first_are_no_constant_loss():
+    """The loss is exactly log 4 for the first steps (no output spike, whatever the batch) while the surrogate
+    gradient trains; it was an error "its value does not follow what the model learns" with the DPO hint. The
+    outputs stood still with it, so it is a plateau of a piecewise-constant forward, and training leaves it."""
+    g, losses = _snn(60, 0.1, -0.5, 1e-2)
+    assert losses[:8] == [losses[0]] * 8 and losses[-1] < losses[0]  # the precondition: a plateau, then learning
+    assert g.findings == [], g.findings
+
+
+def test_output_neurons_that_never_fire_are_a_plateau_told_at_the_end_of_its_patience():
+    g, losses = _snn(110, 0.0, -3.0, 1e-3)
+    assert len(set(losses)) == 1  # never a spike out
+    [f] = [f for f in g.findings if f.kind == "loss-constant"]
+    assert (f.severity, f.where, f.step) == ("error", "loss", 0)
+    assert "and so have the model's outputs" in f.message and "threshold" in f.hint
+    assert f.details["why"] == "identical loss and outputs" and f.details["steps"] == 100
+
+
+class _BinaryNet(nn.Module):
+    """BinaryConnect: sign weights and activations with a straight-through estimator, BatchNorm without affine."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(16, 10) * 0.3), nn.Parameter(torch.randn(3, 16) * 0.3)
+        self.bn = nn.BatchNorm1d(16, affine=False)
+
+    @staticmethod
+    def sign(w):
+        return w + (torch.where(w >= 0, 1.0, -1.0) - w).detach()
+
+    def forward(self, x):
+        return self.sign(self.bn(x @ self.sign(self.w1).t())) @ self.sign(self.w2).t() / 4
+
+
+def test_a_full_batch_binary_network_on_a_plateau_is_no_constant_loss():
+    """Trained full-batch, the forward changes only when a latent weight crosses 0: the loss repeats exactly for a
+    while, then moves on."""
+    torch.manual_seed(0)
+    model = _BinaryNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(128, 10)
+    y = x[:, :3].argmax(1)
+    losses = []
+    with guard(model, opt, live=False) as g:
+        for _ in range(60):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                model.w1.clamp_(-1, 1)
+                model.w2.clamp_(-1, 1)
+            losses.append(loss.item())
+    runs = [1]
+    for a, b in zip(losses, losses[1:]):
+        runs.append(runs[-1] + 1 if a == b else 1)
+    assert max(runs) >= 8 and losses[-1] < losses[0]  # the precondition: a plateau of 8 steps or more, then learning
+    assert not [f for f in g.findings if f.kind == "loss-constant"], g.findings

@@ -15,7 +15,9 @@ policy object itself (no deepcopy), so their log-probabilities always cancel. Re
 values guard reads at every step anyway (the loss, and the gradient norm that the default checks
 compute); values a half-precision loss can take exactly (0, 1, 0.5, a bf16 or fp16 loss's coarse steps)
 are left out, since such a loss may repeat while it trains, and so are gradients below `MIN_NORM` and
-L-BFGS (a converged fit stays put).
+L-BFGS (a converged fit stays put). While the loss repeats, the model calls' output sums are read too: outputs
+that stand still with it are a piecewise-constant forward's plateau (spiking outputs below threshold, sign weights
+trained full-batch), told only after `PLATEAU` steps.
 """
 from __future__ import annotations
 
@@ -24,10 +26,15 @@ import struct
 
 import torch
 
+from ..tensors import iter_tensors
 from .base import Check, add_call_handlers
 
 
 IDENTICAL = 8  # steps in a row with the very same loss value and non-zero gradients
+#: ... when the model's outputs stayed the same too (their sums, read from the 2nd identical step on): a forward that
+#: is piecewise constant in the weights (spiking units below threshold, sign or rounding with a straight-through or
+#: surrogate gradient) sits on a plateau until a unit crosses, which training does within a few dozen steps
+PLATEAU = 100
 MIN_NORM = 1e-4  # gradients below this are a converged fit's, whose loss may stay put
 #: ... and so are gradients below this fraction of the run's first ones (the largest of its first FIRST steps):
 #: a full-batch GLM, GP or Cox fit under Adam sits at 1e-4 of its first gradient, its float32 loss unchanged
@@ -73,6 +80,21 @@ class LossConstant(Check):
         self._seen_step = -1
         self._same_done = False
         self._first_norm, self._firsts = 0.0, 0  # the largest gradient norm of the run's first steps
+        # while the loss repeats: the sums of the model calls' outputs, per step ({step: [sum, ...]})
+        self._outs: dict = {}
+
+    def on_forward(self, module, path, args, kwargs, output, is_root):
+        if self._same < 2 or self._same_done or not is_root:
+            return  # (every step but those of a repeating loss: one comparison)
+        t = next((t for t in iter_tensors(output) if t.is_floating_point()), None)
+        if t is not None:
+            vals = self._outs.setdefault(self.g.step, [])
+            self.g.stage(t.detach().sum(), vals.append)
+
+    def _outputs_moved(self) -> bool:
+        """Whether the model's outputs changed while the loss repeated (True when too few were read to tell)."""
+        steps = [v for _, v in sorted(self._outs.items()) if v]
+        return len(steps) < 2 or any(a != b for a, b in zip(steps, steps[1:]))
 
     def on_resolved(self):
         g = self.g
@@ -91,6 +113,8 @@ class LossConstant(Check):
                 or not norm > REL_NORM * self._first_norm):
             # (most steps end here: a new value; the rest of the tests runs for repeats only)
             self._same_value, self._same_from, self._same = loss, step, 1
+            if self._outs:
+                self._outs = {}
             return
         if (not isinstance(loss, float) or not math.isfinite(norm) or not math.isfinite(loss) or _coarse(loss)
                 or any(isinstance(o, torch.optim.LBFGS) for o in g.optimizers)):  # converged: stays put on purpose
@@ -98,19 +122,42 @@ class LossConstant(Check):
             return
         self._same += 1
         if self._same >= IDENTICAL:
-            self._same_done = True
             if any(f.kind == "missing-zero-grad" for f in g.findings):
+                self._same_done = True
                 return  # the "non-zero gradients" are old ones piling up (no zero_grad()): that finding is the cause
-            extra = " (log 2: a sigmoid of exactly 0, as in a DPO loss)" if abs(loss - math.log(2)) < 1e-6 else ""
-            self.emit("loss-constant", "loss",
-                      f"the loss has been exactly {loss!r}{extra} for {self._same} steps (since step {self._same_from}) "
-                      f"while the gradients are not zero: its value does not follow what the model learns",
-                      "Look for a term that compares the model with itself: a reference or target model that is the "
-                      "same object as the trained one (ref = policy instead of copy.deepcopy(policy)), so their "
-                      "outputs always cancel; or parameters that never change (lr=0, an optimizer over another copy "
-                      "of the model).",
-                      step=self._same_from, source=self.g.source(),
-                      details={"loss": loss, "steps": self._same, "why": "identical loss value"})
+            if self._outputs_moved():
+                self._same_done = True
+                self._emit_same(loss)
+            elif self._same >= PLATEAU:
+                self._same_done = True
+                self._emit_plateau(loss)
+            elif len(self._outs) > 4:  # the outputs stood still: keep the first and the last steps' sums only
+                keys = sorted(self._outs)
+                self._outs = {keys[0]: self._outs[keys[0]], keys[-1]: self._outs[keys[-1]]}
+
+    def _emit_same(self, loss: float) -> None:
+        extra = " (log 2: a sigmoid of exactly 0, as in a DPO loss)" if abs(loss - math.log(2)) < 1e-6 else ""
+        self.emit("loss-constant", "loss",
+                  f"the loss has been exactly {loss!r}{extra} for {self._same} steps (since step {self._same_from}) "
+                  f"while the gradients are not zero: its value does not follow what the model learns",
+                  "Look for a term that compares the model with itself: a reference or target model that is the "
+                  "same object as the trained one (ref = policy instead of copy.deepcopy(policy)), so their "
+                  "outputs always cancel; or parameters that never change (lr=0, an optimizer over another copy "
+                  "of the model).",
+                  step=self._same_from, source=self.g.source(),
+                  details={"loss": loss, "steps": self._same, "why": "identical loss value"})
+
+    def _emit_plateau(self, loss: float) -> None:
+        self.emit("loss-constant", "loss",
+                  f"the loss has been exactly {loss!r} for {self._same} steps (since step {self._same_from}), and so "
+                  f"have the model's outputs, while the gradients are not zero and the optimizer updates the weights: "
+                  f"the forward is piecewise constant in them (spiking units, sign or rounding, trained through a "
+                  f"surrogate or straight-through gradient) and no unit crosses its threshold",
+                  "Make units reach their threshold: scale up the last layers' initialisation or lower the firing "
+                  "threshold (output neurons that never spike give all-zero counts, a uniform prediction), raise "
+                  "the learning rate of the latent weights, or add a firing-rate term to the loss.",
+                  step=self._same_from, source=self.g.source(),
+                  details={"loss": loss, "steps": self._same, "why": "identical loss and outputs"})
 
     def on_cross_entropy(self, args, kwargs):
         if self._done:
