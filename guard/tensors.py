@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -11,8 +12,23 @@ MAX_DEPTH = 6
 MAX_ITEMS = 256
 
 
+_FOREIGN = ("torch", "numpy", "builtins", "collections", "functools", "typing")
+
+
+def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
+    """The attributes of a plain object of a class of the user's code (a PyG-style graph batch holding `data.pos`,
+    `data.batch`), or None: modules (their weights are no input), classes, callables and library objects."""
+    if isinstance(obj, (torch.nn.Module, type)) or callable(obj):
+        return None
+    if (type(obj).__module__ or "").partition(".")[0] in _FOREIGN:
+        return None
+    d = getattr(obj, "__dict__", None)
+    return d if type(d) is dict else None
+
+
 def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors in tensors/tuples/lists/dicts/namedtuples/dataclasses (bounded depth and count)."""
+    """Tensors in tensors/tuples/lists/dicts/namedtuples/dataclasses/mappings and plain objects of the user's own
+    classes (bounded depth and count)."""
     if isinstance(obj, torch.Tensor):
         yield obj
         return
@@ -24,8 +40,13 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
         items = list(obj.values())[:MAX_ITEMS]
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         items = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)][:MAX_ITEMS]
+    elif isinstance(obj, Mapping):
+        items = list(obj.values())[:MAX_ITEMS]
     else:
-        return
+        attrs = _attributes(obj)
+        if attrs is None:
+            return
+        items = list(attrs.values())[:MAX_ITEMS]
     for it in items:
         if isinstance(it, torch.Tensor):
             yield it
@@ -46,8 +67,13 @@ def iter_named_tensors(obj: Any, prefix: str = "", _depth: int = 0) -> Iterator[
         pairs = [(f"{prefix}[{k!r}]", v) for k, v in list(obj.items())[:MAX_ITEMS]]
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         pairs = [(f"{prefix}.{f.name}", getattr(obj, f.name, None)) for f in dataclasses.fields(obj)][:MAX_ITEMS]
+    elif isinstance(obj, Mapping):
+        pairs = [(f"{prefix}[{k!r}]", v) for k, v in list(obj.items())[:MAX_ITEMS]]
     else:
-        return
+        attrs = _attributes(obj)
+        if attrs is None:
+            return
+        pairs = [(f"{prefix}.{k}", v) for k, v in list(attrs.items())[:MAX_ITEMS]]
     for name, v in pairs:
         yield from iter_named_tensors(v, name, _depth + 1)
 

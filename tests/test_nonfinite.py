@@ -1463,3 +1463,54 @@ def test_a_nan_loss_from_a_nan_target_names_the_target(loss_fn):
     assert (f.kind, f.where, f.step) == ("nonfinite-loss", "loss", 0)
     assert "target given to" in f.message and "16 NaN" in f.message
     assert f.details["target_of"] in ("mse_loss", "smooth_l1_loss") and "std.clamp_min" in f.hint
+
+
+class _GraphBatch:
+    """A PyG `Data`-style batch: a plain object of the user's code holding the tensors as attributes."""
+
+    def __init__(self, z, pos, batch):
+        self.z, self.pos, self.batch = z, pos, batch
+
+
+class _PosNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(10, 8), nn.Linear(9, 1)
+
+    def forward(self, data):
+        r = data.pos.pow(2).sum(-1, keepdim=True).add(1e-8).sqrt()
+        return self.out(torch.cat([self.emb(data.z), r], -1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("broken", [True, False])
+def test_nan_in_a_plain_batch_object_is_dirty_data_not_the_models_overflow(broken):
+    """A failed conformer leaves NaN in `data.pos` of a plain batch class: it was reported as the model making NaN
+    from finite inputs ("its computation overflowed"); a dict or dataclass batch was already named as dirty data."""
+    torch.manual_seed(0)
+    model = _PosNet()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(6):
+            pos = torch.randn(12, 3)
+            if broken and step == 3:
+                pos[5] = float("nan")
+            data = _GraphBatch(torch.randint(0, 10, (12,)), pos, torch.arange(12) // 4)
+            loss = F.mse_loss(model(data), torch.randn(12))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if not broken:
+        assert g.findings == [] and g.internal_errors == []
+        return
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("nonfinite-input", "input", 3)
+    assert "(args[0].pos)" in f.message and "the data is dirty" in f.message
+    assert f.details["counts"]["args[0].pos"]["nan"] == 3
+
+
+def test_tensors_of_plain_objects_are_walked_but_not_a_modules_weights():
+    from guard.tensors import iter_named_tensors
+
+    data = _GraphBatch(torch.zeros(2), torch.ones(2, 3), None)
+    names = [n for n, _ in iter_named_tensors((data, nn.Linear(2, 2), len), "args")]
+    assert names == ["args[0].z", "args[0].pos"]
