@@ -373,6 +373,37 @@ def test_a_binary_dataset_sorted_by_label_is_found_through_bce():
     assert only(g, "unshuffled-labels").details["classes_filling_batches"] == [0, 1]
 
 
+@pytest.mark.parametrize("labels", ["sorted 0/1", "sorted, as indices", "soft", "time-ordered clicks"])
+def test_float_binary_labels_of_a_sorted_dataset_are_found(labels):
+    """positives.fa then negatives.fa, shuffle=False, float 0/1 targets for BCE (or turned into class indices with
+    .long() for cross_entropy): missed, since only integer labels were looked at. Soft targets (probabilities) are
+    no classes, and time-ordered clicks at a 3% rate are imbalance, not sorting."""
+    torch.manual_seed(0)
+    if labels == "soft":
+        y = torch.cat([torch.full((96,), 0.9), torch.full((96,), 0.1)])
+    elif labels == "time-ordered clicks":
+        y = (torch.rand(192) < 0.03).float()
+    else:
+        y = torch.cat([torch.ones(96), torch.zeros(96)])
+    model = nn.Linear(6, 2 if labels == "sorted, as indices" else 1)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with guard(model, opt, live=False) as g:
+        for x, t in DataLoader(TensorDataset(torch.randn(192, 6), y), batch_size=16):
+            out = model(x)
+            if labels == "sorted, as indices":
+                loss = F.cross_entropy(out, t.long())
+            else:
+                loss = F.binary_cross_entropy_with_logits(out.squeeze(1), t)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if labels.startswith("sorted"):
+        f = only(g, "unshuffled-labels")
+        assert f.step == 0 and f.details["classes_filling_batches"] == [1, 0]
+    else:
+        assert g.findings == [], g.findings
+
+
 def test_lengths_in_the_labels_place_of_a_length_sorted_ctc_loader_are_no_labels():
     # SortaGrad: the first epoch sorted by length; batches (x, input_lengths, targets, target_lengths).
     torch.manual_seed(0)

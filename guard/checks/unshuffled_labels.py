@@ -12,9 +12,9 @@ samplers and batch samplers, and iterable-style datasets are never looked at.
 Per batch of such a loader, the labels are the second element of an ``(x, y, ...)``
 tuple or list, or ``batch["label"|"labels"|"target"|"targets"|"y"]`` of a mapping (a dict,
 HF's ``BatchEncoding``), or that field of a dataclass batch, when that is a
-1-d integer tensor on the CPU: a 2-d target (a language model's next tokens, a
-tagger's tags) or float targets (regression, time series) are not classes and are
-skipped, and so are batches whose labels are not in those places. And they are labels
+1-d integer tensor on the CPU, or a 1-d float one holding whole numbers (BCE's 0/1 targets): a 2-d target (a
+language model's next tokens, a tagger's tags), soft float targets (probabilities, smoothed labels) and the targets
+of other losses (regression, time series) are not classes and are skipped, and so are batches whose labels are not in those places. And they are labels
 only once a classification loss (``cross_entropy``, ``nll_loss``, the two BCE forms) of
 that batch takes them as its target (on the CPU: the same values; on an accelerator:
 as many): sequence lengths in the labels' place (a length-sorted CTC loader, packed
@@ -52,6 +52,7 @@ ALPHA = 1e-3  # chance of that many single-class batches from data in random ord
 _LABEL_KEYS = ("label", "labels", "target", "targets", "y")
 _CLASS_LOSSES = ("cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits")
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_FLOAT = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class _Loader:
@@ -191,8 +192,8 @@ class UnshuffledLabels(Check):
         if st.seen > MAX_BATCHES:
             st.done = True
             return
-        cands = [y for y in _labels(result) if y.dim() == 1 and y.dtype in _INT and y.numel() >= 2
-                 and y.device.type == "cpu"]
+        cands = [y for y in _labels(result) if y.dim() == 1 and (y.dtype in _INT or y.dtype in _FLOAT)
+                 and y.numel() >= 2 and y.device.type == "cpu"]
         self._pending = (st, cands, [None]) if cands else None
 
     def _target(self, args: tuple, kwargs: dict) -> None:
@@ -229,6 +230,12 @@ class UnshuffledLabels(Check):
         st, y = pending[0], pending[1][pending[2][0]]
         if st.done:
             return
+        if y.dtype in _FLOAT:
+            # float 0/1 targets, as BCE takes them (or class indices stored as floats): classes when whole numbers;
+            # soft targets (probabilities, smoothed labels) are not counted
+            if not bool((y == y.round()).all()):
+                return
+            y = y.long()
         lo, hi = torch.aminmax(y)
         lo, hi = int(lo), int(hi)
         single = lo == hi
