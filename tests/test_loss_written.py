@@ -118,6 +118,18 @@ def test_a_label_column_as_exponent_or_condition_of_a_1d_distance(op):
     assert same
 
 
+def test_bpr_with_a_positive_score_kept_n_1_against_a_squeezed_negative():
+    """BPR: `s_pos` [N, 1] as a Linear scorer returns it, `s_neg` [N] squeezed, both with gradient: logsigmoid(s_pos -
+    s_neg) is over [N, N], every positive against every negative. Missed (both operands carry gradient, and the walk
+    stopped at logsigmoid)."""
+    g, same = run(lambda p, x, y: -F.logsigmoid(p - p.flip(0).squeeze(-1)).mean())
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("loss-shape-broadcast", "loss", 0)
+    assert f.details["op"] == "-" and f.details["both_with_gradient"] is True
+    assert f.details["input_shape"] == [12] and f.details["target_shape"] == [12, 1]
+    assert "both carrying gradient" in f.message and "a.squeeze(-1)" in f.hint and same
+
+
 CLEAN = {
     "squeezed": lambda p, x, y: ((p.squeeze(-1) - y) ** 2).mean(),
     "view_as": lambda p, x, y: ((p - y.view_as(p)) ** 2).mean(),
@@ -140,6 +152,9 @@ CLEAN = {
         torch.eye(12, dtype=torch.bool), 0.0, (p.view(-1, 1) - p.view(1, -1)).abs()).mean(),
     "a row of distances chosen by a full [N, N] mask": lambda p, x, y: torch.where(
         torch.eye(12, dtype=torch.bool), (p.squeeze(-1) - y) ** 2, 0.0).sum(),
+    "BPR over [N] scores": lambda p, x, y: -F.logsigmoid(p.squeeze(-1) - p.flip(0).squeeze(-1)).mean(),
+    "BPR over every in-batch pair, made explicit": lambda p, x, y: -F.logsigmoid(
+        p.view(-1)[:, None] - p.flip(0).view(-1)[None, :]).mean(),
     "polynomial features, exponents as a column": lambda p, x, y: (
         (p.squeeze(-1).abs() + 1) ** torch.arange(1.0, 4.0).unsqueeze(1) - y).pow(2).mean(),
 }

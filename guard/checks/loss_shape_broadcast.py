@@ -61,7 +61,7 @@ _ARITH = frozenset((
     "RsubBackward0", "RsubBackward1", "AbsBackward0", "SqrtBackward0", "NegBackward0", "ClampMinBackward0",
     "ClampMinBackward1", "ClampMaxBackward0", "ClampBackward0", "ClampBackward1", "MaximumBackward0",
     "MinimumBackward0", "WhereBackward0", "LogBackward0", "Log1PBackward0", "SoftplusBackward0",
-    "ReluBackward0", "CoshBackward0"))  # not exp: a kernel exp(-(x - c) ** 2) over bins or centers is pairwise on purpose
+    "ReluBackward0", "CoshBackward0", "LogSigmoidBackward0", "SigmoidBackward0"))  # not exp: a kernel exp(-(x - c) ** 2) over bins or centers is pairwise on purpose
 _PAIRS = {"SubBackward0": "-", "RsubBackward0": "-", "AddBackward0": "+", "MulBackward0": "*",
           "DivBackward0": "/", "PowBackward1": "**", "WhereBackward0": "where"}
 # ops judged wherever they lie (not only below a fit), and the saved tensor that holds their other operand's shape
@@ -166,7 +166,7 @@ def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
         nexts = node.next_functions
         op = _PAIRS.get(name)
         if op is not None and len(nexts) == 2:
-            hit = _kept_dim(node, op, nexts)
+            hit = _kept_dim(node, op, nexts) or (_both_widened(node, op, nexts) if op in ("-", "+") else None)
             if hit is not None:
                 found.append(hit)
                 continue
@@ -213,6 +213,25 @@ def _kept_dim(node: Any, op: str, nexts: Any) -> Optional[Dict[str, Any]]:
                 return {"op": op, "grad_shape": vshape, "other_shape": kshape, "broadcast_shape": out, "keepdim": True}
             if how == "column":
                 return {"op": op, "grad_shape": vshape, "other_shape": kshape, "broadcast_shape": out, "column": True}
+    return None
+
+
+def _both_widened(node: Any, op: str, nexts: Any) -> Optional[Dict[str, Any]]:
+    """``s_pos - s_neg`` with both scores from the model, ``s_pos`` [N, 1] as its Linear left it and ``s_neg`` [N]
+    (squeezed): the result is [N, N], every positive against every negative (BPR over in-batch pairs by accident).
+    Pairs meant as such are written with the [N, 1] made on purpose (``s[:, None]``, ``unsqueeze``, ``view(-1, 1)``)."""
+    try:
+        out = [int(d) for d in node._input_metadata[0].shape]
+        if len(out) != 2 or out[0] != out[1] or out[0] < 2 or any(fn is None for fn, _ in nexts):
+            return None
+        shapes = [[int(d) for d in fn._input_metadata[idx].shape] for fn, idx in nexts]
+    except (AttributeError, RuntimeError, IndexError):
+        return None
+    n = out[0]
+    for k in (0, 1):
+        if shapes[k] == [n, 1] and shapes[1 - k] == [n] and not _made_on_purpose(nexts[k][0]):
+            return {"op": op, "grad_shape": shapes[1 - k], "other_shape": shapes[k], "broadcast_shape": out,
+                    "both": True}
     return None
 
 
@@ -318,6 +337,13 @@ class LossShapeBroadcast(Check):
                     f"has shape {out}, so each sample's term is paired with every other sample's (a triplet hinge "
                     f"over all pairs of anchors), not with its own")
             fix = "reduce without keepdim (dist.max(1).values, .amax(1)) or b.squeeze(-1), so both are [N]"
+        elif hit.get("both"):
+            what = (f"a hand-written loss computes `a {op} b` with a of shape {other} and b of shape {shape}, both "
+                    f"carrying gradient (two scores of the model: a positive's kept [N, 1] by its Linear, a negative's "
+                    f"squeezed), and the result has shape {out}: each sample's term is paired with every other "
+                    f"sample's, not with its own")
+            fix = ("a.squeeze(-1) so both are [N] (or, when every pair is meant, make it explicit: "
+                   "a.view(-1)[:, None] - b[None, :])")
         elif hit.get("column"):
             what = (f"a hand-written loss computes `a {op} b` with b of shape {other}, a column sliced from the "
                     f"model's output kept 2-d (`out[:, 1:]`: a log-variance, a scale), and a of shape {shape}: the result has shape {out}, so each sample's term is paired with "
@@ -366,7 +392,8 @@ class LossShapeBroadcast(Check):
         self.emit("loss-shape-broadcast", "loss", message, hint, source=loss_line(source) or source,
                   details={"loss": "hand-written", "op": op, "input_shape": shape, "target_shape": other,
                            "broadcast_shape": out, **({"keepdim": True} if hit.get("keepdim") else {}),
-                           **({"column": True} if hit.get("column") else {})})
+                           **({"column": True} if hit.get("column") else {}),
+                           **({"both_with_gradient": True} if hit.get("both") else {})})
 
     def _look(self, fn: str, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("input")
