@@ -88,6 +88,34 @@ def test_nll_loss_fed_non_log_probabilities(make, looks):
     assert looks in g.findings[0].message and "log_softmax" in g.findings[0].hint
 
 
+@pytest.mark.parametrize("student", ["softmax", "log_softmax", "log_softmax, log target"])
+def test_kl_div_fed_probabilities_is_found_and_log_probabilities_are_clean(student):
+    """Soft-label distillation with KLDivLoss given the student's softmax (probabilities) as its input: the loss is
+    not the KL divergence. It was missed; the log_softmax input (with either form of target) is clean."""
+    torch.manual_seed(0)
+    teacher, model = nn.Linear(5, 4), nn.Linear(5, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, checks="all", live=False) as g:
+        for _ in range(3):
+            x = torch.randn(8, 5)
+            with torch.no_grad():
+                soft = teacher(x).softmax(1)
+            z = model(x)
+            if student == "softmax":
+                loss = nn.KLDivLoss(reduction="batchmean")(z.softmax(1), soft)
+            elif student == "log_softmax":
+                loss = F.kl_div(z.log_softmax(1), soft, reduction="batchmean")
+            else:
+                loss = F.kl_div(z.log_softmax(1), soft.log(), reduction="batchmean", log_target=True)
+            one_step(model, loss, opt)
+    if student != "softmax":
+        assert g.findings == []
+        return
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("softmax-before-cross-entropy", "loss", 0)
+    assert f.details["loss"] == "kl_div" and "SoftmaxBackward0" in f.message and "log_softmax(1)" in f.hint
+
+
 def test_nll_loss_on_log_softmax_is_clean_also_in_half():
     model = nn.Linear(5, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -82,12 +82,13 @@ class LossMisuse(Check):
         "sigmoid-before-bce": ("info", "BCELoss after sigmoid; BCEWithLogitsLoss is the stable form"),
         "target-out-of-range": ("error", "class targets outside [0, C)"),
     }
-    description = ("probabilities into CrossEntropy/NLL/CTC, sigmoid before BCELoss, class targets outside [0, C) "
+    description = ("probabilities into CrossEntropy/NLL/CTC/KLDiv, sigmoid before BCELoss, class targets outside [0, C) "
                    "(CTC targets also: the blank)")
     patches = {"cross_entropy": "torch.nn.functional.cross_entropy",
                "nll_loss": "torch.nn.functional.nll_loss",
                "ctc_loss": "torch.nn.functional.ctc_loss",
                "binary_cross_entropy": "torch.nn.functional.binary_cross_entropy",
+               "kl_div": "torch.nn.functional.kl_div",
                # shared with loss-shape-broadcast (one wrapper): logits that are a sigmoid's output already
                "shape_binary_cross_entropy_with_logits": "torch.nn.functional.binary_cross_entropy_with_logits"}
 
@@ -175,6 +176,22 @@ class LossMisuse(Check):
                 code = bad.float() * (2.0 - probs.float())
                 self.g.stage(code, lambda v, info=info: v and self._report_prob(*info, code=v))
 
+    # ------------------------------------------------------------------ kl_div
+    def on_kl_div(self, args, kwargs):
+        """``kl_div(input, target)`` takes log-probabilities as its input (the target is in log space only with
+        ``log_target=True``): an input that is non-negative with values above 0 (a softmax's output) is none."""
+        step = self.g.step
+        if not (self._want_prob and self.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0)):
+            return
+        x = _arg(args, kwargs, 0, "input")
+        if not isinstance(x, torch.Tensor) or not _checkable(x) or not x.is_floating_point() or x.dim() < 1:
+            return
+        d = x.detach()
+        code = ((d.amin() >= 0) & (d.amax() > _tol(x))).float()
+        info = ("kl_div", list(x.shape), type(x.grad_fn).__name__ if x.grad_fn is not None else None,
+                step, self.g.source())
+        self.g.stage(code, lambda v, info=info: v and self._report_prob(*info, code=v))
+
     # ------------------------------------------------------------------ ctc_loss
     def on_ctc_loss(self, args, kwargs):
         lp = _arg(args, kwargs, 0, "log_probs")
@@ -250,6 +267,17 @@ class LossMisuse(Check):
                       "dimension).",
                       step=step, source=source, details={"loss": fn, "input_shape": shape, "grad_fn": grad_fn,
                                                          "looks_like": "probabilities" if probs else "scores"})
+            return
+        if fn == "kl_div":
+            self.emit("softmax-before-cross-entropy", "loss",
+                      f"kl_div() (KLDivLoss) got an input that is not log-probabilities: non-negative, with values "
+                      f"above 0 (input {shape}" + (f", made by {grad_fn}" if grad_fn else "") + "), probabilities "
+                      f"(a softmax without log), so the loss is not the KL divergence and its gradients are wrong",
+                      "KLDivLoss expects log-probabilities as its input: kl(student_logits.log_softmax(1), "
+                      "teacher_probs) (the target stays probabilities; pass log_target=True to give it as "
+                      "log-probabilities too).",
+                      step=step, source=source, details={"loss": fn, "input_shape": shape, "grad_fn": grad_fn,
+                                                         "looks_like": "probabilities"})
             return
         if fn == "cross_entropy" and code == 3.0:
             self.emit("softmax-before-cross-entropy", "loss",
