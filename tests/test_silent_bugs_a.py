@@ -203,6 +203,65 @@ def test_train_in_eval_mode_in_global_mode():
     assert f.step == 2 and f.details["eval_step"] == 2 and f.details["types"] == ["BatchNorm1d"]
 
 
+class _Seq(nn.Module):
+    """A SMILES generator whose only dropout is the LSTM's own (between its 2 layers), or an encoder whose only
+    dropout is nn.MultiheadAttention's."""
+
+    def __init__(self, kind, layers=2):
+        super().__init__()
+        self.kind, self.emb = kind, nn.Embedding(12, 16)
+        if kind == "lstm":
+            self.core = nn.LSTM(16, 16, num_layers=layers, dropout=0.3, batch_first=True)
+        else:
+            self.core = nn.MultiheadAttention(16, 2, dropout=0.2, batch_first=True)
+        self.head = nn.Linear(16, 12)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = self.core(h)[0] if self.kind == "lstm" else self.core(h, h, h, need_weights=False)[0]
+        return self.head(h)
+
+
+def _seq_run(kind, bug, layers=2):
+    torch.manual_seed(0)
+    model = _Seq(kind, layers)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(14):
+            x = torch.randint(0, 12, (4, 6))
+            loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, 12), x[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 9:
+                if bug == "eval left on":
+                    model.eval()  # sampling in eval mode, and no model.train() after it
+                    with torch.no_grad():
+                        model(torch.zeros(1, 1, dtype=torch.long))
+                elif bug == "sampling in train mode":
+                    with torch.no_grad():
+                        model(torch.zeros(1, 1, dtype=torch.long))
+    return g
+
+
+@pytest.mark.parametrize("kind", ["lstm", "attention"])
+@pytest.mark.parametrize("bug", ["eval left on", "sampling in train mode"])
+def test_dropout_built_into_lstm_and_attention_counts_for_the_mode_checks(kind, bug):
+    """nn.LSTM(dropout=...) and nn.MultiheadAttention(dropout=...) act differently in train and eval mode, like
+    nn.Dropout: a model whose only dropout is theirs was silent for both mode checks."""
+    g = _seq_run(kind, bug)
+    want = "train-in-eval-mode" if bug == "eval left on" else "eval-in-train-mode"
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == (want, "_Seq", 10)
+    assert ("core (LSTM)" if kind == "lstm" else "core (MultiheadAttention)") in f.message
+
+
+def test_a_one_layer_lstm_has_no_dropout_to_switch():
+    """dropout= of a one-layer LSTM is never applied (it acts between layers): its mode changes nothing."""
+    assert _seq_run("lstm", "eval left on", layers=1).findings == []
+    assert _seq_run("lstm", "sampling in train mode", layers=1).findings == []
+
+
 def test_frozen_batchnorm_models_without_dropout_and_eval_then_train_are_silent():
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Linear(16, 1))
     model.train()

@@ -16,11 +16,18 @@ from torch.nn.modules.dropout import _DropoutNd
 
 
 def mode_sensitive(model: nn.Module) -> List[Tuple[str, weakref.ref]]:
-    """(path, module) of the Dropout/BatchNorm modules whose train/eval mode changes the output."""
+    """(path, module) of the modules whose train/eval mode changes the output: Dropout and BatchNorm, and the
+    dropout built into `nn.LSTM`/`nn.GRU`/`nn.RNN` (between stacked layers) and `nn.MultiheadAttention`."""
     out = []
     for name, m in model.named_modules():
         if isinstance(m, _DropoutNd):
             if float(getattr(m, "p", 0.0) or 0.0) > 0:
+                out.append((name or type(m).__name__, weakref.ref(m)))
+        elif isinstance(m, nn.RNNBase):
+            if float(getattr(m, "dropout", 0.0) or 0.0) > 0 and getattr(m, "num_layers", 1) > 1:
+                out.append((name or type(m).__name__, weakref.ref(m)))
+        elif isinstance(m, nn.MultiheadAttention):
+            if float(getattr(m, "dropout", 0.0) or 0.0) > 0:
                 out.append((name or type(m).__name__, weakref.ref(m)))
         elif isinstance(m, _BatchNorm):
             if getattr(m, "track_running_stats", True):
