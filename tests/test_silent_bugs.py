@@ -143,6 +143,41 @@ def test_dropout_only_under_if_self_training_is_silent(how):
         assert g.findings == [] and g.internal_errors == []
 
 
+class _SDPA(nn.Module):
+    def __init__(s, tied):
+        super().__init__()
+        s.qkv, s.tied = nn.Linear(8, 24), tied
+
+    def forward(s, x):  # noqa: N805
+        q, k, v = s.qkv(x).view(len(x), -1, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=(0.1 if s.training else 0.0) if s.tied else 0.1)
+        return a.transpose(1, 2).reshape(len(x), -1, 8)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_attention_dropout_p_passed_as_is_stays_on_in_eval(tied):
+    """F.scaled_dot_product_attention(q, k, v, dropout_p=0.1) has no training argument: passed as is, attention
+    dropout stays on after model.eval() (a protein encoder's evaluation was random). Missed; tied to the mode, clean."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_SDPA(tied))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False, checks="all") as g:
+        for _ in range(3):
+            loss = model(torch.randn(2, 5, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 5, 8))
+    if tied:
+        assert g.findings == [] and g.internal_errors == []
+        return
+    f = only(g, "dropout-in-eval")
+    assert (f.where, f.step) == ("0", 3) and f.details["function"] == "F.scaled_dot_product_attention"
+    assert "dropout_p=(0.1 if self.training else 0.0)" in f.hint and f.source == line_of(_SDPA, "dropout_p=(0.1")
+
+
 def test_dropout_in_a_helper_called_from_forward_is_found_in_global_mode_too():
     model = nn.Sequential(Block("helper"))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -12,7 +12,8 @@ test. Only for a call without it, the caller's frame is looked at on the host:
 a call from torch's own code (``multi_head_attention_forward`` passes a ``p``
 that is already 0 in eval) or from outside any module's ``forward`` is not
 reported, nor is ``p == 0``, nor a call that only training reaches (``if self.training:`` around it, read
-from the source). Nothing on the device.
+from the source). Also ``F.scaled_dot_product_attention(..., dropout_p > 0)`` called under ``no_grad`` from the
+forward of a module in eval mode (it has no ``training`` argument). Nothing on the device.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ class DropoutInEval(Check):
                                             "model.eval()")}
     description = "F.dropout(x, p) in a forward without training=self.training: dropout stays on in model.eval()"
     patches = {"f_dropout": "torch.nn.functional.dropout", "f_dropout1d": "torch.nn.functional.dropout1d",
-               "f_dropout2d": "torch.nn.functional.dropout2d", "f_dropout3d": "torch.nn.functional.dropout3d"}
+               "f_dropout2d": "torch.nn.functional.dropout2d", "f_dropout3d": "torch.nn.functional.dropout3d",
+               "f_sdpa": "torch.nn.functional.scaled_dot_product_attention"}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -88,6 +90,40 @@ class DropoutInEval(Check):
     def on_f_dropout3d(self, args, kwargs):
         if (len(args) < 3 and "training" not in kwargs) or not _grad_on():
             self._call("dropout3d", args, kwargs)
+
+    # scaled_dot_product_attention has no `training` argument: `dropout_p=0.1` passed as is stays on in eval mode.
+    # Looked at under no_grad only (evaluation), where a training step's calls cost one grad-mode test.
+    def on_f_sdpa(self, args, kwargs):
+        if _grad_on():
+            return
+        p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+        if isinstance(p, (int, float)) and p > 0 and not torch.compiler.is_compiling():
+            self._look_sdpa(p)
+
+    def _look_sdpa(self, p: float) -> None:
+        frame, module = forward_caller(sys._getframe(2))
+        if frame is None or module is None or module.training:
+            return  # torch's own calls (MultiheadAttention passes 0 in eval), or the module trains
+        line = (frame.f_code.co_filename, frame.f_lineno)
+        if line in self._lines:
+            return
+        self._lines.add(line)
+        path = self.g.known_path(module)
+        if path is None:
+            if self.g.models:
+                return
+            path = type(module).__name__
+        source = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+        mod = type(module).__name__
+        self.emit("dropout-in-eval", path,
+                  f"F.scaled_dot_product_attention(..., dropout_p={p}) in {path} ({mod}.{frame.f_code.co_name}, "
+                  f"{source}) ran with dropout while {path} is in eval mode: scaled_dot_product_attention has no "
+                  f"training argument, so a dropout_p passed as is stays on after model.eval() and validation and "
+                  f"inference outputs are random",
+                  f"Tie it to the module's mode: dropout_p=({p} if self.training else 0.0).",
+                  source=source,
+                  details={"function": "F.scaled_dot_product_attention", "p": p, "module": mod,
+                           "module_training": False})
 
     def _call(self, fn: str, args: tuple, kwargs: dict) -> None:
         if len(args) < 3 and "training" not in kwargs:
