@@ -843,6 +843,25 @@ def test_numpy_round_trip_names_the_tensor_it_reaches_in_global_mode():
     assert f.details["reaches"] == ["a tensor [5, 1] (a leaf made with requires_grad=True)"]
 
 
+@pytest.mark.parametrize("scope", ["global", "model"])
+def test_a_model_rebuilt_after_its_optimizer_is_disconnected_from_step_0(scope):
+    """`opt = SGD(model.parameters()); model = Net()` (a fold loop re-creating the model): every step trains
+    nothing, from step 0. Under a global guard it was told at step 1 (the first backward ran before guard knew
+    the optimizer, when any parameter counted as held); its loss is now walked again at that step's update."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = mlp()
+    with guard(live=False) if scope == "global" else guard(model, opt, live=False) as g:
+        for _ in range(4):
+            loss = F.mse_loss(model(torch.randn(5, 8)), torch.randn(5, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in g.findings if f.kind == "loss-disconnected")
+    assert (f.where, f.step) == ("loss", 0) and "held by no optimizer" in f.message
+
+
 def test_loss_cut_off_after_healthy_steps_is_found_at_its_step():
     """Healthy steps teach the check the path from the loss to a parameter; a loss cut off later is still walked."""
     model = mlp()

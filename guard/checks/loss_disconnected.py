@@ -147,6 +147,9 @@ class LossDisconnected(Check):
         self._elsewhere = 0  # `backwards_elsewhere` at the primary optimizer's last step
         self._orphans: List[int] = []  # steps in a row whose backward ran elsewhere and left the optimizer no gradient
         self._inputs: Optional[Tuple[Any, bool]] = None  # (optimizers' key, whether they optimise inputs only)
+        # backwards run before guard knew any optimizer (a global guard's first step): (refs to what backward() was
+        # called on, source, step), walked again at that step's update, when the optimizer is known
+        self._early: List[Tuple[List[weakref.ref], Optional[str], int]] = []
 
     def _held(self, *extra: Any) -> set:
         """Ids of the parameters of every optimizer seen, watched or not (an attack's own over its delta)."""
@@ -163,8 +166,14 @@ class LossDisconnected(Check):
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or ()) if isinstance(t, torch.Tensor)]
         if not ts:
             return
+        if not self.g.optimizers and len(self._early) < 4:
+            # any parameter counts before guard knows an optimizer: the loss is walked again at the step
+            self._early.append(([weakref.ref(t) for t in ts], self.g.root_source, self.g.step))
+        self._look(ts, self._walk_held, self.g.root_source, self.g.step)
+
+    def _look(self, ts: List[torch.Tensor], held: Callable[[], Optional[set]], src: Optional[str], step: int) -> None:
         # The walk (not the path followed on later steps) stops only at a parameter an optimizer seen so far holds.
-        leaves = _leaves(ts, self._paths, self._walk_held)
+        leaves = _leaves(ts, self._paths, held)
         if leaves is None:
             return
         t0 = ts[0]
@@ -179,8 +188,7 @@ class LossDisconnected(Check):
         descr = [f"{'the loss itself' if any(l is t for t in ts) else 'a parameter' if isinstance(l, nn.Parameter) else 'a tensor'} "
                  f"{self._named(l)}{list(l.shape)} ({'held by no optimizer' if isinstance(l, nn.Parameter) else 'a leaf made with requires_grad=True' if l.grad_fn is None else type(l.grad_fn).__name__})"
                  for l in leaves]
-        self._pending.append(([(weakref.ref(l), l._version) for l in leaves], descr, self.g.root_source, self.g.step,
-                              list(ts[0].shape)))
+        self._pending.append(([(weakref.ref(l), l._version) for l in leaves], descr, src, step, list(ts[0].shape)))
 
     def _inputs_optimized(self) -> bool:
         """Whether the optimizers hold only tensors outside the watched models (style transfer's image, a soft
@@ -212,6 +220,13 @@ class LossDisconnected(Check):
             self._orphan_step(optimizer)
         elif self._orphans:
             self._orphans = []
+        if self._early:
+            early, self._early = self._early, []
+            if not self._pending and not self._done:
+                for refs, src, step in early:
+                    ts = [t for r in refs if (t := r()) is not None]
+                    if ts and len(ts) == len(refs):
+                        self._look(ts, lambda: self._held(optimizer), src, step)
         if not self._pending:
             return
         pending, self._pending = self._pending, []
