@@ -290,6 +290,29 @@ def test_restoring_a_state_dict_snapshot_taken_without_a_copy_is_reported():
     assert not torch.equal(model[0].weight, kept["0.weight"])  # indeed: the best epoch's weights are gone
 
 
+def test_an_ema_swap_whose_backup_is_no_copy_is_told_with_the_swap_as_what_changed_it():
+    """Validate with EMA weights: `backup = model.state_dict(); model.load_state_dict(ema); ...;
+    model.load_state_dict(backup)`. The backup's tensors are the model's own, so loading the EMA weights changed
+    them: the message said "training since it was taken changed them", which is not what happened here."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = {k: v.clone() for k, v in model.state_dict().items()}
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        backup = model.state_dict()
+        model.load_state_dict(ema)
+        model.load_state_dict(backup)
+    [f] = g.findings
+    assert (f.kind, f.where) == ("state-dict-mismatch", "Sequential")
+    assert "a load_state_dict() of other weights, as in an EMA swap" in f.message
+    assert "training since it was taken" not in f.message
+
+
 def test_a_snapshot_built_with_cpu_on_a_cpu_run_is_reported_with_the_explicit_copy():
     """`{k: v.cpu() for ...}` copies only from a GPU: on a CPU run it holds the model's own tensors. The message
     says why the dict was no copy, and the fix copies explicitly."""

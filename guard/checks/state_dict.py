@@ -292,9 +292,10 @@ def _alias_report(module: nn.Module, keys: List[str], rebuilt: bool = False) -> 
     res = {
         "message": (f"load_state_dict() got a state_dict whose {len(keys)} parameter tensor(s) are the model's own "
                     f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): state_dict() returns references, "
-                    f"not copies, so training since it was taken changed them in place, and loading it changes "
-                    f"nothing. Weights it was meant to restore (the best epoch's, the initial ones to rewind to) "
-                    f"were never kept"),
+                    f"not copies, so every in-place change of the model since it was taken (training steps, or a "
+                    f"load_state_dict() of other weights, as in an EMA swap for validation) changed it too, and "
+                    f"loading it changes nothing. Weights it was meant to restore (the best epoch's, the initial "
+                    f"ones to rewind to, the training weights behind an EMA swap) were never kept"),
         "hint": ("Keep a copy when taking the snapshot: best = copy.deepcopy(model.state_dict()) (or "
                  "{k: v.detach().clone() for k, v in model.state_dict().items()}), then "
                  "model.load_state_dict(best)."),
