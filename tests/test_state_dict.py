@@ -1,5 +1,6 @@
 """state-dict-mismatch: real failing loads get a note and a finding; the exception is unchanged."""
 import collections
+import copy
 
 import pytest
 import torch
@@ -391,3 +392,32 @@ def test_an_uncopied_snapshot_loaded_into_a_fresh_model_is_reported(copy_snapsho
     (f,) = g.findings
     assert f.kind == "state-dict-mismatch" and f.details["aliased_to"] == "`model`"
     assert "`final` gets `model`'s latest weights" in f.message and "copy.deepcopy" in f.hint
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_averaging_snapshots_taken_without_a_copy_is_found(copied):
+    """Checkpoint averaging of the last 3 epochs with `snaps.append(model.state_dict())`: each snapshot is the live
+    weights, so the average loaded at the end is the last weights. Missed (the averaged dict holds new tensors);
+    with deep-copied snapshots the average is a real one, and silent."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    snaps = []
+    with guard(model, opt, live=False) as g:
+        for epoch in range(5):
+            for _ in range(3):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            snaps.append(copy.deepcopy(model.state_dict()) if copied else model.state_dict())
+            snaps = snaps[-3:]
+        avg = {k: sum(s[k] for s in snaps) / len(snaps) for k in snaps[0]}
+        model.load_state_dict(avg)
+    if copied:
+        assert g.findings == [] and g.internal_errors == []
+        return
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("state-dict-mismatch", "Sequential", 15)
+    assert f.details["averaged_snapshots"] == 3 and f.details["snapshot_steps"] == [9, 12, 15]
+    assert "an average of them" in f.message and "copy.deepcopy(model.state_dict())" in f.hint

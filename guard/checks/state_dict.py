@@ -314,6 +314,36 @@ def _alias_report(module: nn.Module, keys: List[str], rebuilt: bool = False) -> 
     return res
 
 
+def _equal_to_own(module: nn.Module, sd: Mapping[str, Any]) -> bool:
+    """Whether every parameter tensor of `sd` equals `module`'s own values (to float rounding), new tensors though
+    they are: an average of snapshots that were all the live weights. Read once, at a load."""
+    own = dict(module.named_parameters())
+    pairs = [(sd[k], p) for k, p in own.items() if isinstance(sd.get(k), torch.Tensor) and sd[k].shape == p.shape]
+    if not pairs or len(pairs) < len(own):
+        return False
+    try:
+        with torch.no_grad():
+            return all(v.is_floating_point() and torch.allclose(v.detach().to(p.device, p.dtype), p, rtol=1e-5, atol=1e-6)
+                       for v, p in pairs)
+    except Exception:
+        return False
+
+
+def _averaged_report(module: nn.Module, steps: List[int]) -> Dict[str, Any]:
+    shown = ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "")
+    return {
+        "message": (f"load_state_dict() got new tensors equal to the model's current weights, while {len(steps)} "
+                    f"state_dict() snapshots kept alive (taken at steps {shown}) are all the model's own tensors: "
+                    f"state_dict() returns references, not copies, so each snapshot holds the latest weights, and "
+                    f"an average of them (checkpoint averaging, SWA by hand) is the last weights, not an average "
+                    f"over those steps"),
+        "hint": ("Copy each snapshot when taking it: snaps.append(copy.deepcopy(model.state_dict())) (or "
+                 "{k: v.detach().clone() for k, v in model.state_dict().items()}), then average the copies."),
+        "details": {"model": type(module).__name__, "aliased": True, "averaged_snapshots": len(steps),
+                    "snapshot_steps": steps[:10]},
+    }
+
+
 class StateDictMismatch(Check):
     name = "state-dict"
     kinds = {
@@ -329,7 +359,7 @@ class StateDictMismatch(Check):
         super().__init__(guard)
         # id(state_dict returned) -> (weak reference to it, its tensors' version counters then): an aliased snapshot
         # loaded back before anything changed it (the best epoch was the last) restores what it should
-        self._snaps: Dict[int, Tuple[weakref.ref, Dict[str, int]]] = {}
+        self._snaps: Dict[int, Tuple[weakref.ref, Dict[str, int], int]] = {}  # ... and the step it was taken at
         self._loaded: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules a state_dict was loaded into
 
     def on_state_dict_done(self, args, kwargs, result):
@@ -342,7 +372,8 @@ class StateDictMismatch(Check):
         self._snaps = {k: v for k, v in self._snaps.items() if v[0]() is not None}
         if len(self._snaps) >= self.MAX_SNAPSHOTS:
             self._snaps.pop(next(iter(self._snaps)))
-        self._snaps[id(result)] = (ref, {k: v._version for k, v in result.items() if isinstance(v, torch.Tensor)})
+        self._snaps[id(result)] = (ref, {k: v._version for k, v in result.items() if isinstance(v, torch.Tensor)},
+                                   self.g.step)
 
     @staticmethod
     def _args(args: tuple, kwargs: dict) -> Tuple[Any, Any, bool]:
@@ -375,6 +406,10 @@ class StateDictMismatch(Check):
                 return  # nothing changed it since it was taken: loading it restores what it should
             if keys:
                 self._report(module, _alias_report(module, keys, rebuilt=snap is None), None)
+            elif snap is None and module not in self._loaded:
+                steps = self._stale_snapshots(module)
+                if len(steps) >= 2 and _equal_to_own(module, sd):
+                    self._report(module, _averaged_report(module, steps), None)
             elif snap is not None and snap[0]() is sd and module not in self._loaded:
                 # (a model's first load: a target network synced again and again from a dict it knows to be live is
                 # not this)
@@ -390,6 +425,20 @@ class StateDictMismatch(Check):
                         f"the ones the snapshot was meant to keep (the best epoch's)")
                     res["details"].update(aliased_to=source)
                     self._report(module, res, None)
+
+    def _stale_snapshots(self, module: nn.Module) -> List[int]:
+        """Steps of the live `state_dict()` results whose parameter tensors are all `module`'s own and changed since
+        they were taken: snapshots kept without a copy (`snaps.append(model.state_dict())`)."""
+        steps, changed = [], False
+        for ref, versions, step in self._snaps.values():
+            snap = ref()
+            if snap is None:
+                continue
+            keys = _aliased(module, snap)
+            if keys:
+                steps.append(step)
+                changed = changed or any(snap[k]._version != versions.get(k) for k in keys)
+        return sorted(steps) if changed else []
 
     def _moved_elsewhere(self, module: nn.Module, sd: Mapping[str, Any], versions: Dict[str, int]):
         """(the watched model whose parameters the snapshot `sd` holds, the keys changed since it was taken) when
