@@ -1214,3 +1214,43 @@ def test_integer_targets_of_a_binary_cross_entropy_are_explained():
     (f,) = _explained(g)
     assert f.where == "loss" and f.details["target_dtype"] == "int64" and "y.float()" in f.hint
     assert "y.float()" in _notes(ei.value)
+
+
+@pytest.mark.parametrize("form", ["local", "reduced local"])
+def test_a_module_memory_carried_through_a_local_is_named_at_its_assignment(form):
+    """`mem = self.memory + f(x); self.memory = mem` (or `self.memory = mem.mean(0)` after a loop over `mem`): the
+    second backward runs through the previous batch's graph. The one-line form `self.memory = self.memory + ...`
+    was named; through a local it got the generic "something from an earlier step" message at `backward`."""
+    torch.manual_seed(0)
+
+    class Mem(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.write, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
+            self.memory = torch.zeros(1, 8)
+
+        def forward(self, x):
+            mem = self.memory + torch.tanh(self.write(x)).mean(0, keepdim=True)
+            self.memory = mem
+            return self.out(x * torch.sigmoid(mem))
+
+    class Reduced(Mem):
+        def forward(self, x):
+            mem = self.memory.expand(len(x), -1)
+            mem = mem + torch.tanh(self.write(x))
+            self.memory = mem.mean(0, keepdim=True)
+            return self.out(x * torch.sigmoid(self.memory))
+
+    net = Mem() if form == "local" else Reduced()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError):
+        with guard(net, opt, live=False) as g:
+            for _ in range(3):
+                loss = F.cross_entropy(net(torch.randn(16, 8)), torch.randint(0, 2, (16,)))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    (f,) = [f for f in g.findings if f.kind == "explained-error"]
+    assert (f.where, f.step) == ("net.memory", 1) and f.details["holder"] == "net.memory"
+    want = "`self.memory = mem`" if form == "local" else "`self.memory = mem.mean(0, keepdim=True)`"
+    assert want in f.message and "self.memory = " in f.hint and ".detach()" in f.hint

@@ -178,12 +178,29 @@ def _assignment(code: Any, name: str) -> Optional[Tuple[str, str, str]]:
                     return at(node), "sum", ""
                 if any(ast.dump(t) == want for t in ast.walk(node.value)):
                     return at(node), "self", ""
+                # through a local: `mem = self.memory + f(x); self.memory = mem` (or `= mem.mean(0)`)
+                for local in sorted({n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}):
+                    if _via_local(tree, local, want, lo, hi) is not None:
+                        return at(node), "self", ""
             elif any(isinstance(t, ast.Subscript) and same(t.value) for t in flat):
                 return at(node), "write", ast.get_source_segment(source, node.value) or ""
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and same(node.func.value) \
                 and node.func.attr in ("copy_", "index_copy_", "index_put_", "masked_scatter_", "scatter_") \
                 and node.args:
             return at(node), "write", ast.get_source_segment(source, node.args[-1]) or ""
+    return None
+
+
+def _via_local(tree: Any, local: str, want: str, lo: int, hi: int) -> Any:
+    """The assignment, between lines `lo` and `hi`, of the plain variable `local` from an expression that reads the
+    target `want` (an ``ast.dump``): ``mem = self.memory + ...`` before ``self.memory = mem``."""
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and lo <= node.lineno <= hi and any(
+                isinstance(t, ast.Name) and t.id == local for t in node.targets) and any(
+                ast.dump(t) == want for t in ast.walk(node.value)):
+            return node
     return None
 
 
