@@ -1254,3 +1254,28 @@ def test_a_module_memory_carried_through_a_local_is_named_at_its_assignment(form
     assert (f.where, f.step) == ("net.memory", 1) and f.details["holder"] == "net.memory"
     want = "`self.memory = mem`" if form == "local" else "`self.memory = mem.mean(0, keepdim=True)`"
     assert want in f.message and "self.memory = " in f.hint and ".detach()" in f.hint
+
+
+def test_the_tensor_the_loss_reads_is_named_not_the_one_it_was_stacked_from():
+    """An echo-state network run once with autograd on: `H = torch.stack(states)` keeps the reservoir's graph, and
+    the readout's second backward runs through it. `h` (the loop's last state) was named, and detaching it as the
+    fix said left the error; `H`, which the loss reads and whose graph reaches `h`'s, is the one to detach."""
+    torch.manual_seed(0)
+    res = nn.Linear(8, 8)
+    h, states = torch.zeros(8), []
+    for _ in range(20):
+        h = torch.tanh(res(h) + 0.1)
+        states.append(h)
+    H = torch.stack(states)
+    readout = nn.Linear(8, 1)
+    opt = torch.optim.Adam(readout.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError):
+        with guard(readout, opt, live=False) as g:
+            for _ in range(3):
+                loss = readout(H[:10]).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    (f,) = [f for f in g.findings if f.kind == "explained-error"]
+    assert (f.where, f.step) == ("H", 1) and "`H`, a tensor made before the last backward()" in f.message
+    assert "H = ....detach()" in f.hint

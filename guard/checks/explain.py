@@ -264,9 +264,20 @@ def _freed_holder(exc: BaseException, newest: int) -> Optional[Tuple[str, Option
             found.append((var, [v for v in value if v.grad_fn is not None]))
             continue
         found.extend((n, ts) for n, _, ts in graph_holders(var, value))
-    for n, ts in found:
-        if any(in_graph.get(id(t.grad_fn)) for t in ts):
-            return n, None, "", n, ""
+    olds = [(n, ts) for n, ts in found if any(in_graph.get(id(t.grad_fn)) for t in ts)]
+    if len(olds) > 1:
+        # the holder nearest the loss: the one whose graph reaches the others' (`H = torch.stack(states)` read by
+        # the loss, not the loop's last state `h` that H was stacked from)
+        fns = {n: [t.grad_fn for t in ts] for n, ts in olds}  # (kept alive while ids are compared)
+        ids = {n: {id(f) for f in fs} for n, fs in fns.items()}
+
+        def covers(n: str, ts: List[torch.Tensor]) -> int:
+            nodes = list(walk(fns[n], Budget(5_000)))
+            seen = {id(node) for node in nodes}
+            return sum(1 for m, fn_ids in ids.items() if m != n and fn_ids & seen)
+        olds.sort(key=lambda c: -covers(*c))
+    if olds:
+        return olds[0][0], None, "", olds[0][0], ""
     budget = Budget(40_000)
 
     def reaches(ts: List[torch.Tensor], others: Set[int]) -> bool:
