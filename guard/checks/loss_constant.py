@@ -83,6 +83,9 @@ class LossConstant(Check):
         # while the loss repeats: the sums of the model calls' outputs, per step ({step: [sum, ...]})
         self._outs: dict = {}
 
+    def watches(self, module) -> bool:
+        return False  # the model calls' outputs only (root calls): no layer keeps a hook for this check
+
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if self._same < 2 or self._same_done or not is_root:
             return  # (every step but those of a repeating loss: one comparison)
