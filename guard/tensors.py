@@ -12,7 +12,7 @@ MAX_DEPTH = 6
 MAX_ITEMS = 256
 
 
-_FOREIGN = ("torch", "numpy", "builtins", "collections", "functools", "typing")
+_FOREIGN = ("torch", "numpy", "builtins", "collections", "functools", "typing", "pandas", "PIL", "scipy", "sklearn")
 
 
 def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
