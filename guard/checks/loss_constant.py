@@ -89,7 +89,9 @@ class LossConstant(Check):
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if self._same < 2 or self._same_done or not is_root:
             return  # (every step but those of a repeating loss: one comparison)
-        t = next((t for t in iter_tensors(output) if t.is_floating_point()), None)
+        # (not a 0-dim loss a model returns beside its logits: Hugging Face's ModelOutput puts it first)
+        floats = [t for t in iter_tensors(output) if t.is_floating_point()]
+        t = next((t for t in floats if t.numel() > 1), floats[0] if floats else None)
         if t is not None:
             vals = self._outs.setdefault(self.g.step, [])
             self.g.stage(t.detach().sum(), vals.append)
