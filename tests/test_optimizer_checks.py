@@ -2133,3 +2133,29 @@ def test_polyak_targets_run_with_grad_are_found(scope, fixed):
     assert f.kind == "param-not-in-optimizer" and f.where in ("actor_t", "critic_t") and f.step <= 1
     assert f.details["polyak_target"] is True and "torch.no_grad()" in f.hint
     assert "actor_t" in f.message and "critic_t" in f.message
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_center_loss_centers_updated_by_hand_from_their_gradient_are_no_polyak_target(scope):
+    """Center loss: `centers` is an nn.Parameter in no optimizer, updated by hand from its `.grad` after each
+    backward, then `centers.grad.zero_()`. It moves in place and its .grad is the same tensor, but the code uses and
+    clears it: no gradient piles up (the .grad was written more often than backward() accumulated into it). Told as
+    a Polyak target run with grad since stop 36's rule."""
+    torch.manual_seed(0)
+    net, fc = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4)), nn.Linear(4, 3)
+    centers = nn.Parameter(torch.zeros(3, 4))
+    opt = torch.optim.SGD([*net.parameters(), *fc.parameters()], lr=0.05, momentum=0.9)
+    model = nn.ModuleDict({"net": net, "fc": fc})
+    with guard(model, opt, live=False) if scope == "model" else guard(live=False) as g:
+        for _ in range(24):
+            y = torch.randint(0, 3, (16,))
+            f = net(torch.randn(16, 6) + y[:, None])
+            loss = F.cross_entropy(fc(f), y) + 0.005 * (f - centers[y]).pow(2).sum(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                centers -= 0.5 * centers.grad / 0.01
+                centers.grad.zero_()
+    assert not [f for f in g.findings if f.details.get("polyak_target")], g.findings
+    assert g.internal_errors == []
