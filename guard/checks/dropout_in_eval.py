@@ -104,15 +104,11 @@ class DropoutInEval(Check):
         frame, module = forward_caller(sys._getframe(2))
         if frame is None or module is None or module.training:
             return  # torch's own calls (MultiheadAttention passes 0 in eval), or the module trains
-        line = (frame.f_code.co_filename, frame.f_lineno)
-        if line in self._lines:
+        if not self._first_at(frame):
             return
-        self._lines.add(line)
-        path = self.g.known_path(module)
+        path = self._path(module)
         if path is None:
-            if self.g.models:
-                return
-            path = type(module).__name__
+            return  # another model than the watched one
         source = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
         mod = type(module).__name__
         self.emit("dropout-in-eval", path,
@@ -124,6 +120,19 @@ class DropoutInEval(Check):
                   source=source,
                   details={"function": "F.scaled_dot_product_attention", "p": p, "module": mod,
                            "module_training": False})
+
+    def _first_at(self, frame) -> bool:
+        """Whether `frame`'s line is looked at for the first time (one finding per source line)."""
+        line = (frame.f_code.co_filename, frame.f_lineno)
+        if line in self._lines:
+            return False
+        self._lines.add(line)
+        return True
+
+    def _path(self, module) -> Optional[str]:
+        """`module`'s path; its class name under a global guard; None for a model the guard does not watch."""
+        path = self.g.known_path(module)
+        return type(module).__name__ if path is None and not self.g.models else path
 
     def _call(self, fn: str, args: tuple, kwargs: dict) -> None:
         if len(args) < 3 and "training" not in kwargs:
@@ -159,11 +168,9 @@ class DropoutInEval(Check):
         text = linecache.getline(owner.f_code.co_filename, owner.f_lineno).split("#")[0]
         if _PASSES_MODE.search(text):
             return  # the forward passes a mode (training=True on purpose, self.training, a variable of its own)
-        path = self.g.known_path(module)
+        path = self._path(module)
         if path is None:
-            if self.g.models:
-                return
-            path = type(module).__name__
+            return  # another model than the watched one
         p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
         source = f"{_short(code.co_filename)}:{frame.f_lineno}"
         forward = f"{_short(owner.f_code.co_filename)}:{owner.f_lineno}"
@@ -188,19 +195,15 @@ class DropoutInEval(Check):
         frame, module = forward_caller(sys._getframe(1))
         if frame is None:
             return
-        line = (frame.f_code.co_filename, frame.f_lineno)
-        if line in self._lines:
+        if not self._first_at(frame):
             return
-        self._lines.add(line)
         if module is None:
             return  # outside a module's forward: not this check's pattern
         if _training_only(frame.f_code, frame.f_lineno):
             return  # `if self.training: h = F.dropout(h, p)`: never runs in eval mode
-        path = self.g.known_path(module)
+        path = self._path(module)
         if path is None:
-            if self.g.models:
-                return  # another model than the watched one
-            path = type(module).__name__
+            return  # another model than the watched one
         source = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
         mod = type(module).__name__
         self.emit("dropout-in-eval", path,
