@@ -142,10 +142,11 @@ class OptimizerParams(Check):
         self._walk_step, self._walks = -1, 0  # the step of the latest walk, and the backwards walked in it
         # the parameters such a walk found: id -> (parameter ref, its version, its gradient's (ref, version)), step
         self._outside: Optional[Tuple[Dict[int, tuple], int]] = None
-        # backward() calls since each look (the model's, the outside walk's): a gradient written more often than
+        # backward() calls so far: a gradient written more often since a look (the model's, the outside walk's) than
         # backward() accumulated into it was cleared or used by the code (a center loss's hand update then
         # `.grad.zero_()`), not left to pile up
-        self._since_cand = self._since_outside = 0
+        self._backwards = 0
+        self._cand_at = self._outside_at = 0  # `_backwards` at each look
         self._outside_told: set = set()
         self._synced = WeakIdSet()  # modules something loaded a state_dict into (a target synced every N steps)
         self._attrs: Dict[int, str] = {}  # id(tensor) -> the module attribute holding it (a plain tensor to train)
@@ -155,8 +156,7 @@ class OptimizerParams(Check):
             self._synced.add(args[0])
 
     def on_backward(self, tensors, kwargs):
-        self._since_cand += 1
-        self._since_outside += 1
+        self._backwards += 1
         step = self.g.step
         if step < self._walk_at and step != self._walk_step:
             return  # the usual backward: two comparisons
@@ -202,7 +202,7 @@ class OptimizerParams(Check):
                 self._outside[0].update(found)  # another backward of the same step
             else:
                 self._outside = (found, self.g.step)
-                self._since_outside = 1  # this backward accumulates into them after the walk
+                self._outside_at = self._backwards - 1  # this backward accumulates into them after the walk
 
     def _tensor_attributes(self, ids: set) -> Dict[int, str]:
         """``{id(tensor): "path.attr"}`` of the tensors among `ids` that a watched module keeps as a plain attribute
@@ -233,7 +233,7 @@ class OptimizerParams(Check):
             g = p.grad
             if p._version != version:
                 if g is not None and gstate is not None and g is gstate[0]() \
-                        and 0 < g._version - gstate[1] <= self._since_outside:
+                        and 0 < g._version - gstate[1] <= self._backwards - self._outside_at:
                     piling.append(p)  # moved, its gradients piling up: a Polyak/EMA target run with grad
                 continue
             if g is None or (gstate is not None and g is gstate[0]() and g._version == gstate[1]):
@@ -351,7 +351,7 @@ class OptimizerParams(Check):
                 self._held_step = self.g.step
                 return
             self._cand = (versions, self.g.step, self.g.source())
-            self._since_cand = 0
+            self._cand_at = self._backwards
         elif self.g.step - self._cand[1] >= CONFIRM_STEPS or not self._still_missing():
             self._confirm()
 
@@ -393,7 +393,7 @@ class OptimizerParams(Check):
         # them, and what moves the weights is no gradient step: a Polyak/EMA target run with grad for the TD target
         piling = [n for n, (v, gref, gv, pref) in versions.items() if n in still and n in named
                   and named[n] is pref() and named[n]._version != v and named[n].grad is not None
-                  and named[n].grad is gref() and 0 < named[n].grad._version - gv <= self._since_cand]
+                  and named[n].grad is gref() and 0 < named[n].grad._version - gv <= self._backwards - self._cand_at]
         if piling and not missing and self._polyak([named[n] for n in piling], piling, step, source):
             self._told.update(piling)
         if missing:
