@@ -1514,3 +1514,56 @@ def test_tensors_of_plain_objects_are_walked_but_not_a_modules_weights():
     data = _GraphBatch(torch.zeros(2), torch.ones(2, 3), None)
     names = [n for n, _ in iter_named_tensors((data, nn.Linear(2, 2), len), "args")]
     assert names == ["args[0].z", "args[0].pos"]
+
+
+def _gan_generator_nan(how, use_guard):
+    """A GAN whose discriminator steps first (the optimizer guard counts steps by); at iteration 10 the generator's
+    loss (`how="loss"`) or only its gradients (`how="grad"`: 0 * sqrt at 0) turn NaN, its update makes the
+    generator NaN, and the next iteration's fakes, the discriminator's input, are NaN."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    D = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+    oG, oD = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    bce = nn.BCEWithLogitsLoss()
+    gan = nn.ModuleDict({"G": G, "D": D})
+    with use_guard(gan, [oD, oG]) as g:
+        for it in range(16):
+            real, z = torch.randn(16, 2) + 3, torch.randn(16, 4)
+            oD.zero_grad()
+            fake = G(z)
+            ld = bce(D(real), torch.ones(16, 1)) + bce(D(fake.detach()), torch.zeros(16, 1))
+            ld.backward()
+            oD.step()
+            oG.zero_grad()
+            lg = bce(D(fake), torch.ones(16, 1))
+            if it == 10:
+                lg = lg * float("nan") if how == "loss" else lg + 0.0 * torch.sqrt((fake - fake.detach()).pow(2).sum())
+            lg.backward()  # the generator's backward: line GEN_BACKWARD
+            oG.step()
+    return g
+
+
+GEN_BACKWARD = "lg.backward()  # the generator's backward: line GEN_BACKWARD"
+
+
+@pytest.mark.parametrize("global_guard", [False, True])
+def test_a_generator_stepping_after_the_counted_discriminator_is_the_origin_of_its_nan_loss(global_guard):
+    """The window read at the discriminator's step holds the generator's whole step: its NaN loss, the update it
+    broke the generator with, and the NaN fakes the discriminator then took. The loss is the origin, not "the data
+    is dirty" at the discriminator's input."""
+    use = (lambda m, o: guard(live=False)) if global_guard else (lambda m, o: guard(m, o, live=False))
+    g = _gan_generator_nan("loss", use)
+    assert [(f.kind, f.where) for f in g.findings] == [("nonfinite-loss", "loss")]
+    f = g.findings[0]
+    # one late: the generator's step 10 comes after the discriminator's, which guard counts
+    assert f.step == 11
+    line = open(__file__).read().split("\n").index("            " + GEN_BACKWARD) + 1
+    assert f.source.endswith(f"test_nonfinite.py:{line}")
+    assert "outputs were finite" in f.message
+
+
+def test_a_generator_stepping_after_the_counted_discriminator_is_the_origin_of_its_nan_gradients():
+    g = _gan_generator_nan("grad", lambda m, o: guard(m, o, live=False))
+    assert [(f.kind, f.where) for f in g.findings] == [("nonfinite-grad", "G.0.weight")]
+    assert g.findings[0].step == 11
+    assert set(g.findings[0].details["parameters"]) >= {"G.0.weight", "G.2.bias"}

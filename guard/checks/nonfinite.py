@@ -568,6 +568,17 @@ class NonFinite(Check):
                 return
             known = {i for site, i in sites if site in self._maskers}
             bad = {i for i in bad if i not in known}
+        # Flags are numbered as they are made. A window read at the steps of the optimizer guard counts can hold
+        # another optimizer's whole step (a GAN's generator stepping after the discriminator): when a loss or
+        # gradients are the first NaN/Inf of the window, its update broke the weights and every later call's
+        # NaN is its effect. Those calls are no origin.
+        # (weights already NaN/Inf before this window make NaN gradients of their own: not an origin)
+        params_known_bad = bool(self._bad_param_names)
+        if bad and not params_known_bad and min(bad) in held:
+            first = min(bad)
+            calls = [c for c in calls if all(i < first for _, i in c.inputs + c.outputs)]
+            losses = [e for e in losses if e[0] <= first]
+            grads = [e for e in grads if e[0] <= first]
         produced = {i for call in calls for _, i in call.outputs}
         if bad <= {i for c in calls if c.is_root for _, i in c.inputs} - produced:
             # NaN/Inf only in what the model was given, with every output, the loss and the gradients finite:
@@ -599,7 +610,7 @@ class NonFinite(Check):
         # module taking it made the NaN (a masked loss whose batch was masked whole divides 0 by 0)
         taken = {i for c in calls if c.is_root for name, i in c.inputs
                  if i in bad and i not in produced and (c.path, name) in self._takers} if self._takers else set()
-        self._bad_grad_steps.update(step for flag, _, step, _ in grads if flag in bad)
+        self._bad_grad_steps.update(step for flag, _, step, _ in window[2] if flag in bad)
         if self._check_params():
             return
         # A root call whose NaN input some earlier call made (a loss module, or any module called on
@@ -610,10 +621,13 @@ class NonFinite(Check):
         # previous root call) ran before it; matching by flag misses reshaped outputs (logits.view(-1, C)).
         upstream = False  # some call that ended before the current root call began made NaN/Inf
         done = 0
+        # (with weights already NaN/Inf, a NaN input is as much their effect as a NaN output: a GAN's generated batch
+        # or an RL rollout made by the broken model in an earlier window)
         for k, call in enumerate(calls):
             if not call.is_root:
                 continue
-            if not upstream and any(i in bad and i not in produced and i not in taken for _, i in call.inputs):
+            if not upstream and not params_known_bad and any(
+                    i in bad and i not in produced and i not in taken for _, i in call.inputs):
                 if (not any(i in bad for _, i in call.outputs) and not any(f in bad for f, _, _ in losses)
                         and any(f in bad for f, _, _, _ in grads)):
                     # The model kept its NaN input out of its outputs and the loss is finite, yet the gradients
@@ -692,7 +706,7 @@ class NonFinite(Check):
                                   step=step, source=source)
                 return
         for flag, gn, step, source in grads:
-            if flag in bad and not self._bad_param_names:  # NaN weights make NaN grads: not news
+            if flag in bad and not params_known_bad:  # NaN weights from an earlier window make NaN grads: not news
                 if any(f.kind in _FORWARD_KINDS and f.step == step for f in self.g.findings):
                     return  # this step's NaN input, output or loss was reported (resolved in an earlier read)
                 self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
