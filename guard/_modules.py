@@ -7,6 +7,8 @@ from typing import Tuple
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from .tensors import unexpanded
+
 
 def tree_stats(module: nn.Module) -> Tuple[int, int]:
     """(deepest nesting level below `module`, number of distinct parameter elements), by an explicit stack."""
@@ -17,6 +19,7 @@ def tree_stats(module: nn.Module) -> Tuple[int, int]:
         mod, level = stack.pop()
         depth = max(depth, level)
         for p in mod._parameters.values():
+            p = unexpanded(p)
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
                 if not is_lazy(p):  # nn.LazyLinear before its first call: no size yet

@@ -33,7 +33,7 @@ def _transforms_active() -> bool:  # a torch without the C switch (it has been t
 #: costs about ten times as much inside a training step)
 FRESH = object()  # `Router.memo` in a dispatch whose handlers have not asked for the source line yet
 
-_in_transform = getattr(torch._C, "_are_functorch_transforms_active", None) or _transforms_active
+in_transform = getattr(torch._C, "_are_functorch_transforms_active", None) or _transforms_active
 
 
 def _sleeps(event: str) -> bool:
@@ -228,7 +228,7 @@ class Router:
         anywhere = all(e.startswith("functorch_") for e in events)
 
         def middleware(call: Callable, args: tuple, kwargs: dict) -> Any:
-            if not active() or getattr(tls, "in_patch", False) or (_in_transform() and not anywhere):
+            if not active() or getattr(tls, "in_patch", False) or (in_transform() and not anywhere):
                 # Inside vmap/grad the values are functorch's wrapped tensors: checks must not keep them
                 # (they cannot be read after the transform), and the user's own call is seen outside it.
                 return call(*args, **kwargs)

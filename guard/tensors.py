@@ -93,6 +93,18 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # without two att
 _STRIDED = torch.strided
 
 
+try:  # the per-sample-gradient wrapper torch swaps in for a module's parameters during one call
+    from torch.nn.utils._expanded_weights import ExpandedWeight as _ExpandedWeight
+except Exception:  # pragma: no cover - a torch without it
+    _ExpandedWeight = ()
+
+
+def unexpanded(t: Any) -> Any:
+    """The parameter itself for an ``ExpandedWeight`` (``call_for_per_sample_grads``, Opacus-style DP-SGD), whose
+    tensor methods mostly raise; anything else as it is."""
+    return t.orig_weight if isinstance(t, _ExpandedWeight) else t
+
+
 def screenable(t: torch.Tensor) -> bool:
     """A plain, dense, floating tensor whose values can be reduced on its device."""
     return (

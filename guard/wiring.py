@@ -21,6 +21,7 @@ from ._dist import remember_rank
 from ._frames import user_source
 from .callstack import pop_call, push_call
 from . import watched as _watched
+from .router import in_transform
 from .findings import GuardError
 
 #: -1 unless autograd's engine is running a backward (on any of its threads)
@@ -268,7 +269,8 @@ class Wiring:
                 raise
             except Exception as exc:  # guard's own bookkeeping must never fail the user's forward
                 self.contain(None, exc)
-        if self.router.forward_pre and self._active:
+        # (inside vmap/grad the values are functorch's wrapped tensors, which checks must not keep: as for patches)
+        if self.router.forward_pre and self._active and not in_transform():
             self.router.dispatch_forward_pre(module, args, {}, root)
         self.meter.own += _clock() - t0
 
@@ -304,7 +306,7 @@ class Wiring:
             is_root = False
         if is_root:
             self._enter_root(module)
-        if self.router.forward_pre and self._active:
+        if self.router.forward_pre and self._active and not in_transform():
             self.router.dispatch_forward_pre(module, args, kwargs or {}, is_root)
         self.meter.own += _clock() - t0
 
@@ -357,6 +359,9 @@ class Wiring:
         first = id(module) not in self.watched.module_ids.data
         if first:
             self.watched.record_module(module, output, self.record)
+        if in_transform():  # (see _hook_pre_global: a call inside vmap/grad is seen, not checked)
+            self.meter.own += _clock() - t0
+            return
         r = self.router
         handlers = r.forward if is_root else r.layer_handlers(r.post_for, r.all_forward, module)
         try:

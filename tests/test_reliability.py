@@ -1248,3 +1248,53 @@ def test_reading_a_frame_s_variables_leaves_the_function_s_own_locals_dict_alone
         return frame_locals(sys._getframe())["b"], b
 
     assert held() == (1, 1) and free() == (2, 2)
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_per_sample_gradients_of_a_conv_net_by_vmap_are_not_checked_inside_the_transform(scope):
+    # DP-SGD's per-sample gradients: vmap(grad(functional_call(model, ...))) on 4-D images. The model's hooks ran
+    # inside the transform, and input-stats staged a flag made of functorch's wrapped tensors: the step's read
+    # failed (internal error in 'guard', the run's reads switched off).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.rand(16, 3, 8, 8), torch.randint(0, 2, (16,))
+
+    def loss(params, xi, yi):
+        return nn.functional.cross_entropy(torch.func.functional_call(model, params, (xi[None],)), yi[None])
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+    with (guard(model, opt, live=False) if scope == "model" else guard(live=False)) as g:
+        for step in range(6):
+            grads = per_sample({n: p.detach() for n, p in model.named_parameters()}, x, y)
+            for n, p in model.named_parameters():
+                p.grad = grads[n].mean(0) if step != 4 else grads[n].mean(0) * float("nan")
+            opt.step()
+            opt.zero_grad()
+    assert g.internal_errors == []
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-grad", 4)]  # the checks outside it still run
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_per_sample_gradients_by_expanded_weights_leave_guard_working(scope):
+    # torch's call_for_per_sample_grads swaps ExpandedWeight wrappers in for the parameters during the call; most
+    # tensor methods raise on them (numel, requires_grad): guard's module table and optimizer-params' walk failed.
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = torch.randn(32, 10), torch.randint(0, 3, (32,))
+    with (guard(model, opt, live=False, checks="all") if scope == "model" else guard(live=False)) as g:
+        for step in range(20):  # optimizer-params walks the backwards of step 1 for parameters outside the models
+            out = call_for_per_sample_grads(model, loss_reduction="sum")(x)
+            nn.functional.cross_entropy(out, y, reduction="sum").backward()
+            for p in model.parameters():
+                norms = p.grad_sample.flatten(1).norm(dim=1, keepdim=True).clamp_min(1.0)
+                p.grad = (p.grad_sample.flatten(1) / norms).sum(0).view_as(p) / 32
+                p.grad_sample = None
+            opt.step()
+            opt.zero_grad()
+    assert g.internal_errors == [] and g.findings == []
+    assert len(g.timeline) == 20

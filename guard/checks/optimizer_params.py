@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .._frames import frame_locals
-from ..tensors import as_float
+from ..tensors import as_float, unexpanded
 from ._graphs import Budget, user_frames, walk
 from ._params import WatchedParams, frame_optimizers, module_prefixes
 from .base import Check
@@ -181,7 +181,7 @@ class OptimizerParams(Check):
         found: Dict[int, tuple] = {}
         plain: List[torch.Tensor] = []
         for node in walk(roots, Budget(OUTSIDE_NODES)):
-            var = getattr(node, "variable", None)
+            var = unexpanded(getattr(node, "variable", None))
             if (isinstance(var, torch.Tensor) and var.requires_grad and id(var) not in watched
                     and id(var) not in held and id(var) not in self._outside_told and len(found) < 256):
                 if not isinstance(var, nn.Parameter):
