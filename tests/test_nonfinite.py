@@ -1567,3 +1567,29 @@ def test_a_generator_stepping_after_the_counted_discriminator_is_the_origin_of_i
     assert [(f.kind, f.where) for f in g.findings] == [("nonfinite-grad", "G.0.weight")]
     assert g.findings[0].step == 11
     assert set(g.findings[0].details["parameters"]) >= {"G.0.weight", "G.2.bias"}
+
+
+@pytest.mark.parametrize("value", [float("-inf"), float("nan")])
+def test_a_mixture_component_pruned_with_its_logit_at_minus_inf_is_no_broken_update(value):
+    """A Gaussian mixture whose component 0 is pruned at step 5 (its logit set to -inf under no_grad: weight exactly
+    0, kept there by log_softmax's zero gradient and Adam) was reported at the end as an update that overflowed.
+    A NaN written there is still a broken weight."""
+    torch.manual_seed(0)
+    logits, mu = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.randn(4))
+    opt = torch.optim.Adam([logits, mu], lr=0.05)
+    x = torch.randn(64)
+    with guard(live=False) as g:
+        for step in range(20):
+            lp = -0.5 * (x[:, None] - mu) ** 2 + F.log_softmax(logits, 0)
+            loss = -torch.logsumexp(lp, 1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == (5 if value < 0 else 19):
+                with torch.no_grad():
+                    logits[0] = value
+    assert torch.isfinite(mu).all()
+    if value < 0:
+        assert g.findings == [] and math.isfinite(loss.item())
+    else:
+        assert [f.kind for f in g.findings] == ["nonfinite-param"]

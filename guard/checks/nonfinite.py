@@ -423,7 +423,7 @@ class NonFinite(Check):
             ent = self._ends.pop(key, None)
             if ent is not None and self.g.active:
                 try:
-                    self._check_params([p for grp in ent[1] for p in grp["params"]])
+                    self._check_params([p for grp in ent[1] for p in grp["params"]], at_end=True)
                 except Exception as exc:
                     self.g.contain(self, exc)
 
@@ -495,10 +495,14 @@ class NonFinite(Check):
         seen = {id(p) for p in params}
         for _, groups in ends.values():  # optimizers that are still alive but no longer watched
             params += [p for grp in groups for p in grp["params"] if id(p) not in seen]
-        self._check_params(params)
+        self._check_params(params, at_end=True)
 
-    def _check_params(self, params: Optional[List[torch.Tensor]] = None) -> bool:
-        """NaN/Inf weights after an update: True when that was just reported (later findings are its effects)."""
+    def _check_params(self, params: Optional[List[torch.Tensor]] = None, at_end: bool = False) -> bool:
+        """NaN/Inf weights after an update: True when that was just reported (later findings are its effects).
+
+        `at_end` (the last look, with no NaN/Inf seen after the last update): weights whose only non-finite
+        values are -inf are set so on purpose (a mixture component pruned with its logit at -inf, which
+        log_softmax and Adam keep there), not broken by an update: an update that made -inf makes NaN next."""
         update = self._in_update or self._update
         if update is None:
             return False
@@ -511,7 +515,8 @@ class NonFinite(Check):
         with torch.no_grad():
             norms, _ = fused_norms([p.detach() for p in params])
             values = torch.stack([n.reshape(()).float().cpu() for n in norms]).tolist()
-        group = [p for p, v in zip(params, values) if not math.isfinite(v) and not self._as_born(p, v)]
+        group = [p for p, v in zip(params, values) if not math.isfinite(v) and not self._as_born(p, v)
+                 and not (at_end and v == _INF and _only_neg_inf(p))]
         if not group:
             return False
         return self._report_params(group, step, source, caused=step in self._bad_grad_steps)
@@ -1079,6 +1084,12 @@ MASK_HINT = ("Arithmetic on -inf makes NaN: 0 * -inf (an entropy sum(p * log_sof
              "instead of -inf.")
 #: a weight this large is no trained network's: a blown-up update (float32 overflows at 3.4e38)
 HUGE_WEIGHT = 1e10
+
+
+def _only_neg_inf(t: torch.Tensor) -> bool:
+    """Whether -inf is the one non-finite value in `t` (no NaN, no +inf); read on the error path only."""
+    d = t.detach()
+    return not bool(torch.isnan(d).any()) and not bool((d == _INF).any())
 
 
 def _counted(c: Dict[str, int]) -> str:
