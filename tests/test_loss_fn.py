@@ -323,3 +323,26 @@ def test_bce_with_logits_fed_a_sigmoids_output(sigmoid_end):
     (f,) = g.findings
     assert (f.kind, f.severity, f.where, f.step) == ("softmax-before-cross-entropy", "warning", "loss", 0)
     assert f.details["double_sigmoid"] is True and "Remove the final sigmoid" in f.hint
+
+
+@pytest.mark.parametrize("softmax", [False, True])
+def test_a_single_row_from_a_linear_that_sums_to_one_by_chance_is_not_probabilities(softmax):
+    """DP-SGD's microbatches of one: raw logits [1, 3] straight from a Linear that happen to be non-negative and sum
+    to 1 were taken for a softmax's output. One row says too little unless a softmax made it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.GroupNorm(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        model[3].weight.mul_(0.02)
+        model[3].bias.copy_(torch.tensor([0.3, 0.4, 0.3]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    with guard(model, opt, live=False) as g:
+        for step in range(8):
+            for j in range(4 * step, 4 * step + 4):
+                out = model(x[j:j + 1])
+                F.cross_entropy(out.softmax(1) if softmax else out, y[j:j + 1]).backward()
+            opt.step()
+            opt.zero_grad()
+    assert [(f.kind, f.step) for f in g.findings] == ([("softmax-before-cross-entropy", 0)] if softmax else [])
+    if softmax:
+        assert g.findings[0].details["grad_fn"] == "SoftmaxBackward0"

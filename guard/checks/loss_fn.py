@@ -24,9 +24,10 @@ Cost model:
 """
 from __future__ import annotations
 
+import re
 import weakref
 from collections import deque
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -55,6 +56,21 @@ def _checkable(t: Any) -> bool:
 
 def _tol(t: torch.Tensor) -> float:
     return 2e-2 if t.dtype in (torch.float16, torch.bfloat16) else 1e-3
+
+
+#: grad_fns that make (log-)probabilities: softmax, log_softmax, a division by a sum, exp, sigmoid, log, x - logsumexp
+_MAKES_PROBS = re.compile(r"Softmax|Div|Exp|Sigmoid|Log|Sub|Norm")
+
+
+def _one_row(shape: List[int]) -> bool:
+    """Whether a cross_entropy input of `shape` ([C], [N, C] or [N, C, d1, ...]) holds a single row of classes."""
+    if not shape:
+        return False
+    c = shape[1] if len(shape) >= 2 else shape[0]
+    n = 1
+    for d in shape:
+        n *= d
+    return c > 0 and n // c == 1
 
 
 def _rows(x: torch.Tensor) -> Tuple[torch.Tensor, int]:
@@ -254,6 +270,10 @@ class LossMisuse(Check):
                            "bad_count": count, **({"blank_targets": True} if not bool(out.any()) else {})})
 
     def _report_prob(self, fn, shape, grad_fn, step, source, code: float) -> None:
+        if fn == "cross_entropy" and _one_row(shape) and grad_fn is not None and not _MAKES_PROBS.search(grad_fn):
+            # One row that sums to 1 (or has logsumexp 0) by chance, straight from a Linear (microbatches of one
+            # in DP-SGD): too little to tell; a softmax's output is told from its next batches or its own grad_fn.
+            return
         self._want_prob = False  # reported once; no more per-call work
         if fn == "ctc_loss":
             probs = code == 1.0
