@@ -2159,3 +2159,35 @@ def test_center_loss_centers_updated_by_hand_from_their_gradient_are_no_polyak_t
                 centers.grad.zero_()
     assert not [f for f in g.findings if f.details.get("polyak_target")], g.findings
     assert g.internal_errors == []
+
+
+@pytest.mark.parametrize("attack", ["gradient-matching", "plain"])
+def test_a_fixed_model_whose_gradients_an_attack_matches_is_not_left_out_of_the_optimizer(attack):
+    """Deep Leakage from Gradients: LBFGS optimises a dummy input and label so that the fixed victim's gradients
+    (torch.autograd.grad over `net.parameters()`, a generator, with create_graph=True) match the ones observed. The
+    victim's own .grad is a by-product, and requires_grad=False (the old hint) would break the attack. Optimising an
+    input through an unfrozen model without gradient matching is still told."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 24), nn.Sigmoid(), nn.Linear(24, 5))
+    x_true, y_true = torch.rand(1, 12), torch.tensor([3])
+    true_grads = [g.detach() for g in torch.autograd.grad(F.cross_entropy(net(x_true), y_true), net.parameters())]
+    dummy_x, dummy_y = torch.rand(1, 12, requires_grad=True), torch.randn(1, 5, requires_grad=True)
+    opt = torch.optim.LBFGS([dummy_x, dummy_y], lr=0.5, max_iter=5)
+
+    def closure():
+        opt.zero_grad()
+        pred = net(dummy_x)
+        if attack == "plain":
+            loss = F.cross_entropy(pred, y_true)
+        else:
+            dl = torch.sum(-F.softmax(dummy_y, -1) * F.log_softmax(pred, -1))
+            dg = torch.autograd.grad(dl, net.parameters(), create_graph=True)
+            loss = sum(((a - b) ** 2).sum() for a, b in zip(dg, true_grads))
+        loss.backward()
+        return loss
+
+    with guard(live=False) as g:
+        for _ in range(15):
+            opt.step(closure)
+    assert g.internal_errors == [] and len(g.timeline) == 15
+    assert [f.kind for f in g.findings] == ([] if attack == "gradient-matching" else ["param-not-in-optimizer"])

@@ -119,7 +119,9 @@ class OptimizerParams(Check):
                # `m.weight = nn.Parameter(...)` (a head's weight replaced, or re-bound every step to renormalize)
                "register_parameter": "torch.nn.Module.register_parameter",
                # (shared with state-dict) a target synced by load_state_dict is no Polyak target (`_polyak`)
-               "load_state_dict": "torch.nn.Module.load_state_dict"}
+               "load_state_dict": "torch.nn.Module.load_state_dict",
+               # (shared) gradients taken with create_graph=True with respect to the parameters: `_matched`
+               "autograd_grad": "torch.autograd.grad"}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -150,6 +152,7 @@ class OptimizerParams(Check):
         self._outside_told: set = set()
         self._synced = WeakIdSet()  # modules something loaded a state_dict into (a target synced every N steps)
         self._attrs: Dict[int, str] = {}  # id(tensor) -> the module attribute holding it (a plain tensor to train)
+        self._matched: set = set()  # shapes of gradients taken with create_graph=True (gradient matching, MAML)
 
     def on_load_state_dict(self, args, kwargs):
         if args and isinstance(args[0], nn.Module):
@@ -404,6 +407,8 @@ class OptimizerParams(Check):
                 norms = torch.stack([as_float(g.coalesce().values() if g.is_sparse else g).norm().cpu()
                                      for g in grads]).tolist()
             missing = [n for n, v in zip(missing, norms) if v != 0.0]
+        if missing and self._matching_only(missing, named):
+            missing = []
         if missing:
             self._told.update(missing)
             later = self._looked_before
@@ -452,6 +457,23 @@ class OptimizerParams(Check):
             return []
         ids = {id(p) for p in loose}
         return [(n, p) for n, p in self.g.named_parameters() if id(p) in ids]
+
+    def on_autograd_grad_done(self, args, kwargs, result):
+        # (the inputs may be a generator, `net.parameters()`, which torch has consumed by now: the gradients' shapes
+        # stand for them)
+        create = kwargs.get("create_graph", args[4] if len(args) > 4 else False)
+        if create and isinstance(result, (tuple, list)) and len(self._matched) < 4096:
+            self._matched.update(tuple(t.shape) for t in result if isinstance(t, torch.Tensor))
+
+    def _matching_only(self, missing: List[str], named: Dict[str, torch.Tensor]) -> bool:
+        """Whether the `missing` parameters are a fixed model an attack matches gradients of: shaped as gradients
+        taken with create_graph=True while every optimizer trains only tensors outside the watched models (Deep
+        Leakage from Gradients optimising dummy inputs: their own `.grad` is a by-product, and they must keep
+        requires_grad for that torch.autograd.grad)."""
+        if not all(tuple(named[n].shape) in self._matched for n in missing):
+            return False
+        watched = {id(p) for p in self._params()}
+        return not any(id(p) in watched for o in self.g.optimizers for grp in o.param_groups for p in grp["params"])
 
     def on_module_init(self, args, kwargs):
         self._params.forget()  # a module built since (a new head to assign): list the parameters again
