@@ -1593,3 +1593,24 @@ def test_a_mixture_component_pruned_with_its_logit_at_minus_inf_is_no_broken_upd
         assert g.findings == [] and math.isfinite(loss.item())
     else:
         assert [f.kind for f in g.findings] == ["nonfinite-param"]
+
+
+def test_finite_gradients_whose_norm_overflows_float32_are_not_called_nan():
+    """Gradients of about 1e20 are finite, but their float32 sum of squares overflows: the norm is inf. They were
+    reported as "NaN/Inf gradients" with the sqrt-at-0 hint; now as exploding, with their largest element."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(8, 4)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            loss = model(x).mean() * 1e20
+            opt.zero_grad()
+            loss.backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+            opt.step()
+    f = only(g, "nonfinite-grad")
+    assert (f.where, f.step) == ("weight", 0)
+    assert "overflow float32" in f.message and "NaN/Inf:" not in f.message
+    assert f.details["finite_elements"] is True and 1e19 < f.details["largest_abs"] < 1e21
+    assert "explode" in f.hint

@@ -973,6 +973,12 @@ class NonFinite(Check):
         if not names:
             return
         nan = any(v != v for v in values)
+        if not nan and taken_input is None and not masked:
+            # an infinite norm of finite elements: float32's sum of squares overflows past 3.4e38 (|g| ~ 1e20)
+            huge = _overflowed_norms(gn.params, values)
+            if huge is not None and len(huge) == len(names):
+                self._report_huge_grads(gn, huge, step, source)
+                return
         extra = ""
         if taken_input is not None:
             extra = (f" while the loss and {taken_input[0]}'s outputs were finite: its input held NaN/Inf "
@@ -1007,6 +1013,21 @@ class NonFinite(Check):
                   hint, step=step, source=source,
                   details={"parameters": names[:20], "count": len(names), **({"masked_outputs": True} if masked else {}),
                            **({"taken_input": taken_input[1]} if taken_input is not None else {})})
+
+    def _report_huge_grads(self, gn, huge: List[Tuple[int, float]], step: int, source: Optional[str]) -> None:
+        names = [gn.names[i] for i, _ in huge]
+        top = max(v for _, v in huge)
+        self.emit("nonfinite-grad", names[0],
+                  f"{len(names)} parameter gradient(s) have norms that overflow float32 to inf: {', '.join(names[:5])}"
+                  + (" ..." if len(names) > 5 else "") + f"; their elements are finite but as large as {top:.3g}, "
+                  f"so anything that squares them (the norm, Adam's exp_avg_sq) is inf",
+                  "The gradients explode: Adam then divides by sqrt(inf) and freezes those weights, SGD moves them by "
+                  "lr * |g|. Find what grows without bound (a recurrence whose eigenvalues exceed 1 in modulus, "
+                  "parametrise them as exp(-exp(nu)); a loss multiplied by a huge factor; a learning rate too high), "
+                  "and clip gradients (torch.nn.utils.clip_grad_norm_) once it is bounded.",
+                  step=step, source=source,
+                  details={"parameters": names[:20], "count": len(names), "finite_elements": True,
+                           "largest_abs": top})
 
     def _edited_since_update(self) -> bool:
         """Whether the first weight of the last stepped optimizer was changed in place since that update."""
@@ -1084,6 +1105,23 @@ MASK_HINT = ("Arithmetic on -inf makes NaN: 0 * -inf (an entropy sum(p * log_sof
              "instead of -inf.")
 #: a weight this large is no trained network's: a blown-up update (float32 overflows at 3.4e38)
 HUGE_WEIGHT = 1e10
+
+
+def _overflowed_norms(params: List[torch.Tensor], norms: List[float]) -> Optional[List[Tuple[int, float]]]:
+    """(index, largest |element|) of each parameter whose gradient norm is inf while every element is finite; None
+    when some infinite norm has an infinite element (read on the error path only)."""
+    out = []
+    for i, (p, v) in enumerate(zip(params, norms)):
+        if v != _INF:
+            continue
+        g = p.grad
+        if g is None or g.is_sparse:
+            return None
+        g = g.detach()
+        if not bool(torch.isfinite(g).all()):
+            return None
+        out.append((i, float(g.abs().amax())))
+    return out
 
 
 def _only_neg_inf(t: torch.Tensor) -> bool:
