@@ -1614,3 +1614,23 @@ def test_finite_gradients_whose_norm_overflows_float32_are_not_called_nan():
     assert "overflow float32" in f.message and "NaN/Inf:" not in f.message
     assert f.details["finite_elements"] is True and 1e19 < f.details["largest_abs"] < 1e21
     assert "explode" in f.hint
+
+
+def test_a_parameter_broken_by_nan_gradients_makes_no_second_finding_at_the_next_loss():
+    """A mesh's heights optimised directly (no model call): acos at exactly 1 gives NaN gradients at step 0, Adam
+    writes NaN into the parameter, and step 1's loss is NaN. That loss is the gradients' effect, not a new
+    "NaN loss from finite outputs"."""
+    torch.manual_seed(0)
+    z = nn.Parameter(torch.zeros(16))
+    opt = torch.optim.Adam([z], lr=1e-2)
+    target = torch.randn(16) * 0.1
+    with guard(live=False) as g:
+        for _ in range(6):
+            n = F.normalize(torch.stack([z, torch.ones(16)], -1), dim=-1)  # all equal at z = 0: dot products of 1
+            angle = torch.acos((n[:-1] * n[1:]).sum(-1).clamp(max=1.0))
+            loss = F.mse_loss(z, target) + 0.01 * angle.mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not torch.isfinite(z).all()
+    assert [(f.kind, f.where, f.step) for f in g.findings] == [("nonfinite-grad", "z", 0)]

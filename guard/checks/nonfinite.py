@@ -615,9 +615,15 @@ class NonFinite(Check):
         # module taking it made the NaN (a masked loss whose batch was masked whole divides 0 by 0)
         taken = {i for c in calls if c.is_root for name, i in c.inputs
                  if i in bad and i not in produced and (c.path, name) in self._takers} if self._takers else set()
+        earlier = set(self._bad_grad_steps)
         self._bad_grad_steps.update(step for flag, _, step, _ in window[2] if flag in bad)
         if self._check_params():
             return
+        # weights found NaN/Inf now, broken by the update of an earlier step whose NaN/Inf gradients were reported:
+        # this window's NaN loss and inputs are their effect (a parameter optimised directly, with no model call)
+        update = self._in_update or self._update
+        params_known_bad = params_known_bad or (
+            bool(self._bad_param_names) and update is not None and update[0] in earlier)
         # A root call whose NaN input some earlier call made (a loss module, or any module called on
         # the model's outputs under a global guard) is not fed dirty data: the origin lies upstream.
         # A root call whose NaN input an earlier call made (a loss module, any module called on the
@@ -631,7 +637,7 @@ class NonFinite(Check):
         for k, call in enumerate(calls):
             if not call.is_root:
                 continue
-            if not upstream and not params_known_bad and any(
+            if not upstream and (not params_known_bad or self._optimised(call, bad, refs)) and any(
                     i in bad and i not in produced and i not in taken for _, i in call.inputs):
                 if (not any(i in bad for _, i in call.outputs) and not any(f in bad for f, _, _ in losses)
                         and any(f in bad for f, _, _, _ in grads)):
@@ -672,6 +678,8 @@ class NonFinite(Check):
                     return
         for flag, source, step in losses:
             if flag in bad:
+                if params_known_bad:
+                    return
                 if not calls or not any(i in bad for c in calls for _, i in c.outputs):
                     if any(i in known for c in calls for _, i in c.outputs):
                         self.emit("nonfinite-loss", "loss",
@@ -790,6 +798,13 @@ class NonFinite(Check):
                   details={"module": first.type, "padding_rows_only": True, "spread_by": spread.path,
                            "counts": counts, "nonfinite_params": []})
 
+    def _optimised(self, call: _Call, bad: set, refs: Dict[int, weakref.ref]) -> List[str]:
+        """The optimizers (their class names) that hold a NaN/Inf input of `call` itself (style transfer's image, an
+        adversarial patch: the input is what they train)."""
+        held = {id(p): type(o).__name__ for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        return [held[id(t)] for name, i in call.inputs if i in bad
+                and (t := refs.get(i, lambda: None)()) is not None and id(t) in held]
+
     def _report_input(self, call: _Call, bad: set, refs: Dict[int, weakref.ref]) -> None:
         args, counts = [], {}
         for name, i in call.inputs:
@@ -798,9 +813,7 @@ class NonFinite(Check):
                 t = refs.get(i, lambda: None)()
                 if t is not None:
                     counts[name] = nonfinite_counts(t)
-        held = {id(p): type(o).__name__ for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
-        optimised = [held[id(t)] for name, i in call.inputs if i in bad
-                     and (t := refs.get(i, lambda: None)()) is not None and id(t) in held]
+        optimised = self._optimised(call, bad, refs)
         if optimised:
             # the optimised input itself (style transfer's image, an adversarial patch): written NaN by its update
             self.emit("nonfinite-input", "input",
