@@ -2481,3 +2481,41 @@ def test_a_containers_train_at_the_top_of_the_step_does_not_excuse_another_model
             loss.backward()
             opt.step()
     assert "eval-in-train-mode" in kinds(g), g.findings
+
+
+@pytest.mark.parametrize("order", ["zero-then-write", "write-then-zero", "write-step-zero"])
+def test_gradients_written_by_hand_then_wiped_by_zero_grad_before_the_step(order):
+    """DP-SGD with torch.func: per-sample gradients, clipped and noised, are written into `p.grad` by hand (no
+    backward()). A `zero_grad()` between that and `step()` wipes them: the model never trains, and with no
+    backward() the check used to stay silent. Zeroing before writing, or after the step, is fine."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = torch.randn(64, 10), torch.randint(0, 2, (64,))
+
+    def loss(params, xi, yi):
+        return nn.functional.cross_entropy(torch.func.functional_call(model, params, (xi[None],)), yi[None])
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+    before = [p.detach().clone() for p in model.parameters()]
+    with guard(live=False) as g:
+        for step in range(6):
+            if order == "zero-then-write":
+                opt.zero_grad()
+            grads = per_sample({n: p.detach() for n, p in model.named_parameters()}, x[:16], y[:16])
+            for n, p in model.named_parameters():
+                p.grad = grads[n].mean(0)
+            if order == "write-then-zero":
+                opt.zero_grad()  # wipes them
+            opt.step()
+            if order == "write-step-zero":
+                opt.zero_grad()
+    moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    if order == "write-then-zero":
+        assert not moved
+        assert [(f.kind, f.where, f.step) for f in g.findings] == [("zero-grad-before-step", "SGD", 0)]
+        f = g.findings[0]
+        assert "written by hand" in f.message and f.details["written_by_hand"] is True
+        assert "p.grad = ..." in f.hint
+    else:
+        assert moved and g.findings == []

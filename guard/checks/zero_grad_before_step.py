@@ -48,7 +48,7 @@ def _stored(g: torch.Tensor) -> bool:
 
 class _Opt:
     __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids", "had_grads", "wiped", "wiped_src", "run",
-                 "run_src", "run_step", "module_zero")
+                 "run_src", "run_step", "module_zero", "seen_grad", "hand", "hand_src")
 
     def __init__(self, stepped_at: int) -> None:
         self.zero_at = -1  # backward count at its latest zero_grad()
@@ -63,6 +63,12 @@ class _Opt:
         self.wiped_src: Optional[str] = None
         self.run, self.run_src, self.run_step = 0, None, -1  # steps in a row with such a partial wipe
         self.module_zero = False  # its latest zero_grad() after a backward was a module's covering its parameters
+        # Gradients written by hand (DP-SGD's `p.grad = noisy_clipped`, from torch.func, no backward()): the first
+        # gradient its latest step() applied (a weak reference), whether a zero_grad() with no backward since that
+        # step found another one (written since), and then that zero_grad()'s line
+        self.seen_grad: Optional[weakref.ref] = None
+        self.hand = False
+        self.hand_src: Optional[str] = None
 
 
 class ZeroGradBeforeStep(Check):
@@ -98,6 +104,10 @@ class ZeroGradBeforeStep(Check):
         if not args or not isinstance(args[0], torch.optim.Optimizer):
             return
         st = self._state(args[0])
+        if self._backwards <= st.stepped_at:
+            # no backward since its last step: gradients there now that its step did not apply were written by hand
+            g0 = next((g for grp in args[0].param_groups for p in grp["params"] if (g := p.grad) is not None), None)
+            st.hand = g0 is not None and (st.seen_grad is None or st.seen_grad() is not g0)
         if self._backwards > st.stepped_at:
             # Only the suspicious order pays for this look: no gradient to wipe means none of this optimizer's
             # parameters was reached by those backwards (it is built over another copy of the model).
@@ -114,6 +124,8 @@ class ZeroGradBeforeStep(Check):
             return
         st = self._state(args[0])
         st.module_zero = False
+        if st.hand:
+            st.hand, st.hand_src = False, self.g.source()
         if not st.had_grads:
             st.had_grads = True
             st.zero_at = -1  # it wiped nothing
@@ -154,7 +166,15 @@ class ZeroGradBeforeStep(Check):
         st = self._st.data.get(id(optimizer))
         if st is None:
             st = self._first_step(optimizer)
-        if st is None or st.zero_at <= st.stepped_at:
+        if st is None:
+            st = self._state(optimizer)
+        g0 = next((g for grp in optimizer.param_groups for p in grp["params"] if (g := p.grad) is not None), None)
+        if st.hand_src is not None:
+            zero_src, st.hand_src = st.hand_src, None
+            if g0 is None and self._backwards <= st.stepped_at:
+                self._emit(optimizer, st, none=True, info=(zero_src, None, self.g.source(), self.g.step, None))
+        st.seen_grad = weakref.ref(g0) if g0 is not None else None
+        if st.zero_at <= st.stepped_at:
             return
         between = st.zero_at != self._backwards
         if between:
@@ -264,6 +284,17 @@ class ZeroGradBeforeStep(Check):
         where = self._label(opt)
         effect = ("every gradient is None, so the step skips all parameters" if none else
                   "every gradient is zero, so only weight decay and momentum move the parameters")
+        if backward_src is None:  # gradients written by hand (`p.grad = ...`), no backward()
+            self.emit("zero-grad-before-step", where,
+                      f"{where}.step() runs right after zero_grad() ({zero_src}), which came after the gradients were "
+                      f"written by hand (`p.grad = ...`, no backward() since the last step): they were wiped before "
+                      f"the update; {effect}, and the model does not learn",
+                      "Zero the gradients before writing them (or right after step()): optimizer.zero_grad(); "
+                      "p.grad = ...; optimizer.step().",
+                      source=src, step=step,
+                      details={"optimizer": type(opt).__name__, "zero_grad_source": zero_src, "backward_source": None,
+                               "grads": "None", "written_by_hand": True})
+            return
         message = (f"{where}.step() runs right after zero_grad() ({zero_src}), which came after backward() "
                    f"({backward_src}): the gradients of this step were wiped before the update; {effect}, "
                    f"and the model does not learn" if later is None else
