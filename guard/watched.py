@@ -371,6 +371,9 @@ class Watched:
                 for gi, group in enumerate(o.param_groups):
                     for pi, p in enumerate(group["params"]):
                         if p is param:
+                            label = group.get("name")  # a group named by the code (3D Gaussian splatting's "xyz")
+                            if isinstance(label, str) and label.isprintable() and 0 < len(label) <= 64:
+                                return label if len(group["params"]) == 1 else f"{label}[{pi}]"
                             return f"param_groups[{gi}].params[{pi}]"
             return f"param{tuple(param.shape)}"
         return name

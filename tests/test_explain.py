@@ -1279,3 +1279,31 @@ def test_the_tensor_the_loss_reads_is_named_not_the_one_it_was_stacked_from():
     (f,) = [f for f in g.findings if f.kind == "explained-error"]
     assert (f.where, f.step) == ("H", 1) and "`H`, a tensor made before the last backward()" in f.message
     assert "H = ....detach()" in f.hint
+
+
+def test_points_pruned_with_their_adam_state_left_unmasked_are_explained_by_the_group_name():
+    """3D Gaussian splatting's pruning: the points' parameter is replaced by its kept rows and the Adam state moved
+    onto it without masking the moments. The param group is named ("xyz"), as the 3DGS code names them."""
+    torch.manual_seed(0)
+    xyz = nn.Parameter(torch.randn(40, 2))
+    opt = torch.optim.Adam([{"params": [xyz], "lr": 1e-2, "name": "xyz"}])
+    target = torch.randn(40, 2)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(live=False) as g:
+            for step in range(4):
+                if step == 2:  # prune: keep 13 points, move the state without masking it
+                    keep = torch.arange(13)
+                    new = nn.Parameter(xyz.detach()[keep])
+                    state = opt.state.pop(xyz)
+                    opt.param_groups[0]["params"][0] = new
+                    opt.state[new] = state
+                    xyz, target = new, target[keep]
+                loss = (xyz - target).pow(2).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    note = _notes(ei.value)
+    assert "Adam's state for `xyz` (exp_avg: [40, 2]) no longer matches the parameter ([13, 2])" in note
+    assert "pruned or added" in note and "state[k][keep]" in note
+    (f,) = _explained(g)
+    assert f.where == "xyz" and f.details["rows_changed"] is True

@@ -996,6 +996,19 @@ class ExplainErrors(Check):
                                "order; after changing the model, start the optimizer fresh, or move each parameter's "
                                "state by name.")
                         return name, cause, fix, {**details, "loaded_by_position": True}
+                    if v.dim() == p.dim() and v.shape[1:] == p.shape[1:]:
+                        # rows added or removed (points densified or pruned, as 3D Gaussian splatting does; a
+                        # vocabulary grown) with the moments left as they were
+                        cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) no longer matches the "
+                                 f"parameter ({list(p.shape)}): its rows were pruned or added after {oname} made its "
+                                 f"state (points densified or pruned, model.resize_token_embeddings(...)), and the "
+                                 f"moments were not")
+                        fix = (f"Resize before building the optimizer, or build a new one after resizing; to keep "
+                               f"the moments, change their rows with the parameter's: for each state tensor of "
+                               f"`{name}`, state[k] = state[k][keep] when pruning, torch.cat([state[k], "
+                               f"torch.zeros_like(new_rows)]) when adding rows, under the new parameter (or del "
+                               f"optimizer.state[param] to restart its moments).")
+                        return name, cause, fix, {**details, "rows_changed": True}
                     cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) no longer matches the "
                              f"parameter ({list(p.shape)}): it was resized after {oname} made its state "
                              f"(model.resize_token_embeddings(...) after training started, or its .data replaced "
