@@ -294,3 +294,31 @@ def test_a_squeezed_prediction_against_a_4d_target_names_no_made_up_target_shape
     (f,) = g.findings
     assert f.kind == "loss-shape-broadcast" and f.details["broadcast_shape"] == [4, 4, 8, 8]
     assert "a target of shape" not in f.message and "pred.view_as(y) - y" in f.hint
+
+
+@pytest.mark.parametrize("weights", ["linear-column", "squeezed", "pairs-on-purpose"])
+def test_learned_per_sample_weights_kept_as_a_column_against_a_per_sample_term(weights):
+    """Robust registration with a weight net: `w = sigmoid(wnet(x))` is [N, 1] as its Linear leaves it, the residual
+    [N]: `w * res` is [N, N] and both carry gradient. Squeezed weights, or pairs written on purpose, are fine."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 3), torch.randn(64, 3)
+    f, wnet = nn.Linear(3, 3), nn.Linear(3, 1)
+    opt = torch.optim.Adam(list(f.parameters()) + list(wnet.parameters()), lr=1e-2)
+    with guard(live=False) as g:
+        for _ in range(4):
+            res = ((f(x) - y) ** 2).sum(-1)
+            w = torch.sigmoid(wnet(x))
+            if weights == "squeezed":
+                w = w.squeeze(-1)
+            term = w.view(-1)[:, None] * res[None, :] if weights == "pairs-on-purpose" else w * res
+            loss = term.mean() - 0.1 * torch.log(w).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if weights == "linear-column":
+        assert [(x.kind, x.step) for x in g.findings] == [("loss-shape-broadcast", 0)]
+        d = g.findings[0].details
+        assert d["op"] == "*" and d["both_with_gradient"] is True and d["broadcast_shape"] == [64, 64]
+        assert "weight or scale" in g.findings[0].message and "a.squeeze(-1)" in g.findings[0].hint
+    else:
+        assert g.findings == []

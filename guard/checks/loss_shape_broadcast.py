@@ -166,7 +166,7 @@ def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
         nexts = node.next_functions
         op = _PAIRS.get(name)
         if op is not None and len(nexts) == 2:
-            hit = _kept_dim(node, op, nexts) or (_both_widened(node, op, nexts) if op in ("-", "+") else None)
+            hit = _kept_dim(node, op, nexts) or (_both_widened(node, op, nexts) if op in ("-", "+", "*", "/") else None)
             if hit is not None:
                 found.append(hit)
                 continue
@@ -338,12 +338,14 @@ class LossShapeBroadcast(Check):
                     f"over all pairs of anchors), not with its own")
             fix = "reduce without keepdim (dist.max(1).values, .amax(1)) or b.squeeze(-1), so both are [N]"
         elif hit.get("both"):
+            kind = ("two scores of the model: a positive's kept [N, 1] by its Linear, a negative's squeezed"
+                    if op in ("-", "+") else
+                    "a per-sample weight or scale kept [N, 1] by the Linear head that made it, and a per-sample term")
             what = (f"a hand-written loss computes `a {op} b` with a of shape {other} and b of shape {shape}, both "
-                    f"carrying gradient (two scores of the model: a positive's kept [N, 1] by its Linear, a negative's "
-                    f"squeezed), and the result has shape {out}: each sample's term is paired with every other "
-                    f"sample's, not with its own")
-            fix = ("a.squeeze(-1) so both are [N] (or, when every pair is meant, make it explicit: "
-                   "a.view(-1)[:, None] - b[None, :])")
+                    f"carrying gradient ({kind}), and the result has shape {out}: each sample's term is paired with "
+                    f"every other sample's, not with its own")
+            fix = (f"a.squeeze(-1) so both are [N] (or, when every pair is meant, make it explicit: "
+                   f"a.view(-1)[:, None] {op} b[None, :])")
         elif hit.get("column"):
             what = (f"a hand-written loss computes `a {op} b` with b of shape {other}, a column sliced from the "
                     f"model's output kept 2-d (`out[:, 1:]`: a log-variance, a scale), and a of shape {shape}: the result has shape {out}, so each sample's term is paired with "
