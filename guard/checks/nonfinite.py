@@ -619,11 +619,13 @@ class NonFinite(Check):
         self._bad_grad_steps.update(step for flag, _, step, _ in window[2] if flag in bad)
         if self._check_params():
             return
-        # weights found NaN/Inf now, broken by the update of an earlier step whose NaN/Inf gradients were reported:
-        # this window's NaN loss and inputs are their effect (a parameter optimised directly, with no model call)
+        # weights found NaN/Inf now, broken by the update of an earlier step whose NaN/Inf gradients were there and
+        # a NaN/Inf finding told by then: this window's NaN loss and inputs are their effect (a parameter optimised
+        # directly, with no model call)
         update = self._in_update or self._update
         params_known_bad = params_known_bad or (
-            bool(self._bad_param_names) and update is not None and update[0] in earlier)
+            bool(self._bad_param_names) and update is not None and update[0] in earlier
+            and any(f.kind.startswith("nonfinite-") and f.step <= update[0] for f in self.g.findings))
         # A root call whose NaN input some earlier call made (a loss module, or any module called on
         # the model's outputs under a global guard) is not fed dirty data: the origin lies upstream.
         # A root call whose NaN input an earlier call made (a loss module, any module called on the
