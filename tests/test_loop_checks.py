@@ -2519,3 +2519,48 @@ def test_gradients_written_by_hand_then_wiped_by_zero_grad_before_the_step(order
         assert "p.grad = ..." in f.hint
     else:
         assert moved and g.findings == []
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_state_carried_across_iterations_under_retain_graph_is_named(detach):
+    """A diagonal linear RNN streamed over chunks: `pred, h = model(x, h)` without `h.detach()`, and
+    backward(retain_graph=True) to silence the error. `h` reaches the earlier steps only through this step's graph:
+    it was the generic "something keeps the loss tensors" with the `loss.item()` fix, which changes nothing."""
+
+    class DiagRNN(nn.Module):
+        def __init__(self, n=8):
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(n) + 2.0)
+            self.B, self.C = nn.Linear(1, n, bias=False), nn.Linear(n, 1)
+
+        def forward(self, x, h):
+            a, u, out = torch.sigmoid(self.a), self.B(x), []
+            for t in range(x.shape[1]):
+                h = a * h + (1 - a) * u[:, t]
+                out.append(h)
+            return self.C(torch.stack(out, 1)), h
+
+    torch.manual_seed(0)
+    model = DiagRNN()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    stream = torch.sin(torch.linspace(0, 30, 401))[None, :, None].repeat(2, 1, 1)
+    h = torch.zeros(2, 8)
+    with guard(model, opt, live=False) as g:
+        for s in range(0, 380, 10):
+            x, y = stream[:, s:s + 10], stream[:, s + 1:s + 11]
+            if detach:
+                h = h.detach()
+            pred, h = model(x, h)
+            loss = F.mse_loss(pred, y)
+            opt.zero_grad()
+            loss.backward(retain_graph=True)
+            opt.step()
+    if detach:
+        assert g.findings == []
+        return
+    assert [(x.kind, x.where) for x in g.findings] == [("loss-graph-retained", "h")]
+    f = g.findings[0]
+    assert f.details["carried"] is True and f.step == 0
+    line = next(i for i, t in enumerate(open(__file__).read().split("\n"), 1) if t.strip() == "pred, h = model(x, h)")
+    assert f.details["holder_source"].endswith(f":{line}")
+    assert "carried from one iteration into the next" in f.message and "h = h.detach()" in f.hint

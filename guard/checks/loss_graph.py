@@ -105,9 +105,13 @@ def _roots(tensors: Any) -> List[torch.Tensor]:
 class _Walker:
     """Follows ``grad_fn`` chains to the marked loss nodes of past steps (one budget for all walks)."""
 
-    def __init__(self, before: int, key: str):
+    def __init__(self, before: int, key: str, prune: bool = True):
         self.before, self.key = before, key  # marks of steps < before count as "old"
         self.budget = Budget(NODE_BUDGET)
+        # Pruned at the first mark: beyond a loss node lies that step's own forward graph. Not pruned (a second
+        # look, when the first named nobody): a state carried from step to step (`T = model(T)` kept alive by
+        # backward(retain_graph=True)) reaches the earlier steps only through this step's marked nodes.
+        self.prune = prune
 
     def steps_reached(self, t: torch.Tensor, out: Set[int]) -> None:
         def at_mark(node: Any) -> bool:
@@ -117,7 +121,7 @@ class _Walker:
                 return False
             if mark is not None and mark.step < self.before:
                 out.add(mark.step)
-            return mark is not None  # beyond a loss node lies that step's own forward graph
+            return mark is not None and self.prune
 
         for _ in walk([t.grad_fn], self.budget, prune=at_mark):
             pass
@@ -172,15 +176,18 @@ def _code_lines(filename: str, lines: List[str]) -> List[str]:
     return hit
 
 
-def _search(filename: str, lo: int, hi: int, target: str) -> Optional[int]:
+def _search(filename: str, lo: int, hi: int, target: str, only: Optional[Set[int]] = None) -> Optional[int]:
     lines = linecache.getlines(filename)
     if not lines:
         return None
     code = _code_lines(filename, lines)
     upd = re.compile(target + r"(" + _UPDATE + r"|\[[^\]]*\]\s*=(?!=))")  # also `self.x[idx] = x`
-    selfref = re.compile(r"^\s*[\w.]*" + target + r"\s*=(?!=)(.*)$")  # `self.total = self.total + loss`
+    # `self.total = self.total + loss`; also one of several targets, `pred, h = model(x, h)`
+    selfref = re.compile(r"^\s*(?:[\w.]+\s*,\s*)*[\w.]*" + target + r"\s*(?:,\s*[\w.]+\s*)*=(?!=)(.*)$")
     best: Optional[int] = None
     for no in range(max(lo, 1), min(hi, len(lines)) + 1):
+        if only is not None and no not in only:
+            continue  # a line of a function defined inside (a class body's method under a script's top level)
         text = code[no - 1]
         if _HARMLESS.search(text):
             continue  # `total += loss.item()` is the fix, not the holder's update
@@ -200,24 +207,24 @@ def _code_range(code: types.CodeType) -> Tuple[int, int]:
 def _update_source(name: str, frame: Any, parent: Any) -> Optional[str]:
     """``file:line`` where the holder is updated: its frame's function, the file, or the owner's class."""
     _, target = _last_part(name)
-    places: List[Tuple[str, int, int]] = []
+    places: List[Tuple[str, int, int, Optional[Set[int]]]] = []
     code = frame.f_code
     lo, hi = _code_range(code)
-    places.append((code.co_filename, lo, hi))
+    places.append((code.co_filename, lo, hi, {ln for _, _, ln in code.co_lines() if ln is not None}))
     if parent is not None and not isinstance(parent, (dict, list, tuple)):
         for fn in vars(type(parent)).values():
             c = getattr(fn, "__code__", None)
             if c is not None:
-                places.append((c.co_filename, *_code_range(c)))
-    places.append((code.co_filename, 1, 10 ** 9))
+                places.append((c.co_filename, *_code_range(c), None))
+    places.append((code.co_filename, 1, 10 ** 9, None))
     targets = [target]
     base = name[:-5] if name.endswith("[...]") else name
     m = re.match(r"^(.*?)(\w+)\[[^\]]*\]$", base)
     if m:  # `W['0.weight']` written with a variable key (`W[n] = W[n] - ...`): the container's subscript writes
         targets.append(r"(?<!\w)" + re.escape(m.group(2)) + r"\b")  # `_search` asks for a write after it
     for target in targets:
-        for filename, lo, hi in places:
-            no = _search(filename, lo, hi, target)
+        for filename, lo, hi, only in places:
+            no = _search(filename, lo, hi, target, only)
             if no is not None:
                 return f"{short_path(filename)}:{no}"
     return f"{short_path(code.co_filename)}:{frame.f_lineno}"
@@ -627,9 +634,9 @@ class LossGraph(Check):
                     return (m.group(1) if m else "the input"), src
         return None
 
-    def _holders(self, before: int):
+    def _holders(self, before: int, prune: bool = True):
         """(name, frame, steps reached, tensors) for graph holders in the user's frames, best first."""
-        walker = _Walker(before, self._key)
+        walker = _Walker(before, self._key, prune)
         found = []
         scopes, frames = _user_scopes()
         if frames:
@@ -675,6 +682,10 @@ class LossGraph(Check):
                                "holder": f"{name}.grad", "grad_cycle": True})
             return
         holders = self._holders(step)
+        carried = False
+        if not holders:
+            holders = [h for h in self._holders(step, prune=False) if len(h[2]) >= 2]
+            carried = bool(holders)
         scan_ms = (time.perf_counter() - t0) * 1e3
         details: Dict[str, Any] = {"steps_alive": len(old), "since_step": since, "detected_at_step": step,
                                    "scan_ms": round(scan_ms, 2)}
@@ -734,6 +745,16 @@ class LossGraph(Check):
                     store = f"Store detached values: `{said} = torch.cat([z.detach(), ...])`"
                 hint = (f"{store} (or update it under torch.no_grad()); a kept tensor with a grad_fn holds its "
                         f"step's whole graph alive, so memory and time grow each step.")
+            if carried:
+                # reached through this step's own graph: a state the loop feeds back (`T = model(T)`), whose
+                # backward(retain_graph=True) hid "Trying to backward through the graph a second time"
+                details["carried"] = True
+                message = (f"`{name}` ({src}) is carried from one iteration into the next still attached to the "
+                           f"graph: it holds {span}{nodes} graph nodes{mem}), and every backward(retain_graph=True) "
+                           f"goes through all of them again")
+                hint = (f"Detach the carried state once per iteration, `{said} = {said}.detach()` before it is used "
+                        f"again (truncated backpropagation through time), and drop retain_graph=True: it only hid "
+                        f"the error the second backward through the old steps would raise.")
             others = [h[0] for h in holders[1:4] if h[0] != name]
             if others:
                 message += f"; also held by {', '.join(f'`{o}`' for o in others)}"
