@@ -2564,3 +2564,32 @@ def test_a_state_carried_across_iterations_under_retain_graph_is_named(detach):
     line = next(i for i, t in enumerate(open(__file__).read().split("\n"), 1) if t.strip() == "pred, h = model(x, h)")
     assert f.details["holder_source"].endswith(f":{line}")
     assert "carried from one iteration into the next" in f.message and "h = h.detach()" in f.hint
+
+
+@pytest.mark.parametrize("case", ["densified", "detached"])
+def test_a_leaf_recreated_with_more_rows_and_left_out_of_the_optimizer_is_named_so(case):
+    """3D Gaussian splatting on plain leaves: the points are re-created with 3 more rows (densification) and the
+    optimizer still holds the old tensor. It was told as a graph cut by .detach() with the keep-autograd fix. A
+    tensor really restarted from a detached value, that only shares a trailing size with a weight, still is."""
+    torch.manual_seed(0)
+    x = torch.randn(10, 2).requires_grad_()
+    opt = torch.optim.Adam([x], lr=1e-2)
+    with guard(live=False) as g:
+        for it in range(12):
+            if case == "densified":
+                loss = (x ** 2).sum()
+            else:
+                h = (x * 3).detach()[:4].mul(2).requires_grad_() if it >= 6 else x
+                loss = (h ** 2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if it == 5 and case == "densified":
+                with torch.no_grad():
+                    x = torch.cat([x, x[:3] + 0.1]).requires_grad_()
+    assert [(f.kind, f.step) for f in g.findings] == [("loss-disconnected", 6)]
+    f = g.findings[0]
+    if case == "densified":
+        assert f.details["resized"] is True and "grown or pruned" in f.message and "state" in f.hint
+    else:
+        assert "resized" not in f.details and ".detach()" in f.message

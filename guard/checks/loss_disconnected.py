@@ -262,7 +262,16 @@ class LossDisconnected(Check):
                       and self._inputs_optimized())
             # every tensor the optimizer holds has its double on the loss's path: a copy of the whole model
             whole = copies and sorted(tuple(l.shape) for l, _ in live) == held
-            self._emit(optimizer, descr, src, step, shape, copies or stacked, stacked, inputs, whole)
+            # new leaves with the trailing shape of a tensor the optimizer holds but another number of rows: it was
+            # re-created grown or pruned (3D Gaussian splatting's densification) and not put back in the optimizer
+            # (one of its rows is one of the old tensor's: the new tensor was made from it, by rows)
+            olds = [q for grp in optimizer.param_groups for q in grp["params"] if q.dim() >= 2]
+            resized = (not copies and not stacked and bool(live) and all(
+                l.grad_fn is None and l.dim() >= 2 and tuple(l.shape) not in shapes and l.numel() and any(
+                    q.shape[1:] == l.shape[1:] and q.device == l.device and q.dtype == l.dtype
+                    and bool((q.detach() == l.detach()[0]).flatten(1).all(-1).any()) for q in olds)
+                for l, _ in live))
+            self._emit(optimizer, descr, src, step, shape, copies or stacked, stacked, inputs, whole, resized)
             self._done = True  # a code property: reported once, then no more walks
             return
 
@@ -295,7 +304,8 @@ class LossDisconnected(Check):
                            "model_not_called": True})
 
     def _emit(self, optimizer, descr: List[str], src: Optional[str], step: int, shape: List[int],
-              copies: bool = False, stacked: bool = False, inputs: bool = False, whole: bool = False) -> None:
+              copies: bool = False, stacked: bool = False, inputs: bool = False, whole: bool = False,
+              resized: bool = False) -> None:
         opt = type(optimizer).__name__
         if not descr:
             reaches = "nothing that requires a gradient"
@@ -308,7 +318,9 @@ class LossDisconnected(Check):
                        + (" ..." if len(descr) > 4 else "")
                        + (f" (each shaped like one {opt} holds, which are other tensors: {opt} trains a copy of the "
                           f"model, deep-copied or built again after {opt} was built, while the loss is computed with "
-                          f"the other one)" if whole else " (left out when the optimizer was built)"))
+                          f"the other one)" if whole else
+                          f" (re-created with another number of rows after {opt} was built: points densified or "
+                          f"pruned)" if resized else " (left out when the optimizer was built)"))
         elif stacked:
             reaches = (f"only {len(descr)} leaf tensor(s) that stack tensors shaped like {opt}'s parameters along a "
                        f"first dimension: {'; '.join(descr[:4])}" + (" ..." if len(descr) > 4 else "")
@@ -325,6 +337,11 @@ class LossDisconnected(Check):
                        + (" ..." if len(descr) > 4 else "") + " (copies used in the parameters' place, such as a "
                        "params dict passed to torch.func.functional_call or weights cloned with requires_grad_(): the "
                        "optimizer holds the originals, which the forward never uses)")
+        elif resized:
+            reaches = (f"only {len(descr)} new leaf tensor(s) with the rows of one {opt} optimises grown or pruned: "
+                       f"{'; '.join(descr[:4])}" + (" ..." if len(descr) > 4 else "") + f" (re-created with another "
+                       f"number of rows, points densified or pruned, and {opt} keeps updating the old tensor, which "
+                       f"the loss no longer uses)")
         else:
             reaches = (f"only {len(descr)} tensor(s) that are not parameters: {'; '.join(descr[:4])}"
                        + (" ..." if len(descr) > 4 else "") + " (the graph was cut by .detach(), .item(), "
@@ -338,7 +355,12 @@ class LossDisconnected(Check):
                 ".numpy() or .data on the way, no torch.tensor(..., requires_grad=True) around the loss, and no "
                 "torch.no_grad() (or @torch.no_grad() on the function computing it) followed by "
                 "loss.requires_grad_(); use loss.item() only for logging.")
-        if whole and all(d.startswith("a parameter") for d in descr):
+        if resized:
+            hint = (f"Put the re-created tensor in the optimizer in the old one's place, with its state cut or grown "
+                    f"the same way: group['params'][i] = new; {opt.lower()}.state[new] = {{k: v[keep] ...}} for the "
+                    f"old tensor's state (or del its state to restart it); or build the optimizer again after each "
+                    f"densification.")
+        elif whole and all(d.startswith("a parameter") for d in descr):
             hint = (f"Build the optimizer over the model the loss is computed with, after its last re-assignment: "
                     f"optimizer = torch.optim.{opt}(model.parameters(), ...). A copy kept aside (a best checkpoint, an "
                     f"EMA model) takes the trained weights by copy (ema.load_state_dict(model.state_dict())); it does "
@@ -365,4 +387,5 @@ class LossDisconnected(Check):
                   details={"reaches": descr[:MAX_LEAVES], "optimizer": opt, "loss_shape": shape,
                            **({"stacked_copies": True} if stacked else {}),
                            **({"model_copy": True} if whole and all(d.startswith("a parameter") for d in descr) else {}),
-                           **({"rebound_input": True} if inputs else {})})
+                           **({"rebound_input": True} if inputs else {}),
+                           **({"resized": True} if resized else {})})
