@@ -2593,3 +2593,33 @@ def test_a_leaf_recreated_with_more_rows_and_left_out_of_the_optimizer_is_named_
         assert f.details["resized"] is True and "grown or pruned" in f.message and "state" in f.hint
     else:
         assert "resized" not in f.details and ".detach()" in f.message
+
+
+@pytest.mark.parametrize("clear", [False, True])
+def test_plain_tensors_updated_by_hand_with_no_model_keep_their_gradients(clear):
+    """Camera pose fitting with no nn.Module and no optimizer: a translation and a quaternion as plain leaves,
+    `t -= lr * t.grad` under no_grad, .grad never cleared. With no model there was nothing to stand for the
+    parameters, and guard said nothing."""
+    torch.manual_seed(0)
+    pts = torch.randn(50, 3)
+    target = pts + torch.tensor([1.0, 2.0, 3.0])
+    t = torch.zeros(3, requires_grad=True)
+    q = torch.tensor([1.0, 0.0, 0.0, 0.0], requires_grad=True)
+    with guard(live=False) as g:
+        for _ in range(12):
+            scale = q.norm()
+            loss = ((pts * scale + t - target) ** 2).sum(-1).mean()
+            loss.backward()
+            with torch.no_grad():
+                t -= 0.05 * t.grad
+                q -= 0.01 * q.grad
+                if clear:
+                    t.grad = None
+                    q.grad = None
+    if clear:
+        assert g.findings == []
+        return
+    assert [(f.kind, f.step) for f in g.findings] == [("missing-zero-grad", 1)]
+    f = g.findings[0]
+    assert f.where in ("t", "q") and set(f.details["parameters"]) == {"t", "q"}
+    assert f.details["plain_tensors"] is True and ".grad = None" in f.hint

@@ -28,7 +28,7 @@ without it (with no optimizer, 4 parameters' versions per backward).
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -63,6 +63,26 @@ def _input_leaf(t: torch.Tensor, params_ok: bool = False) -> Optional[torch.Tens
             return found
         frontier = nxt
     return found
+
+
+def _graph_leaves(tensors: Any, limit: int = 256) -> List[weakref.ref]:
+    """Weak references to up to 4 leaf tensors that require grad reached from `tensors` (a bounded walk)."""
+    roots = [t.grad_fn for t in ([tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ()))
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    out: List[weakref.ref] = []
+    seen: set = set()
+    stack = roots
+    while stack and len(seen) < limit and len(out) < 4:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            out.append(weakref.ref(var))
+            continue
+        stack.extend(f for f, _ in getattr(node, "next_functions", ()) if f is not None)
+    return out
 
 
 class _State:
@@ -126,6 +146,9 @@ class MissingZeroGrad(Check):
         self._polluted: Optional[Tuple[int, Optional[str], Optional[str]]] = None
         self._input_told = False
         self._hand_input: Optional[weakref.ref] = None  # the latest model call's input leaf that requires grad
+        # with no model call and no optimizer (a camera pose's quaternion and translation as plain leaves, updated by
+        # hand): the leaves the latest backward reached stand for the parameters
+        self._loss_leaves: List[weakref.ref] = []
 
     # ------------------------------------------------------------------ input gradients taken with backward()
     def watches(self, module) -> bool:
@@ -273,6 +296,7 @@ class MissingZeroGrad(Check):
                 return
             self._input_backward()
         if not self._manual_told and not self.g.has_optimizer:
+            self._loss_leaves = _graph_leaves(tensors) if not self.g.named_parameters() else []
             self._manual_backward()
         if self._during:
             for counts in self._during.values():
@@ -334,7 +358,8 @@ class MissingZeroGrad(Check):
             return []
         out = []
         leaf = self._hand_input() if self._hand_input is not None else None
-        for p in ([leaf] if leaf is not None else []) + [p for _, p in self.g.named_parameters()[:64]]:
+        leaves = [t for r in self._loss_leaves if (t := r()) is not None]
+        for p in ([leaf] if leaf is not None else []) + [p for _, p in self.g.named_parameters()[:64]] + leaves:
             if not p.is_leaf:
                 continue  # a frozen weight updated in place with autograd on: no .grad to read (torch warns)
             g = p.grad
@@ -373,6 +398,18 @@ class MissingZeroGrad(Check):
                                                       "changed_in_between": True})
             return
         model_params = {id(q) for _, q in self.g.named_parameters()}
+        if not model_params and not any(self._hand_input is not None and p is self._hand_input() for p in stale):
+            # no model at all: tensors the script optimises directly (a pose, a point cloud's offsets)
+            listed = ", ".join(f"`{n}`" for n in names[:6])
+            its, keeps = ("its gradient", "keeps it") if len(names) == 1 else ("their gradients", "keep them")
+            self.emit("missing-zero-grad", names[0],
+                      f"{listed}, updated by hand from {its} after each backward() with no model and no optimizer, "
+                      f"{keeps}: nothing clears .grad, so each backward() adds onto all earlier ones and every update "
+                      f"follows the sum of every gradient so far",
+                      f"Clear them after each update, inside the `with torch.no_grad():` block: {names[0]}.grad = None "
+                      f"(or .grad.zero_()) for each; or use a torch.optim optimizer over them, with zero_grad().",
+                      step=step, source=src, details={"parameters": names, "optimizer": None, "plain_tensors": True})
+            return
         if not any(id(p) in model_params for p in stale):
             # an input optimised by hand (gradient ascent on an image, a universal perturbation): its own .grad
             self.emit("missing-zero-grad", names[0],
