@@ -1307,3 +1307,26 @@ def test_points_pruned_with_their_adam_state_left_unmasked_are_explained_by_the_
     assert "pruned or added" in note and "state[k][keep]" in note
     (f,) = _explained(g)
     assert f.where == "xyz" and f.details["rows_changed"] is True
+
+
+def test_an_optimised_leaf_whose_name_is_rebound_to_a_value_made_from_it_is_explained():
+    """Camera rotation as a plain quaternion leaf, "normalised" each iteration by re-binding its name,
+    `q = F.normalize(q)`: the next iteration builds on the last one's graph, whose saved leaf Adam has updated since.
+    No module saved it, so the error was explained with the generic make-it-out-of-place fix."""
+    torch.manual_seed(0)
+    x = torch.randn(20, 4)
+    target = torch.randn(20)
+    q = torch.tensor([1.0, 0.0, 0.0, 0.0], requires_grad=True)
+    opt = torch.optim.Adam([q], lr=1e-2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as ei:
+        with guard(live=False) as g:
+            for _ in range(5):
+                q = F.normalize(q, dim=0)
+                loss = F.mse_loss(x @ q, target)
+                opt.zero_grad()
+                loss.backward(retain_graph=True)
+                opt.step()
+    note = _notes(ei.value)
+    assert "it is `q`, the tensor Adam optimises" in note and "qn = F.normalize(q)" in note
+    (f,) = _explained(g)
+    assert f.where == "q" and f.step == 1 and f.details["optimised_tensor"] == "q"

@@ -573,6 +573,21 @@ class ExplainErrors(Check):
                 cause = "a tensor saved for backward was modified in place before backward() needed it"
             fix = ("Make the later in-place op out-of-place (x = x + y instead of x += y, x.add_() -> x.add(), "
                    "nn.ReLU(inplace=False), no x[idx] = ... on it), or .clone() the tensor before changing it.")
+            held = self._optimised_saved(exc, text) if not path else None
+            if held is not None:
+                # no module saved it (functional code on plain tensors): the tensor an optimizer updates, saved by an
+                # earlier step's ops and stepped since
+                name, opt = held
+                cause += (f": it is `{name}`, the tensor {opt} optimises, saved by an earlier step's forward and "
+                          f"updated by {opt}.step() since, so this backward() runs through an earlier step's graph: "
+                          f"something carried from one iteration into the next still attached to it, such as the "
+                          f"optimised tensor's own name re-bound to a value computed from it (`q = F.normalize(q)`), "
+                          f"which the next iteration computes from again")
+                fix = ("Keep the optimised leaf's name for the leaf: compute the derived value under another name "
+                       "(`qn = F.normalize(q)`, and use qn in the loss), or renormalise the leaf in place under "
+                       "torch.no_grad() after optimizer.step(); detach whatever else is carried across steps, and "
+                       "drop retain_graph=True.")
+                details = {**details, "optimised_tensor": name, "optimizer": opt}
             if info and "saved_at_step" in info:
                 # A weight saved by an earlier step's forward, updated by optimizer.step() since: this backward runs
                 # through that step's graph (a hidden state carried over without detach, kept with retain_graph).
@@ -591,7 +606,7 @@ class ExplainErrors(Check):
                           f"placed between the loss and backward())")
                 fix = ("Change weights by hand after optimizer.step() (or before the forward), not between the forward "
                        "and backward(): move the `with torch.no_grad(): ...` block below optimizer.step().")
-            return path or "backward", cause, fix, details
+            return path or details.get("optimised_tensor") or "backward", cause, fix, details
         if isinstance(exc, RuntimeError) and "a leaf Variable that requires grad is being used in an in-place" in text:
             cause = ("an in-place operation on a leaf tensor that requires grad (a parameter: p.div_(...), "
                      "p.clamp_(...), p.copy_(...), p[idx] = ...) ran while autograd was recording: autograd cannot "
@@ -853,6 +868,34 @@ class ExplainErrors(Check):
                    "torch.tensor(..., requires_grad=True) (that trains nothing).")
         cause = f"{'torch.autograd.grad' if fn else 'backward()'} got a tensor with no autograd graph: {why}"
         return "loss", cause, fix, {"grad_enabled": not grad_off, "model_frozen": frozen}
+
+    def _optimised_saved(self, exc: BaseException, text: str) -> Optional[Tuple[str, str]]:
+        """(name, optimizer class) of the one tensor an optimizer holds that matches the in-place error's shape and
+        version (``[torch.FloatTensor [4]] is at version 3``), when nothing else is known."""
+        m = re.search(r"\[torch\.\w+ \[([\d, ]*)\]\] is at version (\d+)", text)
+        if not m:
+            return None
+        shape = [int(d) for d in m.group(1).split(",") if d.strip()]
+        version = int(m.group(2))
+        found = [(p, o) for o in self._optimizers(exc) for grp in o.param_groups for p in grp["params"]
+                 if list(p.shape) == shape and p._version == version]
+        if len(found) != 1:
+            return None
+        p, o = found[0]
+        name = self.g.param_name(p)
+        if name.startswith("param_groups["):
+            # the variable that named it now holds a value computed from it (`q = F.normalize(q)`): name that one
+            tb = exc.__traceback__
+            while tb is not None and name.startswith("param_groups["):
+                fr = tb.tb_frame
+                if not is_skipped(fr.f_code.co_filename):
+                    for var, v in list(frame_locals(fr).items()) + list(fr.f_globals.items()):
+                        if isinstance(v, torch.Tensor) and v.grad_fn is not None and not var.startswith("_") and any(
+                                getattr(n, "variable", None) is p for n in walk([v.grad_fn], Budget(2000))):
+                            name = var
+                            break
+                tb = tb.tb_next
+        return name, type(o).__name__
 
     def _optimizers(self, exc: BaseException) -> List[Any]:
         """The optimizers guard knows, else those the raising frames name (a global guard knows an optimizer from
