@@ -1634,3 +1634,48 @@ def test_a_parameter_broken_by_nan_gradients_makes_no_second_finding_at_the_next
             opt.step()
     assert not torch.isfinite(z).all()
     assert [(f.kind, f.where, f.step) for f in g.findings] == [("nonfinite-grad", "z", 0)]
+
+
+class _PlainGMM(nn.Module):
+    """A mixture's log-likelihood computed in linear space: log(sum(pi * exp(logp))) underflows to log(0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mu, self.logits = nn.Parameter(torch.randn(3) * 0.1), nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        logp = -0.5 * (x[:, None] - self.mu) ** 2 * 50
+        return torch.log((F.softmax(self.logits, 0) * logp.exp()).sum(1))
+
+
+class _MaskedGMM(_PlainGMM):
+    """The same, with its third component switched off by a mask (-inf on purpose)."""
+
+    def forward(self, x):
+        logp = (-0.5 * (x[:, None] - self.mu) ** 2 * 50).masked_fill(torch.tensor([False, False, True]), float("-inf"))
+        return torch.log((F.softmax(self.logits, 0) * logp.exp()).sum(1))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_minus_inf_from_a_forward_that_masks_nothing_is_told_as_log_of_zero(masked):
+    """Without a mask in the module's forward, the -inf is an underflow to log(0): the message no longer leads with
+    "if the -inf is a mask", and the hint gives log space before the epsilon. A forward that writes a mask keeps the
+    mask message."""
+    torch.manual_seed(0)
+    gmm = _MaskedGMM() if masked else _PlainGMM()
+    opt = torch.optim.Adam(gmm.parameters(), lr=1e-2)
+    x = torch.cat([torch.randn(32) * 0.1, torch.tensor([8.0])])  # one point far from every component
+    with guard(gmm, opt, live=False) as g:
+        for _ in range(3):
+            loss = -gmm(x).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "nonfinite-output")
+    assert f.step == 0
+    assert f.details["only_neg_inf"] is True
+    if masked:
+        assert "if the -inf is a mask" in f.message and "no_mask_in_forward" not in f.details
+    else:
+        assert "masks nothing" in f.message and f.details["no_mask_in_forward"] is True
+        assert "logsumexp" in f.hint

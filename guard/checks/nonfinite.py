@@ -13,7 +13,10 @@ syncs.
 from __future__ import annotations
 
 import cmath
+import functools
+import inspect
 import math
+import re
 import weakref
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
@@ -883,6 +886,22 @@ class NonFinite(Check):
                     "by a zero norm). Make right_inverse defined on that weight (log(W.abs() + eps)), or "
                     "initialise the layer into its domain before registering.")
         where, what = call.path, f"{call.path} ({call.type})"
+        if masked and not bad_params and module is not None and not _masks_in(type(module)):
+            # its forward writes no mask: an underflow to 0 before a log (probabilities multiplied in linear space)
+            self.emit("nonfinite-output", where,
+                      f"{what} produced -inf (and no NaN or +inf) from finite inputs, and NaN/Inf followed in the "
+                      f"loss or the gradients: its forward masks nothing, so the -inf is log(0): of a quantity that is "
+                      f"0 (a silent frame's power, a zero count) or of a probability that underflowed to 0",
+                      "A quantity that can be 0: add an epsilon inside the log (torch.log(x + 1e-6), "
+                      "x.clamp_min(1e-10).log()). A probability or product computed in linear space that underflowed "
+                      "(a mixture's log(sum(pi * exp(logp))), an HMM's forward recursion over many steps): compute in "
+                      "log space, logsumexp(log(pi) + logp), log_softmax instead of log(softmax), or scale each step; "
+                      "an epsilon there only hides the underflow and biases the likelihood.",
+                      step=call.step, source=call.source,
+                      details={"module": call.type, "counts": {n: nonfinite_counts(t) for n, i in call.outputs
+                                                               if i in bad and (t := refs.get(i, lambda: None)()) is not None},
+                               "only_neg_inf": True, "nonfinite_params": [], "no_mask_in_forward": True})
+            return True
         if masked and not bad_params:
             self.emit("nonfinite-output", where,
                       f"{what} produced -inf (and no NaN or +inf) from finite inputs, and NaN/Inf followed in the "
@@ -1137,6 +1156,22 @@ def _overflowed_norms(params: List[torch.Tensor], norms: List[float]) -> Optiona
             return None
         out.append((i, float(g.abs().amax())))
     return out
+
+
+_MASK_WORDS = re.compile(r"mask|inf\b|finfo|float\(\s*['\"]-?inf")
+
+
+@functools.lru_cache(maxsize=256)
+def _masks_in(cls: type) -> bool:
+    """Whether `cls`'s forward (source read once per class) may write a mask: it names a mask, -inf or finfo; True
+    when its source cannot be read (a built-in module: its mask is an argument)."""
+    fwd = getattr(cls, "forward", None)
+    if fwd is None or (getattr(cls, "__module__", "") or "").startswith("torch."):
+        return True
+    try:
+        return bool(_MASK_WORDS.search(inspect.getsource(fwd)))
+    except (OSError, TypeError):
+        return True
 
 
 def _only_neg_inf(t: torch.Tensor) -> bool:
