@@ -46,6 +46,16 @@ def _stored(g: torch.Tensor) -> bool:
         return True  # a layout that does not tell: not taken for wiped
 
 
+def _first_grad(opt) -> Optional[torch.Tensor]:
+    """The gradient of the optimizer's first parameter that has one (its very first parameter's, usually)."""
+    groups = opt.param_groups
+    if groups and groups[0]["params"]:
+        g = groups[0]["params"][0].grad
+        if g is not None:
+            return g
+    return next((g for grp in groups for p in grp["params"] if (g := p.grad) is not None), None)
+
+
 class _Opt:
     __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids", "had_grads", "wiped", "wiped_src", "run",
                  "run_src", "run_step", "module_zero", "seen_grad", "hand", "hand_src")
@@ -64,9 +74,9 @@ class _Opt:
         self.run, self.run_src, self.run_step = 0, None, -1  # steps in a row with such a partial wipe
         self.module_zero = False  # its latest zero_grad() after a backward was a module's covering its parameters
         # Gradients written by hand (DP-SGD's `p.grad = noisy_clipped`, from torch.func, no backward()): the first
-        # gradient its latest step() applied (a weak reference), whether a zero_grad() with no backward since that
+        # gradient its latest step() applied (its id), whether a zero_grad() with no backward since that
         # step found another one (written since), and then that zero_grad()'s line
-        self.seen_grad: Optional[weakref.ref] = None
+        self.seen_grad = 0  # id() of that gradient (alive while compared: .grad holds it until replaced), or 0
         self.hand = False
         self.hand_src: Optional[str] = None
 
@@ -106,8 +116,8 @@ class ZeroGradBeforeStep(Check):
         st = self._state(args[0])
         if self._backwards <= st.stepped_at:
             # no backward since its last step: gradients there now that its step did not apply were written by hand
-            g0 = next((g for grp in args[0].param_groups for p in grp["params"] if (g := p.grad) is not None), None)
-            st.hand = g0 is not None and (st.seen_grad is None or st.seen_grad() is not g0)
+            g0 = _first_grad(args[0])
+            st.hand = g0 is not None and id(g0) != st.seen_grad
         if self._backwards > st.stepped_at:
             # Only the suspicious order pays for this look: no gradient to wipe means none of this optimizer's
             # parameters was reached by those backwards (it is built over another copy of the model).
@@ -168,12 +178,12 @@ class ZeroGradBeforeStep(Check):
             st = self._first_step(optimizer)
         if st is None:
             st = self._state(optimizer)
-        g0 = next((g for grp in optimizer.param_groups for p in grp["params"] if (g := p.grad) is not None), None)
+        g0 = _first_grad(optimizer)
         if st.hand_src is not None:
             zero_src, st.hand_src = st.hand_src, None
             if g0 is None and self._backwards <= st.stepped_at:
                 self._emit(optimizer, st, none=True, info=(zero_src, None, self.g.source(), self.g.step, None))
-        st.seen_grad = weakref.ref(g0) if g0 is not None else None
+        st.seen_grad = id(g0) if g0 is not None else 0
         if st.zero_at <= st.stepped_at:
             return
         between = st.zero_at != self._backwards
