@@ -629,8 +629,6 @@ class NonFinite(Check):
         params_known_bad = params_known_bad or (
             bool(self._bad_param_names) and update is not None and update[0] in earlier
             and any(f.kind.startswith("nonfinite-") and f.step <= update[0] for f in self.g.findings))
-        # A root call whose NaN input some earlier call made (a loss module, or any module called on
-        # the model's outputs under a global guard) is not fed dirty data: the origin lies upstream.
         # A root call whose NaN input an earlier call made (a loss module, any module called on the
         # model's outputs under a global guard) is not fed dirty data: the origin lies upstream. Calls
         # are listed as they return, so the calls before a root call's own inner calls (those up to the
