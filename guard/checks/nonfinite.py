@@ -40,7 +40,7 @@ class _Call:
     """One module call's screened inputs and outputs, by flag index."""
 
     __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module", "graded", "padded",
-                 "evaluating", "masks")
+                 "evaluating", "masks", "made")
 
     def __init__(self, path: str, mtype: str, is_root: bool, source: Optional[str], step: int, module: Any,
                  inputs: List[Tuple[str, int]], outputs: List[Tuple[str, int]]):
@@ -51,6 +51,7 @@ class _Call:
         self.evaluating = not self.graded and not module.training  # eval mode under no_grad: no loss will follow
         self.padded: Optional[int] = None  # flag of the output outside its fully masked rows (attention, see below)
         self.masks: Optional[tuple] = None  # an attention's (query, key_padding_mask, attn_mask), read if it made NaN
+        self.made = False  # a root call whose first input has autograd history (made by a model: a GAN's fakes)
 
 
 # Modules whose output cannot become NaN/Inf from finite inputs (and parameter-free containers):
@@ -303,6 +304,8 @@ class NonFinite(Check):
             if outputs is None:
                 return
         call = _Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module, inputs, outputs)
+        if is_root and args and isinstance(args[0], torch.Tensor) and args[0].grad_fn is not None:
+            call.made = True
         if outputs and (self._pad_rows is not None or (
                 cls is nn.MultiheadAttention and not module.training and not torch.is_grad_enabled())):
             call.padded = self._padded_flag(module, args, kwargs, output)
@@ -635,12 +638,12 @@ class NonFinite(Check):
         # previous root call) ran before it; matching by flag misses reshaped outputs (logits.view(-1, C)).
         upstream = False  # some call that ended before the current root call began made NaN/Inf
         done = 0
-        # (with weights already NaN/Inf, a NaN input is as much their effect as a NaN output: a GAN's generated batch
-        # or an RL rollout made by the broken model in an earlier window)
+        # (with weights already NaN/Inf, a NaN input computed with autograd is as much their effect as a NaN output: a
+        # GAN's generated batch from the broken generator, given to the discriminator; a batch of data is not)
         for k, call in enumerate(calls):
             if not call.is_root:
                 continue
-            if not upstream and (not params_known_bad or self._optimised(call, bad, refs)) and any(
+            if not upstream and not (params_known_bad and call.made) and any(
                     i in bad and i not in produced and i not in taken for _, i in call.inputs):
                 if (not any(i in bad for _, i in call.outputs) and not any(f in bad for f, _, _ in losses)
                         and any(f in bad for f, _, _, _ in grads)):
