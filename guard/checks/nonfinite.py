@@ -887,27 +887,21 @@ class NonFinite(Check):
                     "by a zero norm). Make right_inverse defined on that weight (log(W.abs() + eps)), or "
                     "initialise the layer into its domain before registering.")
         where, what = call.path, f"{call.path} ({call.type})"
-        if masked and not bad_params and module is not None and not _masks_in(type(module)):
-            # its forward writes no mask: an underflow to 0 before a log (probabilities multiplied in linear space)
-            self.emit("nonfinite-output", where,
-                      f"{what} produced -inf (and no NaN or +inf) from finite inputs, and NaN/Inf followed in the "
-                      f"loss or the gradients: its forward masks nothing, so the -inf is log(0): of a quantity that is "
-                      f"0 (a silent frame's power, a zero count) or of a probability that underflowed to 0",
-                      "A quantity that can be 0: add an epsilon inside the log (torch.log(x + 1e-6), "
-                      "x.clamp_min(1e-10).log()). A probability or product computed in linear space that underflowed "
-                      "(a mixture's log(sum(pi * exp(logp))), an HMM's forward recursion over many steps): compute in "
-                      "log space, logsumexp(log(pi) + logp), log_softmax instead of log(softmax), or scale each step; "
-                      "an epsilon there only hides the underflow and biases the likelihood.",
-                      step=call.step, source=call.source,
-                      details={"module": call.type, "counts": {n: nonfinite_counts(t) for n, i in call.outputs
-                                                               if i in bad and (t := refs.get(i, lambda: None)()) is not None},
-                               "only_neg_inf": True, "nonfinite_params": [], "no_mask_in_forward": True})
-            return True
         if masked and not bad_params:
+            # a forward that writes no mask: an underflow to 0 before a log (probabilities multiplied in linear space)
+            no_mask = module is not None and not _masks_in(type(module))
             self.emit("nonfinite-output", where,
                       f"{what} produced -inf (and no NaN or +inf) from finite inputs, and NaN/Inf followed in the "
-                      f"loss or the gradients: if the -inf is a mask (masked_fill(~mask, float('-inf'))), what is "
-                      f"computed from it made the NaN",
+                      f"loss or the gradients: " + (
+                          "its forward masks nothing, so the -inf is log(0): of a quantity that is 0 (a silent "
+                          "frame's power, a zero count) or of a probability that underflowed to 0" if no_mask else
+                          "if the -inf is a mask (masked_fill(~mask, float('-inf'))), what is computed from it made "
+                          "the NaN"),
+                      ("A quantity that can be 0: add an epsilon inside the log (torch.log(x + 1e-6), "
+                       "x.clamp_min(1e-10).log()). A probability or product computed in linear space that underflowed "
+                       "(a mixture's log(sum(pi * exp(logp))), an HMM's forward recursion over many steps): compute in "
+                       "log space, logsumexp(log(pi) + logp), log_softmax instead of log(softmax), or scale each step; "
+                       "an epsilon there only hides the underflow and biases the likelihood.") if no_mask else
                       MASK_HINT + " If the -inf is not meant, it is most often log(0) (the log power of a silent or "
                       "padded frame, a zero probability): add an epsilon inside the log (torch.log(x + 1e-6), "
                       "x.clamp_min(1e-10).log()); otherwise this module overflowed: clamp its inputs or lower the "
@@ -915,7 +909,8 @@ class NonFinite(Check):
                       step=call.step, source=call.source,
                       details={"module": call.type, "counts": {n: nonfinite_counts(t) for n, i in call.outputs
                                                                if i in bad and (t := refs.get(i, lambda: None)()) is not None},
-                               "only_neg_inf": True, "nonfinite_params": []})
+                               "only_neg_inf": True, "nonfinite_params": [],
+                               **({"no_mask_in_forward": True} if no_mask else {})})
             return True
         huge = self._huge_weights(module) if module is not None and not bad_params else []
         inf_buffers = []
