@@ -77,3 +77,33 @@ def test_every_call_snippet_runs_in_the_harness():
                               "--direct", "20"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert "µs per call" in out.stdout
+
+
+def test_floor_screens_what_the_contract_screens_and_takes_itself_back():
+    """The floor of the per-step cost (benchmarks/floor.py) must do the screens it stands for, or it is no floor."""
+    import torch
+
+    import floor
+
+    torch.manual_seed(0)
+    backward = torch.Tensor.backward
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    installed = floor.Floor(model, opt)
+    try:
+        for bad in (False, True, False):
+            x = torch.randn(5, 4)
+            if bad:
+                x[0, 0] = float("nan")
+            loss = torch.nn.functional.cross_entropy(model(x), torch.zeros(5, dtype=torch.long))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if bad:
+                break
+    finally:
+        installed.remove()
+    assert installed.bad == 1 and installed.staged == []
+    assert torch.Tensor.backward is backward
+    model(torch.randn(1, 4)).sum().backward()  # its hooks are gone: nothing staged any more
+    assert installed.staged == []
