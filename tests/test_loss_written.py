@@ -196,6 +196,28 @@ def test_a_term_switched_on_later_is_found_at_the_next_power_of_two_step():
     assert [(f.kind, f.step) for f in g.findings] == [("loss-shape-broadcast", 8)]
 
 
+def test_a_probe_trained_after_the_model_is_looked_at_on_its_first_step():
+    """One guard over a whole script: a probe whose hand-written loss broadcasts starts at step 11, between the
+    powers of two; it is found at its first step, not at step 16."""
+    base = mlp(2)
+    probe = nn.Linear(16, 1)
+    opt, popt = torch.optim.Adam(base.parameters(), 1e-2), torch.optim.Adam(probe.parameters(), 1e-2)
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    with guard(live=False) as g:  # watches every model and optimizer, as TORCH_GUARD=1 does
+        for _ in range(11):
+            opt.zero_grad()
+            F.cross_entropy(base(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            h = base[:2](x)
+        target = x[:, 0] * x[:, 1]
+        for _ in range(8):
+            popt.zero_grad()
+            ((probe(h) - target) ** 2).mean().backward()  # [32, 1] - [32] -> [32, 32]
+            popt.step()
+    assert [(f.kind, f.step) for f in g.findings] == [("loss-shape-broadcast", 11)]
+
+
 def test_written_demo_and_its_fixed_twin():
     g = loss_shape_broadcast.train(written=True, live=False)
     assert [(f.kind, f.where, f.step) for f in g.findings] == [("loss-shape-broadcast", "loss", 0)]

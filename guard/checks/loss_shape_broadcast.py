@@ -32,7 +32,9 @@ operands with gradient (pairwise terms between predictions, residual streams), a
 ``[N, 1]`` on purpose (``unsqueeze``, ``[:, None]``, ``view(-1, 1)`` of a 1-d tensor, ``expand``,
 a transpose), a known other operand that already has the full shape, and everything inside the
 model (the walk stops at the first other operation). Looked at on the backward calls of steps 0, 1
-and every power of two (a loss term switched on later is seen within twice its start step).
+and every power of two (a loss term switched on later is seen within twice its start step), and at the
+first backward of a loss whose last operation is of a kind not seen before (a probe trained after the
+model, under one global guard, is looked at on its first step).
 
 Cost: a shape comparison on the host per loss call; a walk of a few graph nodes per backward on the
 looked-at steps; no device work.
@@ -317,15 +319,21 @@ class LossShapeBroadcast(Check):
         # (input shape, broadcast shape) reported from a loss function's call: its own arithmetic (gaussian_nll_loss
         # is written in Python) is the same broadcast, not a second one
         self._called: set = set()
+        self._roots: set = set()  # the types of the losses' last operations looked at (a new loss is looked at at once)
 
     def on_backward(self, tensors, kwargs):
         step = self.g.step
-        if step > 1 and step & (step - 1):
-            return  # graphs are looked at on steps 0, 1, 2, 4, 8, ...
+        if step > 1 and step & (step - 1):  # graphs are looked at on steps 0, 1, 2, 4, 8, ...
+            root = type(getattr(tensors, "grad_fn", None))
+            if root in self._roots or len(self._roots) > 64:
+                return
+            self._roots.add(root)  # ... and when a loss of another kind appears
         for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors or ()):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.numel() == 1:
-                for hit in crossed_pairs(t):
-                    self._emit_written(hit)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                self._roots.add(type(t.grad_fn))
+                if t.numel() == 1:
+                    for hit in crossed_pairs(t):
+                        self._emit_written(hit)
 
     def _emit_written(self, hit: Dict[str, Any]) -> None:
         op, shape, other, out = hit["op"], hit["grad_shape"], hit["other_shape"], hit["broadcast_shape"]
