@@ -1170,3 +1170,63 @@ def _line_of_clip(clip):
     src, start = inspect.getsourcelines(test_grads_all_zero_from_a_clip_to_zero_names_the_clip)
     needle = "clip_grad_norm_(model" if clip == "norm" else "clip_grad_value_(model"
     return start + next(i for i, line in enumerate(src) if needle in line)
+
+
+# --------------------------------------------------------------------------- methods named, not called (stop 39)
+
+def _beginner_loop(bug, scope="models", steps=12, full_batch=False):
+    """A classic minibatch loop whose `loss.backward` or `opt.step` lost its parentheses (or neither did)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(256, 10), torch.randint(0, 3, (256,))
+    before = [p.detach().clone() for p in model.parameters()]
+    with guard(*((model, opt) if scope == "models" else ()), live=False) as g:
+        for i in range(steps):
+            s = slice(0, 256) if full_batch else slice(32 * (i % 8), 32 * (i % 8) + 32)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[s]), y[s])
+            loss.backward() if bug != "backward" else loss.backward  # noqa: B018
+            opt.step() if bug != "step" else opt.step  # noqa: B018
+    moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return g, moved
+
+
+@pytest.mark.parametrize("scope", ["models", "global"])
+def test_loss_backward_without_parentheses_is_told_as_nothing_trained(scope):
+    g, moved = _beginner_loop("backward", scope)
+    assert not moved
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("grads-all-zero", "loss", 0) and f.details["no_backward"] is True
+    assert "loss.backward()" in f.hint and "without parentheses" in f.hint
+    assert _beginner_loop(None, scope)[0].findings == []
+
+
+def test_an_lr_schedule_stepped_with_no_model_call_is_no_missing_backward():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=50)
+    lrs = []
+    with guard(model, opt, live=False) as g:
+        for _ in range(50):  # plotting the schedule: the optimizer steps over no gradient on purpose
+            opt.step()
+            sched.step()
+            lrs.append(sched.get_last_lr()[0])
+    assert g.findings == [] and max(lrs) > 0.09
+
+
+@pytest.mark.parametrize("scope", ["models", "global"])
+def test_optimizer_step_without_parentheses_is_told_when_no_optimizer_ever_steps(scope):
+    g, moved = _beginner_loop("step", scope)
+    assert not moved
+    f = only(g, "params-not-updating")
+    assert f.details["never_stepped"] is True and f.details["variable"] == "opt"
+    assert "opt.step()" in f.hint and "`opt.step` without parentheses" in f.hint
+
+
+def test_a_constant_loss_whose_weights_never_move_is_not_blamed_on_thresholds():
+    g, moved = _beginner_loop("step", "global", steps=110, full_batch=True)
+    assert not moved
+    f = only(g, "loss-constant")
+    assert f.details["why"] == "identical loss, outputs and weights" and "nothing updates the weights" in f.message
+    assert "spiking" not in f.message and "p -= lr * p.grad" in f.hint

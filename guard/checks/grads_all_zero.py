@@ -16,7 +16,7 @@ gradient check runs; one fused ``_foreach_norm`` otherwise); host-only after tha
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -53,6 +53,9 @@ class GradsAllZero(Check):
         self._ever = False  # some step had a non-zero gradient
         self._idle: Optional[list] = None  # [(first idle step's zeros entry), steps with loss 0 and zero gradients]
         self._clip_zero: Optional[tuple] = None  # (function, argument, its line) of a clip to 0 seen
+        # steps in a row, from the run's start, whose optimizer held no gradient at all although the model was
+        # called: [count, first step, its line] (False once told or once a gradient was seen)
+        self._none: Any = None
 
     def on_clip_grad_norm(self, args, kwargs):
         self._clip("clip_grad_norm_", "max_norm", args[1] if len(args) > 1 else kwargs.get("max_norm"))
@@ -70,6 +73,8 @@ class GradsAllZero(Check):
         gn = self.g.grad_norms(optimizer)
         totals = list(gn.totals.values())
         if not totals:
+            if not self._ever and self._none is not False:
+                self._no_gradient(optimizer)
             return
         total = totals[0]
         if len(totals) > 1:
@@ -77,6 +82,37 @@ class GradsAllZero(Check):
                 total = torch.linalg.vector_norm(torch.stack([t.to(total.device) for t in totals]))
         step, source, oref, n = self.g.step, self.g.source(), weakref.ref(optimizer), len(gn.params)
         self.g.stage(total, lambda v: self._seen(oref, v, step, source, n))
+
+    def _no_gradient(self, optimizer) -> None:
+        """A step of an optimizer none of whose parameters has a gradient, before any gradient was seen in the
+        run. With the model called in each such step and no loss ever back-propagated, `backward()` never runs:
+        `loss.backward` without parentheses (it names the method, and calls nothing)."""
+        params = [p for grp in optimizer.param_groups for p in grp["params"] if isinstance(p, torch.Tensor)]
+        if not params or any(p.grad is not None for p in params) or not any(p.requires_grad for p in params):
+            self._none = False  # gradients of another layout, or a frozen part: not this
+            return
+        if any(e.get("loss") is not None for e in self.g.timeline):
+            self._none = False  # a loss was back-propagated: never this
+            return
+        if not self.g.watched.primary_called or not self.g.is_primary(optimizer):
+            self._none = None  # no model call in this step (an LR schedule stepped on its own)
+            return
+        if self._none is None:
+            self._none = [0, self.g.step, self.g.source()]
+        self._none[0] += 1
+        if self._none[0] < STEPS:
+            return
+        count, step, source = self._none
+        self._none = False
+        name = type(optimizer).__name__
+        self.emit("grads-all-zero", "loss",
+                  f"{name}.step() ran at each of the last {count} steps, with the model called before it, but none of "
+                  f"the {len(params)} parameter(s) it updates ever had a gradient: no loss was back-propagated since "
+                  f"the run began, so every step skipped all parameters and nothing was trained",
+                  "Call loss.backward() before optimizer.step(): `loss.backward` without parentheses only names the "
+                  "method and computes nothing (the same for `optimizer.step`).",
+                  step=step, seen=self.g.step, source=source,
+                  details={"optimizer": name, "steps": count, "parameters": len(params), "no_backward": True})
 
     def _seen(self, oref, v: float, step: int, source: Optional[str], n: int) -> None:
         opt = oref()

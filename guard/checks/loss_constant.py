@@ -82,6 +82,7 @@ class LossConstant(Check):
         self._first_norm, self._firsts = 0.0, 0  # the largest gradient norm of the run's first steps
         # while the loss repeats: the sums of the model calls' outputs, per step ({step: [sum, ...]})
         self._outs: dict = {}
+        self._weights: list = []  # (parameter, a sample of its values) at the start of a repeat
 
     def watches(self, module) -> bool:
         return False  # the model calls' outputs only (root calls): no layer keeps a hook for this check
@@ -126,6 +127,10 @@ class LossConstant(Check):
             self._same_value, self._same = None, 0
             return
         self._same += 1
+        if self._same == 2:  # a repeat begins: a sample of the weights, to tell a plateau from weights that never move
+            held = [p for o in g.optimizers for grp in o.param_groups for p in grp["params"]
+                    if isinstance(p, torch.Tensor)][:4] or [p for _, p in g.named_parameters() if p.requires_grad][:4]
+            self._weights = [(p, p.detach().reshape(-1)[:64].clone()) for p in held]
         if self._same >= IDENTICAL:
             if any(f.kind == "missing-zero-grad" for f in g.findings):
                 self._same_done = True
@@ -152,7 +157,24 @@ class LossConstant(Check):
                   step=self._same_from, source=self.g.source(),
                   details={"loss": loss, "steps": self._same, "why": "identical loss value"})
 
+    def _weights_moved(self) -> bool:
+        with torch.no_grad():
+            return not self._weights or any(not torch.equal(p.detach().reshape(-1)[:64], old)
+                                            for p, old in self._weights)
+
     def _emit_plateau(self, loss: float) -> None:
+        if not self._weights_moved():
+            self.emit("loss-constant", "loss",
+                      f"the loss has been exactly {loss!r} for {self._same} steps (since step {self._same_from}), and "
+                      f"so have the model's outputs and its weights, while the gradients are not zero: nothing "
+                      f"updates the weights",
+                      "Make the update happen: optimizer.step() with its parentheses (`optimizer.step` only names the "
+                      "method), and an update by hand that writes into the parameter (`p -= lr * p.grad` under "
+                      "torch.no_grad()), not one that re-binds the loop variable (`p = p - lr * p.grad` leaves the "
+                      "model as it was).",
+                      step=self._same_from, source=self.g.source(),
+                      details={"loss": loss, "steps": self._same, "why": "identical loss, outputs and weights"})
+            return
         self.emit("loss-constant", "loss",
                   f"the loss has been exactly {loss!r} for {self._same} steps (since step {self._same_from}), and so "
                   f"have the model's outputs, while the gradients are not zero and the optimizer updates the weights: "

@@ -142,6 +142,7 @@ class ParamsNotUpdating(Check):
         self._stuck_run: list = []  # first steps of the windows in a row in which no sampled parameter changed
         self._stuck_told = False
         self._idle: Optional[list] = None  # [(optimizer ref, [(parameter ref, version, gradient ref)])] (IDLE_LOOK)
+        self._backwards = 0  # backward() calls while no optimizer has stepped
 
     def _note_idle(self) -> None:
         """The optimizers the user's code holds that have not stepped (guard saw no step of theirs) although some
@@ -183,11 +184,23 @@ class ParamsNotUpdating(Check):
                       f"it holds ({', '.join(prefixes[:4])}) got new gradients step after step (cleared and computed "
                       f"again) and never changed: its step() is never called, so that part of the model does not "
                       f"learn",
-                      f"Call {var}.step() after the backward() of its loss (before its next zero_grad()). If those "
+                      f"Call {var}.step() after the backward() of its loss (before its next zero_grad()); "
+                      f"`{var}.step` without parentheses only names the method. If those "
                       f"parameters are meant to stay fixed, set requires_grad=False on them and drop the optimizer.",
                       step=0, seen=self.g.step, source=None,
                       details={"optimizer": type(opt).__name__, "variable": var, "parameters": len(params),
                                "modules": prefixes[:6], "never_stepped": True, "whole_run": True})
+
+    def on_backward_done(self, tensors, kwargs):
+        if self._idle is not None or self.g.watched.stepped_in:
+            return  # (noted, or an optimizer steps: looked at by its step's count, on_step_post)
+        # No optimizer has stepped yet: the IDLE_LOOK-th backward notes those held (`opt.step` without parentheses)
+        self._backwards += 1
+        if self._backwards >= IDLE_LOOK:
+            if any(e.get("skipped") for e in self.g.timeline):
+                self._idle = []  # a GradScaler skipped the steps (inf/NaN gradients): told as such, not as a step missing
+            else:
+                self._note_idle()
 
     def on_step_pre(self, optimizer):
         if not self.g.sampling:
