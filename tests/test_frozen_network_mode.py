@@ -6,6 +6,7 @@ recipe), a GAN's discriminator frozen for the generator's step, and BatchNorm wi
 silent."""
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -171,3 +172,72 @@ def test_under_a_global_guard_the_frozen_part_called_alone_gets_the_train_overri
     assert (f.kind, f.where, f.step) == ("eval-in-train-mode", "features", 0)
     assert "self.features.eval()" in f.hint and "never call train()" not in f.hint
     assert "model.train() switches" in f.message
+
+
+# --------------------------------------------------------------------------- frozen, under no_grad (stop 39)
+
+def _probe_on_frozen_base(fix=None, steps=40, scope="models"):
+    """A linear probe on a frozen base's features, computed under no_grad at every step; the base never put in
+    eval mode (`fix="eval"`: it is; `fix="ema"`: it is a mean teacher, moved by an EMA written through `.data`)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32))
+    base.requires_grad_(False)
+    if fix == "eval":
+        base.eval()
+    probe = nn.Linear(32, 2)
+    opt = torch.optim.Adam(probe.parameters(), 1e-2)
+    x, y = torch.randn(256, 16), torch.randint(0, 2, (256,))
+    with guard(*(([base, probe], opt) if scope == "models" else ()), live=False) as g:
+        for _ in range(steps):
+            i = torch.randint(0, 256, (32,))
+            with torch.no_grad():
+                h = base(x[i])
+            loss = F.cross_entropy(probe(h), y[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if fix == "ema":
+                for t in base.parameters():
+                    t.data.mul_(0.99).add_(0.01 * torch.randn_like(t))
+    return g
+
+
+@pytest.mark.parametrize("scope", ["models", "global"])
+def test_a_frozen_base_run_under_no_grad_in_train_mode_at_every_step_is_told(scope):
+    g = _probe_on_frozen_base(scope=scope)
+    [f] = g.findings
+    assert (f.kind, f.step) == ("eval-in-train-mode", 0) and f.details["frozen"] is True
+    assert f.where == ("base" if scope == "models" else "Sequential")
+    assert "1 (BatchNorm1d), 3 (Dropout)" in f.message and "requires_grad_(False) does not switch modes" in f.message
+    assert ".eval()" in f.hint
+
+
+@pytest.mark.parametrize("fix", ["eval", "ema"])
+def test_a_frozen_base_in_eval_mode_and_a_mean_teacher_moved_through_data_are_silent(fix):
+    assert _probe_on_frozen_base(fix=fix).findings == []
+
+
+def test_a_network_trained_first_then_frozen_without_eval_on_the_gradient_path_is_told():
+    """Two stages under one global guard: B trains, then B is frozen (no .eval()) and a stitch layer trains
+    through it; B's first calls decided it was no frozen network, the second stage looks again."""
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 16), torch.randint(0, 4, (256,))
+    b = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    with guard(live=False) as g:
+        o = torch.optim.SGD(b.parameters(), lr=0.1)
+        for _ in range(10):
+            loss = F.cross_entropy(b(x[:64]), y[:64])
+            o.zero_grad()
+            loss.backward()
+            o.step()
+        del o
+        b.requires_grad_(False)
+        stitch = nn.Linear(16, 16)
+        opt = torch.optim.Adam(stitch.parameters(), lr=1e-3)
+        for _ in range(20):
+            loss = F.cross_entropy(b(stitch(x[:64])), y[:64])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = g.findings
+    assert f.kind == "eval-in-train-mode" and f.details["context"] == "frozen network" and 10 <= f.step <= 12

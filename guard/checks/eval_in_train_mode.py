@@ -61,6 +61,9 @@ MAX_NAMED = 4
 _NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
 #: BatchNorm statistics re-estimated after a reset keep (1 - momentum)^batches of the reset values: above this, told
 REESTIMATE_LEFT = 0.01
+#: steps after a frozen model's first no_grad call in train mode at which it is judged unchanged (a target network
+#: copied from the online one every few steps, or updated by an EMA, has moved by then)
+FROZEN_WAIT = 32
 RECUR = 3  # training steps after a call site's first no_grad forward in training mode within which it may come back
 OPT_OUT = "guard_train_mode_ok"
 
@@ -77,6 +80,24 @@ def _recalibrating(m: nn.Module) -> bool:
     batch's statistics for the caller to average: its statistics are being recomputed on purpose (precise BN:
     ``swa_utils.update_bn``, fvcore/detectron2's ``update_bn_stats``)."""
     return isinstance(m, _BatchNorm) and (m.momentum is None or m.momentum == 1.0)
+
+
+def _sample(module) -> list:
+    """A few values of (up to 4 of) a module's parameters, to tell later whether they changed: compared by value,
+    since an EMA written through `.data` (`t.data.mul_(m).add_(...)`) leaves the version counters as they were."""
+    with torch.no_grad():
+        return [(p, p.detach().reshape(-1)[:16].clone()) for _, p in zip(range(4), module.parameters())]
+
+
+def _frozen_still(module, sample: list) -> bool:
+    """Every parameter frozen (requires_grad False) and none of the sampled values changed since `sample` was
+    taken: a frozen feature extractor or teacher, whose train mode at every step no training algorithm needs (a
+    BYOL/MoCo or mean-teacher target, updated by its EMA, moves)."""
+    params = list(module.parameters())
+    if not params or any(p.requires_grad for p in params):
+        return False
+    with torch.no_grad():
+        return all(torch.equal(p.detach().reshape(-1)[:16], old) for p, old in sample)
 
 
 def _versions(module) -> List[int]:
@@ -236,6 +257,7 @@ class EvalInTrainMode(Check):
         # first one's info, the steps they ran at); and those found to run at training steps (`_decide`)
         self._sites: Dict[Tuple[int, Optional[str]], tuple] = {}
         self._recurring: set = set()
+        self._frozen_wait: List[tuple] = []  # recurring sites of a frozen model: (ref, path, info, values, due step)
         # (module, line) of the first functional dropout of the root call under way that ran in training mode
         # under no_grad, passing the module's mode (F.dropout(x, p, training=self.training): BART, OPT, Whisper)
         self._fdrop: Optional[tuple] = None
@@ -243,6 +265,7 @@ class EvalInTrainMode(Check):
         self._frozen_done = WeakIdSet()
         self._frozen_bns: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
         self._frozen_roots = WeakIdMap()  # model -> whether it is a frozen network (looked up at every model call)
+        self._primary: Any = None  # the optimizer counting steps when those were decided (weak reference)
         self._frozen_seen: List[tuple] = []
         # BatchNorm -> [step of its reset_running_stats() after training began, no_grad train-mode calls since,
         # then (model ref, model path, its name, the first such call's line)]: statistics re-estimated on purpose
@@ -312,7 +335,13 @@ class EvalInTrainMode(Check):
         fdrop, self._fdrop = self._fdrop, None
         if self._sites:
             self._decide()
+        if self._frozen_wait:
+            self._judge_frozen_wait()
         if torch.is_grad_enabled():
+            if self.g.watched.primary is not self._primary:
+                # another optimizer counts the steps (a second stage: a network trained in the first one frozen now,
+                # to train a head or a stitch through it): the models are looked at again
+                self._primary, self._frozen_roots = self.g.watched.primary, WeakIdMap()
             frozen = self._frozen_roots.data.get(id(module))
             if frozen is None:
                 frozen = self._frozen_roots[module] = self.watches(module)  # a frozen network given to guard
@@ -507,7 +536,7 @@ class EvalInTrainMode(Check):
             return
         ent = self._sites.get(key)
         if ent is None:
-            self._sites[key] = (weakref.ref(module), path, info, {info[0]})
+            self._sites[key] = (weakref.ref(module), path, info, {info[0]}, _sample(module))
             if module not in self._trained and module not in self._versions:
                 self._versions[module] = sum(_versions(module))
         else:
@@ -516,7 +545,7 @@ class EvalInTrainMode(Check):
     def _decide(self, final: bool = False) -> None:
         """Judge the call sites whose RECUR steps are over (at the end: all of them)."""
         step = self.g.step
-        for key, (ref, path, info, steps) in list(self._sites.items()):
+        for key, (ref, path, info, steps, sample) in list(self._sites.items()):
             first = info[0]
             if step <= first + RECUR and not final:
                 continue
@@ -527,6 +556,9 @@ class EvalInTrainMode(Check):
             recurs = any(first + k in steps for k in range(1, RECUR + 1))
             if recurs:
                 self._recurring.add(key)
+                module = ref()
+                if module is not None and _frozen_still(module, sample):  # judged again FROZEN_WAIT steps on
+                    self._frozen_wait.append((ref, path, info, sample, first + FROZEN_WAIT))
                 continue
             module = ref()
             if module is None or module in self._reported:
@@ -537,6 +569,20 @@ class EvalInTrainMode(Check):
                 self._emit(module, path, *info)
             elif not final:
                 self._pending[module] = info  # told at its first training forward
+
+    def _judge_frozen_wait(self, final: bool = False) -> None:
+        """Recurring no_grad calls of a frozen model in train mode, once FROZEN_WAIT steps have passed: still frozen
+        and unchanged (no EMA or periodic copy moved it), it is a feature extractor or teacher left in train mode."""
+        step, keep = self.g.step, []
+        for ent in self._frozen_wait:
+            ref, path, info, sample, due = ent
+            if step < due and not final:
+                keep.append(ent)
+                continue
+            module = ref()
+            if module is not None and module not in self._reported and _frozen_still(module, sample):
+                self._emit(module, path, *info, frozen=True)
+        self._frozen_wait = keep
 
     def _averaged(self, module) -> bool:
         """A model never trained with autograd that is the run's averaged network: an `AveragedModel` (SWA), or
@@ -556,6 +602,8 @@ class EvalInTrainMode(Check):
         if self._reset.data:
             self._judge_reestimation()
         self._decide(final=True)
+        if self._frozen_wait:
+            self._judge_frozen_wait(final=True)
         if self._frozen_seen:
             self._judge_frozen()
 
@@ -570,7 +618,7 @@ class EvalInTrainMode(Check):
         return False
 
     def _emit(self, module, path: str, step: int, source: Optional[str], names: List[str], types: List[str],
-              inference: bool) -> None:
+              inference: bool, frozen: bool = False) -> None:
         self._reported.add(module)
         shown = ", ".join(f"{n} ({t})" for n, t in zip(names[:MAX_NAMED], types[:MAX_NAMED]))
         more = f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
@@ -585,6 +633,16 @@ class EvalInTrainMode(Check):
                    f"{shown}{more}; {'; '.join(effects)}")
         hint = ("Call model.eval() before evaluating (and model.train() before training again). If the train "
                 "mode is deliberate, set `module.guard_train_mode_ok = True` on that module.")
+        if frozen:
+            effects = [e.replace("with evaluation data", "with the batches it is fed").replace(
+                "(metrics, or targets computed from them)", "(the features or targets computed from them)")
+                for e in effects]
+            message = (f"{path} is frozen (every parameter requires_grad=False, none changed since) and runs under "
+                       f"{ctx} at every training step with {len(names)} module(s) in training mode: "
+                       f"{shown}{more}; {'; '.join(effects)}. A frozen feature extractor or teacher left out of "
+                       f"eval mode (requires_grad_(False) does not switch modes)")
+            hint = (f"Call .eval() on {path} after freezing it, and again after any .train() of a model that "
+                    f"contains it. If the train mode is deliberate, set `module.guard_train_mode_ok = True` on it.")
         self.emit("eval-in-train-mode", path, message, hint, step=step, source=source,
                   details={"modules": names[:20], "types": types[:20], "count": len(names),
-                           "context": ctx})
+                           "context": ctx, **({"frozen": True} if frozen else {})})
