@@ -2623,3 +2623,46 @@ def test_plain_tensors_updated_by_hand_with_no_model_keep_their_gradients(clear)
     f = g.findings[0]
     assert f.where in ("t", "q") and set(f.details["parameters"]) == {"t", "q"}
     assert f.details["plain_tensors"] is True and ".grad = None" in f.hint
+
+
+# --------------------------------------------------------------------------- backwards restricted to latents (stop 39)
+
+def _predictive_coding(how, scope="models", evaluate=False, steps=10):
+    """Predictive-coding inference: the energy holds a layer's prediction of a latent from the data, and is
+    differentiated with respect to the latent only (the layer's own node is off that way); then the weights learn.
+    `evaluate`: a validation forward with grad on, never back-propagated, at every step (the real bug)."""
+    torch.manual_seed(0)
+    enc = nn.Linear(4, 8)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.002)
+    x, target = torch.randn(16, 4), torch.randn(16, 8)
+    with guard(*((enc, opt) if scope == "models" else ()), live=False) as g:
+        for _ in range(steps):
+            h = target.clone().requires_grad_()
+            for _ in range(5):
+                energy = ((h - enc(x)) ** 2).sum() + ((h - target) ** 2).sum()
+                if how == "grad":
+                    (gh,) = torch.autograd.grad(energy, [h])
+                else:
+                    energy.backward(inputs=[h])
+                    gh = h.grad
+                with torch.no_grad():
+                    h -= 0.05 * gh
+                h.grad = None
+            if evaluate:
+                enc(torch.randn(16, 4)).sum().item()
+            loss = ((h.detach() - enc(x)) ** 2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("how", ["grad", "backward_inputs"])
+@pytest.mark.parametrize("scope", ["models", "global"])
+def test_a_layer_differentiated_around_in_latent_inference_is_no_evaluation(how, scope):
+    assert _predictive_coding(how, scope).findings == []
+
+
+def test_an_evaluation_beside_latent_inference_is_still_told():
+    g = _predictive_coding("grad", evaluate=True)
+    assert kinds(g) == ["eval-without-no-grad"]

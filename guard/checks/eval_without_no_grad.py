@@ -115,6 +115,7 @@ class EvalWithoutNoGrad(Check):
         # call site -> [its forwards back-propagated (tagged ones), separate runs of its forwards dropped at once,
         # the backward() count before the last dropped one]: a site that trains and skips in many places
         self._skips: Dict[Any, List[Any]] = {}
+        self._restricted: list = []  # graph roots of this step's backwards restricted to some inputs (_keep_roots)
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if is_root:
@@ -169,16 +170,45 @@ class EvalWithoutNoGrad(Check):
     def on_backward(self, tensors, kwargs):
         self._backward_in_step = self._any_backward = True
         self._backwards += 1
+        if kwargs.get("inputs") is not None:
+            self._keep_roots(tensors)
 
     def on_autograd_grad(self, args, kwargs):
         self._backward_in_step = self._any_backward = True
         # counted like a backward(): one inside the model's own call consumed its graph (forces = -dE/dx computed
         # in forward by a force field, whose validation must run with grad on): that forward is not tagged
         self._backwards += 1
+        self._keep_roots(args[0] if args else kwargs.get("outputs"))
+
+    def _keep_roots(self, outputs) -> None:
+        """The graph of a backward restricted to some inputs (``autograd.grad``, ``backward(inputs=...)``): it
+        executes only the nodes on the way to them. A forward whose output is in that graph but off that way (a
+        predictive-coding layer's prediction of a latent from the data, differentiated with respect to the latent
+        only) was used all the same: looked for at the step's end, if a forward is left unused."""
+        for t in ([outputs] if isinstance(outputs, torch.Tensor) else outputs or ()):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                self._restricted.append(t.grad_fn)
+        if len(self._restricted) >= 16:  # (a loop of relaxation steps: looked at 16 graphs at a time, kept no longer)
+            roots, self._restricted = self._restricted, []
+            if not all(rec.used for rec in self._pending):
+                self._reached(roots)
+
+    def _reached(self, roots: list) -> None:
+        key = self._key
+        for node in walk(roots, Budget(WALK_BUDGET)):
+            try:
+                tag = node.metadata.get(key)
+            except Exception:
+                continue
+            if tag is not None:
+                tag.rec.used = True
 
     def on_step_end(self, step):
+        roots, self._restricted = self._restricted, []
         if self._done:
             return
+        if roots and not all(rec.used for rec in self._pending):
+            self._reached(roots)
         if not self._backward_in_step:
             if not any(r.alive() for r in self._pending):
                 self._pending = []  # a step without backward: not judged
@@ -272,6 +302,9 @@ class EvalWithoutNoGrad(Check):
             return
         if getattr(sys, "last_value", None) is not None:
             self._crashed()  # an uncaught exception ends the process (a global guard closes at exit)
+        roots, self._restricted = self._restricted, []
+        if roots and not all(rec.used for rec in self._pending):
+            self._reached(roots)
         conditional = self._conditional()
         unused = [r for r in self._pending if not r.used and not conditional(r)]
         if unused:
