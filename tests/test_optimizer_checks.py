@@ -2135,6 +2135,58 @@ def test_polyak_targets_run_with_grad_are_found(scope, fixed):
     assert "actor_t" in f.message and "critic_t" in f.message
 
 
+def _resampled_decoder(rebind, renorm=True, scope="model"):
+    """A sparse autoencoder whose decoder is renormalised in place after each step and re-initialised once at
+    step 20 (dead latents resampled): by re-binding a new nn.Parameter (the bug: Adam keeps the old one), or by
+    writing into the one Adam holds."""
+    torch.manual_seed(0)
+
+    class SAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(16, 64)
+            self.W_dec = nn.Parameter(nn.functional.normalize(torch.randn(64, 16), dim=-1))
+
+        def forward(self, x):
+            f = torch.relu(self.enc(x))
+            return f @ self.W_dec, f
+
+    sae = SAE()
+    opt = torch.optim.Adam(sae.parameters(), 1e-3)
+    with guard(sae if scope == "model" else None, opt if scope == "model" else None, live=False) as g:
+        for step in range(40):
+            x = torch.randn(32, 16)
+            recon, f = sae(x)
+            loss = (recon - x).pow(2).sum(-1).mean() + 1e-3 * f.sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if renorm:
+                with torch.no_grad():
+                    sae.W_dec.div_(sae.W_dec.norm(dim=-1, keepdim=True))
+            if step == 20:
+                new = nn.functional.normalize(torch.randn(64, 16), dim=-1)
+                if rebind:
+                    sae.W_dec = nn.Parameter(new)
+                else:
+                    with torch.no_grad():
+                        sae.W_dec.copy_(new)
+    return g
+
+
+@pytest.mark.parametrize("scope", ["model", "global"])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_a_parameter_replaced_once_while_the_optimizer_keeps_the_old_one_is_no_polyak_target(renorm, scope):
+    """Renormalised in place after each step, the new decoder moved while its gradients piled up: it was told as a
+    Polyak target, whose fix (no_grad or freezing) would stop it training for good."""
+    g = _resampled_decoder(rebind=True, renorm=renorm, scope=scope)
+    (f,) = g.findings
+    assert (f.kind, f.step) == ("param-not-in-optimizer", 21) and f.where.endswith("W_dec")
+    assert f.details["replaced"] is True and "Polyak" not in f.message and "still holds the old one" in f.message
+    assert "copy_(" in f.hint and "requires_grad_(False)" not in f.hint
+    assert _resampled_decoder(rebind=False, renorm=renorm, scope=scope).findings == []
+
+
 @pytest.mark.parametrize("scope", ["model", "global"])
 def test_center_loss_centers_updated_by_hand_from_their_gradient_are_no_polyak_target(scope):
     """Center loss: `centers` is an nn.Parameter in no optimizer, updated by hand from its `.grad` after each
@@ -2191,3 +2243,34 @@ def test_a_fixed_model_whose_gradients_an_attack_matches_is_not_left_out_of_the_
             opt.step(closure)
     assert g.internal_errors == [] and len(g.timeline) == 15
     assert [f.kind for f in g.findings] == ([] if attack == "gradient-matching" else ["param-not-in-optimizer"])
+
+
+@pytest.mark.parametrize("pre", [0, 12])
+def test_a_probe_optimizer_built_over_the_base_names_the_probe_missing_since_its_first_step(pre):
+    """`opt = SGD(base.parameters())` for a probe on a frozen base: loss-disconnected names the probe's parameters as
+    the only ones reached, and param-not-in-optimizer the probe (as for a fine-tuning head left out), from the same
+    step; it used to say 'a layer unfrozen or replaced mid-run?' a few steps later."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 16)
+    base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+    with guard(live=False) as g:
+        o = torch.optim.Adam(base.parameters(), 1e-2)
+        for _ in range(pre):
+            loss = nn.functional.cross_entropy(base(x), (x[:, 1] > 0).long())
+            o.zero_grad()
+            loss.backward()
+            o.step()
+        del o
+        base.eval().requires_grad_(False)
+        probe = nn.Linear(32, 2)
+        opt = torch.optim.SGD(base.parameters(), lr=0.1)  # the bug: probe.parameters()
+        for _ in range(40):
+            with torch.no_grad():
+                h = base[:2](x)
+            loss = nn.functional.cross_entropy(probe(h), (x[:, 0] > 0).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    told = [f for f in g.findings if f.severity != "info"]
+    assert [(f.kind, f.step) for f in told] == [("loss-disconnected", pre), ("param-not-in-optimizer", pre)]
+    assert "mid-run" not in told[1].message and "no optimizer" in told[1].message

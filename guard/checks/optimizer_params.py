@@ -134,6 +134,8 @@ class OptimizerParams(Check):
         self._rebinds: Dict[Tuple[int, str], Tuple[int, int]] = {}
         # parameters that replaced one at least the second time (re-bound per call or per step) -> first step
         self._rebound = WeakIdMap()
+        # a parameter that replaced another (the first time at that name) -> (step, line, weak reference to the old)
+        self._replaced = WeakIdMap()
         self._held_step = 0  # the step of that look
         self._looked = 0  # step of the last look at the missing parameters
         self._told: set = set()  # names already reported as missing
@@ -397,6 +399,13 @@ class OptimizerParams(Check):
         piling = [n for n, (v, gref, gv, pref) in versions.items() if n in still and n in named
                   and named[n] is pref() and named[n]._version != v and named[n].grad is not None
                   and named[n].grad is gref() and 0 < named[n].grad._version - gv <= self._backwards - self._cand_at]
+        # Replaced by a new nn.Parameter while an optimizer holds the old one (a dead latent resampled by
+        # `sae.W_dec = nn.Parameter(W)`): what moves the new one is the code's own in-place renormalisation
+        replaced = [n for n in piling if self._old_held(named[n])]
+        if replaced and not missing:
+            piling = [n for n in piling if n not in replaced]
+            self._told.update(replaced)
+            self._missing(replaced, step, source)
         if piling and not missing and self._polyak([named[n] for n in piling], piling, step, source):
             self._told.update(piling)
         if missing:
@@ -412,6 +421,8 @@ class OptimizerParams(Check):
         if missing:
             self._told.update(missing)
             later = self._looked_before
+            if later and self._told_disconnected(missing) is not None:
+                later, step = False, self._told_disconnected(missing)  # missing from their first backward
             if later and self._first_look is not None and all(
                     id(named[n]) in self._first_look[1] for n in missing):
                 # there and trainable since the first look (co-teaching's second network, its optimizer built over
@@ -485,11 +496,32 @@ class OptimizerParams(Check):
             # a parameter replaced by a new nn.Parameter: more than once is a re-binding at every call
             key = (id(args[0]), args[1])
             n, first = self._rebinds.get(key, (0, self.g.step))
+            if n == 0:  # the first time: which one it replaced, when and where
+                self._replaced[args[2]] = (self.g.step, self.g.source(), weakref.ref(args[0]._parameters[args[1]]))
             self._rebinds[key] = (n + 1, first)
             if n + 1 >= 2:
                 self._rebound[args[2]] = first  # the step of the first re-binding
             if len(self._rebinds) > 4096:
                 self._rebinds.clear()
+
+    def _told_disconnected(self, missing: List[str]) -> Optional[int]:
+        """The step of a `loss-disconnected` finding that named these parameters as the only ones the loss reaches,
+        held by no optimizer (a probe's optimizer built over the frozen base): they are missing since then, not
+        unfrozen or replaced mid-run."""
+        for f in self.g.findings:
+            if f.kind == "loss-disconnected":
+                said = " ".join(r for r in f.details.get("reaches", ()) if "held by no optimizer" in r)
+                if said and all(f" {n} " in said or f".{n} " in said for n in missing):
+                    return f.step
+        return None
+
+    def _old_held(self, param: torch.Tensor) -> Optional[tuple]:
+        """(step, line) of the re-binding that put `param` in place of a parameter an optimizer still holds."""
+        ent = self._replaced.data.get(id(param))
+        old = ent[2]() if ent is not None else None
+        if old is None or not any(q is old for o in self.g.optimizers for grp in o.param_groups for q in grp["params"]):
+            return None
+        return ent[0], ent[1]
 
     def _polyak(self, params: List[torch.Tensor], names: List[str], step: int, source, owner=None) -> bool:
         """Parameters in no optimizer, changed in place at every step while gradients pile up on them: a target
@@ -527,6 +559,7 @@ class OptimizerParams(Check):
         extra: dict = {}
         gone = set(missing)
         rebound = [self._rebound.data[id(p)] for n, p in named if n in gone and id(p) in self._rebound.data]
+        replaced = [self._old_held(p) for n, p in named if n in gone]
         if rebound:
             # re-bound again and again (in forward, or after each step): the optimizer holds the first one; before
             # the `later` cases, which would take the new ones for a layer unfrozen mid-run
@@ -541,6 +574,16 @@ class OptimizerParams(Check):
                     "forward (w = self.weight / sigma), or register a parametrization "
                     "(torch.nn.utils.parametrizations.spectral_norm, parametrize.register_parametrization).")
             later, extra = False, {"rebound_per_call": True}
+        elif replaced and all(replaced):
+            step, line = min(r[0] for r in replaced), replaced[0][1]
+            message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
+                       f"{_listing(shown, more)}; each was replaced by a new nn.Parameter at step {step} ({line}), "
+                       f"and the optimizer still holds the old one: the new one is never updated by it, and its "
+                       f"gradients pile up (zero_grad() never clears them)")
+            hint = ("Write the new values into the parameter the optimizer holds instead of re-binding it: `with "
+                    "torch.no_grad(): module.weight.copy_(new_values)` (and reset the optimizer's state for the rows "
+                    "you changed, e.g. Adam's exp_avg/exp_avg_sq), or rebuild the optimizer over the new parameters.")
+            extra = {"replaced": True, "replaced_at": line}
         elif later and len(synced) == len(missing):
             # Seen with gradients before, but overwritten in place meanwhile: a copy synced now and then (a target
             # network's load_state_dict every N steps) that a forward outside no_grad gives gradients to.
