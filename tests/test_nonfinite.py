@@ -61,6 +61,54 @@ def test_nonfinite_loss_from_the_loss_code():
     assert not [x for x in g.findings if x.kind == "nonfinite-output"]
 
 
+def _zeroth_order_after_training(blow_up_at=12):
+    """Adam trains for 5 steps, then a zeroth-order phase updates the weights by hand through `.data` (MeZO's style:
+    no version counter moves), forward passes only, and at iteration `blow_up_at` makes them Inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(5):
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+        for it in range(20):
+            with torch.no_grad():
+                loss = F.mse_loss(model(x), y)
+                for p in model.parameters():
+                    p.data.add_(torch.randn_like(p) * 1e-3 * loss)
+                    if it == blow_up_at:
+                        p.data.mul_(float("inf"))
+    return g
+
+
+def test_weights_broken_through_data_after_the_last_update_are_not_blamed_on_the_optimizer():
+    f = only(_zeroth_order_after_training(), "nonfinite-param")
+    assert f.step == 4 and "changed outside the optimizer" in f.message
+    assert "The update itself overflowed" not in f.hint and "p.data" in f.hint
+    assert f.details["changed_after_update"] == f.details["parameters"]
+
+
+def test_a_gan_generator_broken_by_its_update_is_still_blamed_on_it_after_a_finite_discriminator_call():
+    """The generator's update makes its weights Inf (a huge learning rate step); the next window's first model call
+    is the discriminator's, finite: that is no evidence about the generator's weights."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 6), nn.Linear(6, 1)
+    g_opt, d_opt = torch.optim.SGD(gen.parameters(), lr=0.01), torch.optim.SGD(disc.parameters(), lr=0.01)
+    with guard([disc, gen], [d_opt, g_opt], live=False) as g:
+        for it in range(6):
+            real = torch.randn(16, 6)
+            d_loss = F.softplus(-disc(real)).mean() + F.softplus(disc(gen(torch.randn(16, 4)).detach())).mean()
+            d_opt.zero_grad(); d_loss.backward(); d_opt.step()
+            g_loss = F.softplus(-disc(gen(torch.randn(16, 4)))).mean() * (1e6 if it == 3 else 1.0)
+            g_opt.zero_grad(); g_loss.backward()
+            if it == 3:
+                g_opt.param_groups[0]["lr"] = 3e38  # the update overflows to inf
+            g_opt.step()
+            g_opt.param_groups[0]["lr"] = 0.01
+    assert g.findings and not any("changed outside the optimizer" in f.message for f in g.findings)
+
+
 def test_nonfinite_grad_names_the_parameter_and_step():
     g = nan_grad.train(live=False)
     f = only(g, "nonfinite-grad")

@@ -174,6 +174,7 @@ class NonFinite(Check):
         # updates staged in this window: (calls made before it, the optimizer, its gradients' flags, whether its
         # weights were as its previous update left them: `_broken_after`)
         self._updates: List[Tuple[int, weakref.ref, List[int], Any]] = []
+        self._clean_after: list = []  # models called with finite values after the last update (window resolved)
         self._window = getattr(self, "_window", 0) + 1
 
     # staging ---------------------------------------------------------------
@@ -623,6 +624,12 @@ class NonFinite(Check):
                  if i in bad and i not in produced and (c.path, name) in self._takers} if self._takers else set()
         earlier = set(self._bad_grad_steps)
         self._bad_grad_steps.update(step for flag, _, step, _ in window[2] if flag in bad)
+        # No update in this window, and a model call in it took and gave finite values before anything went bad: the
+        # weights were finite after the last update, and code outside the optimizer broke them since (a zeroth-order
+        # update written through .data, which moves no version counter)
+        first = min(bad)
+        self._clean_after = [] if self._window_updates[1] else [
+            c.module for c in window[0] if c.is_root and c.outputs and all(i < first for _, i in c.inputs + c.outputs)]
         if self._check_params():
             return
         # weights found NaN/Inf now, broken by the update of an earlier step whose NaN/Inf gradients were there and
@@ -1078,6 +1085,12 @@ class NonFinite(Check):
                     return repr(lr)
         return None
 
+    def _ran_clean(self, group: List[torch.Tensor]) -> bool:
+        """Whether a model holding some of `group` was called after their last update with finite values."""
+        ids = {id(p) for p in group}
+        return any(m is not None and any(id(q) in ids for q in m.parameters())
+                   for m in (ref() for ref in self._clean_after))
+
     def _report_params(self, group: List[torch.Tensor], step: int, source: Optional[str], caused: bool) -> bool:
         bad = [self.g.param_name(p) for p in group if not bool(torch.isfinite(p.detach()).all())]
         new = [n for n in bad if n not in self._bad_param_names]
@@ -1086,7 +1099,15 @@ class NonFinite(Check):
             return False  # already known, or the step's gradients were NaN/Inf (reported upstream)
         screened = step in self._screened
         edited = [self.g.param_name(p) for p in group] if self._edited_since_update() else []
-        if screened and edited:
+        if screened and not edited and self._ran_clean(group):
+            why = (f"; the model's calls after that update had finite inputs and outputs, so they became NaN/Inf "
+                   f"later, changed outside the optimizer")
+            hint = ("Look at what changes the weights after optimizer.step(): an update by hand (a zeroth-order or "
+                    "evolution-strategies step through p.data, a perturbation that is not restored, a projection "
+                    "dividing by a norm of 0). Through .data no version counter moves, so guard cannot name the line: "
+                    "check those updates with torch.isfinite, and bound the step they take.")
+            edited = bad
+        elif screened and edited:
             # changed in place after the update returned: the change, not the update, may have made the NaN
             why = (f"; they were changed in place after that update ({', '.join(edited[:3])}: their version counters "
                    f"moved since optimizer.step() returned), so that change, made before step {step + 1}'s forward, "
