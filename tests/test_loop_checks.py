@@ -2666,3 +2666,22 @@ def test_a_layer_differentiated_around_in_latent_inference_is_no_evaluation(how,
 def test_an_evaluation_beside_latent_inference_is_still_told():
     g = _predictive_coding("grad", evaluate=True)
     assert kinds(g) == ["eval-without-no-grad"]
+
+
+def test_outputs_kept_in_a_list_get_the_fix_with_the_appended_variable():
+    """`all_outputs.append(outputs)` for an epoch-level metric: the fix names `outputs`, not a made-up `z`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(96, 10), torch.rand(96, 1)
+    with guard(model, opt, live=False) as g:
+        all_outputs = []
+        for i in range(0, 96, 8):
+            opt.zero_grad()
+            outputs = model(x[i:i + 8])
+            loss = F.binary_cross_entropy_with_logits(outputs, y[i:i + 8])
+            loss.backward()
+            opt.step()
+            all_outputs.append(outputs)
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
+    assert f.where == "all_outputs" and "`all_outputs.append(outputs.detach())`" in f.hint

@@ -731,7 +731,10 @@ class LossGraph(Check):
                 message = (f"`{name}` ({src}) holds tensors ({', '.join(shapes)}) that carry {span}{nodes} graph "
                            f"nodes{mem}): features kept across steps without .detach()")
                 if name.endswith("[...]"):
-                    store = f"Store detached values: `{said}.append(z.detach())`"
+                    # the appended variable as the line names it (`all_outputs.append(outputs)`), else `z`
+                    arg = re.search(re.escape(said_bare.rsplit(".", 1)[-1]) + r"\.append\(\s*([A-Za-z_][\w.]*)\s*\)",
+                                    _line_at(src)) if src else None
+                    store = f"Store detached values: `{said}.append({arg.group(1) if arg else 'z'}.detach())`"
                 elif src and re.search(re.escape(said_bare.rsplit(".", 1)[-1]) + r"\s*\[[^\]]*\]\s*=(?!=)",
                                        _line_at(src)):
                     # rows written in place (`self.cache[i] = e`, a memory bank slot, a dict cache entry): what is
