@@ -1330,3 +1330,58 @@ def test_an_optimised_leaf_whose_name_is_rebound_to_a_value_made_from_it_is_expl
     assert "it is `q`, the tensor Adam optimises" in note and "qn = F.normalize(q)" in note
     (f,) = _explained(g)
     assert f.where == "q" and f.step == 1 and f.details["optimised_tensor"] == "q"
+
+
+# --------------------------------------------------------------------------- beginners' loss errors (stop 39)
+
+def _classifier_step(loss_fn, x, y, model=None):
+    torch.manual_seed(0)
+    model = model or nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises((RuntimeError, ValueError)) as ei:
+        with guard(model, opt, live=False) as g:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    return _explained(g)[0], ei.value
+
+
+def test_bceloss_on_logits_is_told_to_use_bce_with_logits():
+    f, exc = _classifier_step(nn.BCELoss(), torch.randn(16, 5) * 10, torch.rand(16, 1).round())
+    assert f.where == "loss" and f.details["logits_given"] is True
+    assert "BCEWithLogitsLoss" in f.hint and "BCEWithLogitsLoss" in _notes(exc)
+
+
+def test_integer_one_hot_targets_into_cross_entropy_are_told_as_such():
+    model = nn.Sequential(nn.Linear(5, 3))
+    f, _ = _classifier_step(nn.CrossEntropyLoss(), torch.randn(16, 5), F.one_hot(torch.randint(0, 3, (16,)), 3),
+                            model)
+    assert f.details["one_hot_integers"] is True and f.details["target_dtype"] == "Long"
+    assert "argmax(1)" in f.hint and ".float()" in f.hint
+
+
+def test_a_reshape_that_merges_samples_is_told_by_the_batch_sizes():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x.view(-1, 4))  # the bug: [32, 16] -> [128, 4], four rows per sample
+
+    f, _ = _classifier_step(nn.CrossEntropyLoss(), torch.randn(32, 16), torch.randint(0, 3, (32,)), Net())
+    assert (f.details["input_batch"], f.details["target_batch"]) == (128, 32)
+    assert "4 rows per sample" in f.message and "x.view(x.size(0), -1)" in f.hint
+
+
+def test_a_bare_squeeze_on_a_batch_of_one_is_named():
+    model = nn.Sequential(nn.Linear(5, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError):
+        with guard(model, opt, live=False) as g:
+            for n in (8, 8, 1):  # the last batch holds one sample
+                opt.zero_grad()
+                F.binary_cross_entropy_with_logits(model(torch.randn(n, 5)).squeeze(), torch.rand(n)).backward()
+                opt.step()
+    (f,) = _explained(g)
+    assert f.step == 2 and f.details["batch_of_one"] is True and "squeeze(-1)" in f.hint

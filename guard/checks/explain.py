@@ -726,6 +726,9 @@ class ExplainErrors(Check):
                        "F.cross_entropy(logits, y[perm]).")
                 return "loss", cause, fix, {"target_dtype": got, "fractional_targets": True}
             return "loss", cause, fix, {"target_dtype": got}
+        hit = self._beginner_loss(exc, text)
+        if hit is not None:
+            return hit
         if isinstance(exc, (RuntimeError, ValueError)):
             hit = (self._dtype_mismatch(exc, text, module) or self._channels(text, module)
                    or self._stale_state(exc, text) or self._loss_sizes(exc, text))
@@ -1103,10 +1106,58 @@ class ExplainErrors(Check):
             cause = (f"{fn}() got input {xs} and target {ts}: {k} target columns for {c} outputs (F.one_hot(y) "
                      f"without num_classes makes max(y) + 1 columns, as many as this batch's largest label needs)")
             fix = f"Pass the number of classes: F.one_hot(y, num_classes={c}).float(), or make the output {k} wide."
+        elif (xs == [] and ts in ([1], [1, 1])) or (ts == [] and xs in ([1], [1, 1])):
+            # a batch of one sample: a bare .squeeze() drops the batch dimension with the trailing 1 (the last
+            # batch of a DataLoader without drop_last, or a batch size of 1)
+            cause = (f"{fn}() got input {xs} and target {ts}: a batch of one sample, whose batch dimension a bare "
+                     f".squeeze() removed along with the size-1 output dimension")
+            fix = ("Squeeze only the output dimension: pred.squeeze(-1) (or pred.view(-1)), never a bare .squeeze(), "
+                   "which also drops the batch dimension when a batch holds one sample (the last batch of a "
+                   "DataLoader, batch_size=1).")
+            details["batch_of_one"] = True
         else:
             cause = f"{fn}() got input {xs} and target {ts}, which cannot be paired element by element"
             fix = "Give input and target the same shape (target.view_as(input) when they hold as many values)."
         return "loss", cause, fix, details
+
+    @staticmethod
+    def _beginner_loss(exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+        """Three errors of a classification loss misused, whose PyTorch messages name neither cause nor fix."""
+        if isinstance(exc, RuntimeError) and "all elements of input should be between 0 and 1" in text:
+            cause = ("binary_cross_entropy (nn.BCELoss) got values outside [0, 1]: it takes probabilities, and "
+                     "these are most often logits (a last Linear with no sigmoid)")
+            fix = ("Use nn.BCEWithLogitsLoss (F.binary_cross_entropy_with_logits) on the logits: it applies the "
+                   "sigmoid itself, in a numerically stable way; keep torch.sigmoid(logits) for predictions only.")
+            return "loss", cause, fix, {"loss": "binary_cross_entropy", "logits_given": True}
+        m = re.search(r"Expected floating point type for target with class probabilities, got (\w+)", text)
+        if isinstance(exc, RuntimeError) and m:
+            got = m.group(1)
+            cause = (f"cross_entropy got a target of the input's shape, read as class probabilities, but of type "
+                     f"{got}: one-hot labels built as integers (F.one_hot returns int64)")
+            fix = ("Pass the class indices instead, loss_fn(logits, y) with y of shape [N] (y = onehot.argmax(1)), or "
+                   "make the one-hot targets float: F.one_hot(y, C).float().")
+            return "loss", cause, fix, {"loss": "cross_entropy", "target_dtype": got, "one_hot_integers": True}
+        m = re.search(r"Expected input batch_size \((\d+)\) to match target batch_size \((\d+)\)", text)
+        if isinstance(exc, ValueError) and m:
+            n_in, n_t = int(m.group(1)), int(m.group(2))
+            cause = f"the loss got {n_in} predictions for {n_t} targets"
+            if n_t and n_in % n_t == 0 and n_in > n_t:
+                cause += (f": {n_in // n_t} rows per sample, a reshape that merged the batch dimension with another "
+                          f"(x.view(-1, k) with the wrong k before a Linear, or logits of a sequence model not "
+                          f"flattened like their targets)")
+                fix = ("Flatten keeping the batch: x.view(x.size(0), -1) (or torch.flatten(x, 1)) before the first "
+                       "Linear, and size that Linear's in_features from it; for per-token logits flatten both: "
+                       "loss_fn(logits.view(-1, C), targets.view(-1)).")
+            elif n_in and n_t % n_in == 0 and n_t > n_in:
+                cause += ": the targets hold several labels per prediction (sequence targets not flattened, or a " \
+                         "reshape that merged samples into one row)"
+                fix = ("Flatten predictions and targets alike (loss_fn(logits.view(-1, C), y.view(-1))), or flatten "
+                       "the input keeping the batch: x.view(x.size(0), -1).")
+            else:
+                fix = ("Give the loss one prediction per target: check the reshape before the model's first Linear "
+                       "(x.view(x.size(0), -1)), and that the targets come from the same batch.")
+            return "loss", cause, fix, {"input_batch": n_in, "target_batch": n_t}
+        return None
 
     def _channels(self, text: str, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """A convolution got another number of channels than it has: often an (H, W, C) image."""
