@@ -2325,3 +2325,28 @@ def test_a_feedback_matrix_kept_as_a_parameter_with_zero_gradients_is_decayed(as
         return
     (f,) = g.findings
     assert (f.kind, f.where, f.step) == ("weight-decay-without-grad", "0.fb", 0)
+
+
+def test_a_layer_appended_after_the_per_layer_optimizers_is_missing_from_the_start():
+    """Forward-forward under a global guard: each layer is called on its own (a root of its own), with one optimizer
+    per layer built before the last layer was appended. The last layer is called from the first iteration on, after
+    the first look within that step: it was told as 'a model that appeared mid-run' with a teacher's fix."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 12), torch.randint(0, 4, (64,))
+    layers = nn.ModuleList([nn.Linear(12, 16), nn.Linear(16, 16)])
+    opts = [torch.optim.Adam(layer.parameters(), lr=0.03) for layer in layers]
+    layers.append(nn.Linear(16, 16))  # the bug: after the optimizers were built
+    with guard(live=False) as g:
+        for _ in range(24):
+            h = x
+            for k, layer in enumerate(layers):
+                loss = F.softplus(2.0 - F.relu(layer(h)).pow(2).mean(1)).mean()
+                if k < len(opts):
+                    opts[k].zero_grad()
+                loss.backward()
+                if k < len(opts):
+                    opts[k].step()
+                with torch.no_grad():
+                    h = F.relu(layer(h))
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f.step == 0 and "mid-run" not in f.message and "teacher" not in f.hint

@@ -423,6 +423,13 @@ class OptimizerParams(Check):
             later = self._looked_before
             if later and self._told_disconnected(missing) is not None:
                 later, step = False, self._told_disconnected(missing)  # missing from their first backward
+            first_look = self._first_look[0] if self._first_look is not None else 0
+            if later and not any(n in self._moved for n in missing) and all(
+                    named[n].grad is not None for n in missing) and min(
+                    named[n].grad._version for n in missing) + 1 >= step - first_look:
+                # their gradients have piled up at every step since the first look: called from the start, only
+                # after that look within its step (a global guard's per-layer roots: forward-forward's last layer)
+                later, step = False, first_look
             if later and self._first_look is not None and all(
                     id(named[n]) in self._first_look[1] for n in missing):
                 # there and trainable since the first look (co-teaching's second network, its optimizer built over
