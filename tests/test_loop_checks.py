@@ -1813,7 +1813,7 @@ def test_a_dict_cache_written_in_forward_is_traced_to_that_write():
     f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
     assert f.where.startswith("model.cache[")
     assert _line_text(f.source).strip().startswith("self.cache[sid] = d")
-    assert "`self.cache[idx] = z.detach()`" in f.hint
+    assert "`self.cache[sid] = d.detach()`" in f.hint  # the key and the value as the writing line names them
     # each entry holds one step's graph: said as such (not "the autograd graphs of 1 steps")
     assert f"carry the autograd graph of step {f.step} (" in f.message and "1 steps" not in f.message
 
@@ -1892,7 +1892,7 @@ def test_a_bank_written_row_by_row_without_detach_gets_the_row_write_fix():
             opt.step()
     f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
     assert f.where == "m.cache" and f.source.endswith(f"test_loop_checks.py:{Cached.forward.__code__.co_firstlineno + 2}")
-    assert "`self.cache[idx] = z.detach()`" in f.hint
+    assert "`self.cache[i] = e.detach()`" in f.hint
 
 
 def test_a_matrix_of_evaluation_losses_is_named_by_its_outer_list():
@@ -2666,6 +2666,31 @@ def test_a_layer_differentiated_around_in_latent_inference_is_no_evaluation(how,
 def test_an_evaluation_beside_latent_inference_is_still_told():
     g = _predictive_coding("grad", evaluate=True)
     assert kinds(g) == ["eval-without-no-grad"]
+
+
+def test_a_hook_statistic_kept_in_a_dict_gets_the_entry_write_fix():
+    """K-FAC's running input covariance written from a forward hook, `A[m] = ...` without detach: the fix writes
+    the dict entry, not `A.append(...)`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    A = {}
+
+    def stat(m, inp, out):
+        a = inp[0]
+        A[m] = a.t() @ a / len(a) if m not in A else 0.95 * A[m] + 0.05 * (a.t() @ a / len(a))
+
+    for m in model:
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(stat)
+    with guard(model, opt, live=False) as g:
+        for _ in range(20):
+            loss = model(torch.randn(16, 6)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
+    assert "`A[m] = z.detach()`" in f.hint and ".append(" not in f.hint
 
 
 def test_outputs_kept_in_a_list_get_the_fix_with_the_appended_variable():

@@ -730,16 +730,19 @@ class LossGraph(Check):
                 details["held_shapes"] = shapes
                 message = (f"`{name}` ({src}) holds tensors ({', '.join(shapes)}) that carry {span}{nodes} graph "
                            f"nodes{mem}): features kept across steps without .detach()")
-                if name.endswith("[...]"):
+                slot = re.search(re.escape(said_bare.rsplit(".", 1)[-1]) + r"\s*\[([^\]]*)\]\s*=(?!=)",
+                                 _line_at(src)) if src else None
+                if slot is not None:
+                    # rows written in place (`self.cache[i] = e`, a memory bank slot, a dict entry `A[m] = ...` of a
+                    # hook's statistics): what is written must be detached
+                    value = re.match(r"\s*([A-Za-z_][\w.]*)\s*(?:#.*)?$", _line_at(src)[slot.end():])
+                    store = (f"Write detached values: `{said_bare}[{slot.group(1).strip() or 'idx'}] = "
+                             f"{value.group(1) if value else 'z'}.detach()`")
+                elif name.endswith("[...]"):
                     # the appended variable as the line names it (`all_outputs.append(outputs)`), else `z`
                     arg = re.search(re.escape(said_bare.rsplit(".", 1)[-1]) + r"\.append\(\s*([A-Za-z_][\w.]*)\s*\)",
                                     _line_at(src)) if src else None
                     store = f"Store detached values: `{said}.append({arg.group(1) if arg else 'z'}.detach())`"
-                elif src and re.search(re.escape(said_bare.rsplit(".", 1)[-1]) + r"\s*\[[^\]]*\]\s*=(?!=)",
-                                       _line_at(src)):
-                    # rows written in place (`self.cache[i] = e`, a memory bank slot, a dict cache entry): what is
-                    # written must be detached
-                    store = f"Write detached values: `{said_bare}[idx] = z.detach()`"
                 elif type(ts[0].grad_fn).__name__ in ("AddBackward0", "LerpBackward0", "LerpBackward1"):
                     # updated from itself (a running statistic, an EMA): the new value's part must be detached
                     store = ("Detach what enters it, as a running average does: `running = momentum * running + "
