@@ -1385,3 +1385,30 @@ def test_a_bare_squeeze_on_a_batch_of_one_is_named():
                 opt.step()
     (f,) = _explained(g)
     assert f.step == 2 and f.details["batch_of_one"] is True and "squeeze(-1)" in f.hint
+
+
+def test_adam_state_after_columns_were_added_names_the_variable_and_the_columns():
+    """A sparse autoencoder's dictionary doubled mid-run by replacing `.data` (plain parameters, no module): the
+    moments keep the old width. Named by the variable, told as columns added, not as resize_token_embeddings."""
+    torch.manual_seed(0)
+    W_enc, b_enc = nn.Parameter(torch.randn(8, 16) * 0.1), nn.Parameter(torch.zeros(16))
+    W_dec = nn.Parameter(torch.randn(16, 8) * 0.1)
+    opt = torch.optim.Adam([W_enc, b_enc, W_dec], lr=1e-3)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(None, opt, live=False) as g:
+            for step in range(6):
+                x = torch.randn(32, 8)
+                f = torch.relu(x @ W_enc + b_enc)
+                loss = (f @ W_dec - x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if step == 2:
+                    del f, loss  # no graph over the old shapes left (else backward fails first)
+                    with torch.no_grad():
+                        W_enc.data = torch.cat([W_enc.data, torch.randn(8, 16) * 0.1], 1)
+                        b_enc.data = torch.cat([b_enc.data, torch.zeros(16)])
+                        W_dec.data = torch.cat([W_dec.data, torch.randn(16, 8) * 0.1])
+    (f,) = _explained(g)
+    assert f.where == "W_enc" and f.details["columns_changed"] is True
+    assert "resize_token_embeddings" not in f.message and "dim=1" in f.hint and "W_enc" in _notes(ei.value)

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from .._frames import frame_locals, is_skipped, short_path
+from .._frames import frame_locals, is_skipped, short_path, variable_naming
 from ..hooks import eager
 from .base import Check
 from ._graphs import Budget, graph_holders, may_hold_graph, walk
@@ -354,6 +354,21 @@ def _requested_bytes(text: str) -> Optional[int]:
     except (ValueError, KeyError):
         return None
 
+
+
+def _traceback_variable(exc: BaseException, obj: Any) -> Optional[str]:
+    """The name of a variable of the user's code, in a frame of `exc`'s traceback (its locals, then its module's
+    globals), whose value is `obj`: an uncaught error reaches a global guard with no user frame on the stack."""
+    tb = exc.__traceback__
+    while tb is not None:
+        f = tb.tb_frame
+        if not is_skipped(f.f_code.co_filename):
+            for scope in (frame_locals(f), f.f_globals):
+                for k, v in scope.items():
+                    if v is obj and not k.startswith("_"):
+                        return k
+        tb = tb.tb_next
+    return None
 
 class ExplainErrors(Check):
     name = "explain"
@@ -1026,6 +1041,8 @@ class ExplainErrors(Check):
                 if key not in _FULL_STATES or not isinstance(v, torch.Tensor) or not v.dim():
                     continue
                 name = self.g.param_name(p)
+                if name.startswith("param_groups["):  # in no model: the user's variable names it better (`W_enc`)
+                    name = variable_naming(p) or _traceback_variable(exc, p) or name
                 details = {"optimizer": oname, "state": key, "state_shape": list(v.shape),
                            "param_shape": list(p.shape)}
                 if sized and v.shape != p.shape:
@@ -1055,6 +1072,17 @@ class ExplainErrors(Check):
                                f"torch.zeros_like(new_rows)]) when adding rows, under the new parameter (or del "
                                f"optimizer.state[param] to restart its moments).")
                         return name, cause, fix, {**details, "rows_changed": True}
+                    if v.dim() == p.dim() and v.shape[0] == p.shape[0]:
+                        # columns added or removed (a sparse autoencoder's dictionary grown, a layer widened)
+                        cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) no longer matches the "
+                                 f"parameter ({list(p.shape)}): its columns were added or removed after {oname} "
+                                 f"made its state (a dictionary grown, a layer widened, its .data replaced), and "
+                                 f"the moments were not")
+                        fix = (f"Build a new optimizer after resizing, or change the moments with the parameter: for "
+                               f"each state tensor of `{name}`, torch.cat([state[k], torch.zeros_like(new_columns)], "
+                               f"dim=1) when adding columns (state[k][:, keep] when removing them), or del "
+                               f"optimizer.state[param] to restart its moments.")
+                        return name, cause, fix, {**details, "columns_changed": True}
                     cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) no longer matches the "
                              f"parameter ({list(p.shape)}): it was resized after {oname} made its state "
                              f"(model.resize_token_embeddings(...) after training started, or its .data replaced "
