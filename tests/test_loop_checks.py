@@ -2710,3 +2710,27 @@ def test_outputs_kept_in_a_list_get_the_fix_with_the_appended_variable():
             all_outputs.append(outputs)
     f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
     assert f.where == "all_outputs" and "`all_outputs.append(outputs.detach())`" in f.hint
+
+
+def test_a_state_carried_by_a_rebinding_is_named_at_that_line():
+    """A latent warm-started from the last batch's result: `h_prev = h` at the loop's end, fed back as
+    `h = 0.5 * h_prev + ...`, kept alive by retain_graph=True. The carried variable is `h_prev`, and the fix detaches
+    it where it is carried over."""
+    torch.manual_seed(0)
+    enc = nn.Linear(4, 8)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.01)
+    x, t = torch.randn(16, 4), torch.randn(16, 8)
+    with guard(enc, opt, live=False) as g:
+        h_prev = torch.zeros(16, 8)
+        for _ in range(12):
+            h = 0.5 * h_prev + 0.5 * enc(x)
+            for _ in range(3):
+                h = h - 0.1 * (h - t)
+            loss = ((h - t) ** 2).mean()
+            opt.zero_grad()
+            loss.backward(retain_graph=True)
+            opt.step()
+            h_prev = h
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
+    assert f.where == "h_prev" and f.details["carried"] is True and f.details["carried_from"] == "h"
+    assert "`h_prev = h.detach()`" in f.hint and _line_text(f.source).strip() == "h_prev = h"

@@ -199,6 +199,27 @@ def _search(filename: str, lo: int, hi: int, target: str, only: Optional[Set[int
     return best
 
 
+def _carry_over(holders: list) -> Optional[Tuple[Any, str, str]]:
+    """(holder, the variable it is copied from, the copying line) when another holder is bound to the first one by
+    a plain `b = a` in its function (`h_prev = h`, fed back as `h = 0.5 * h_prev + ...`): that is the state
+    carried into the next iteration, and the line is where it should be detached."""
+    a_name, frame = holders[0][0], holders[0][1]
+    if not re.fullmatch(r"[A-Za-z_]\w*", a_name):
+        return None
+    code = frame.f_code
+    lo, hi = _code_range(code)
+    lines = linecache.getlines(code.co_filename)
+    for h in holders[1:]:
+        b_name = h[0]
+        if not re.fullmatch(r"[A-Za-z_]\w*", b_name):
+            continue
+        rebind = re.compile(r"^\s*" + re.escape(b_name) + r"\s*=\s*" + re.escape(a_name) + r"\s*(#.*)?$")
+        for no in range(max(lo, 1), min(hi, len(lines)) + 1):
+            if rebind.match(lines[no - 1]):
+                return h, a_name, f"{short_path(code.co_filename)}:{no}"
+    return None
+
+
 def _code_range(code: types.CodeType) -> Tuple[int, int]:
     lines = [ln for _, _, ln in code.co_lines() if ln is not None]
     return code.co_firstlineno, max(lines) if lines else code.co_firstlineno
@@ -689,6 +710,10 @@ class LossGraph(Check):
         scan_ms = (time.perf_counter() - t0) * 1e3
         details: Dict[str, Any] = {"steps_alive": len(old), "since_step": since, "detected_at_step": step,
                                    "scan_ms": round(scan_ms, 2)}
+        carry = _carry_over(holders) if len(holders) > 1 else None
+        if carry is not None:
+            holders = [carry[0]] + [h for h in holders if h is not carry[0]]
+            carried = True
         if holders:
             name, frame, steps, ts = holders[0]
             roots = {self.g.path_of(m): m for m in self.g.roots}
@@ -755,10 +780,14 @@ class LossGraph(Check):
                 # reached through this step's own graph: a state the loop feeds back (`T = model(T)`), whose
                 # backward(retain_graph=True) hid "Trying to backward through the graph a second time"
                 details["carried"] = True
+                if carry is not None:  # `h_prev = h`: detached where it is carried over
+                    src = carry[2]
+                    details["holder_source"], details["carried_from"] = src, carry[1]
                 message = (f"`{name}` ({src}) is carried from one iteration into the next still attached to the "
                            f"graph: it holds {span}{nodes} graph nodes{mem}), and every backward(retain_graph=True) "
                            f"goes through all of them again")
-                hint = (f"Detach the carried state once per iteration, `{said} = {said}.detach()` before it is used "
+                said = f"{said} = {carry[1]}.detach()" if carry is not None else f"{said} = {said}.detach()"
+                hint = (f"Detach the carried state once per iteration, `{said}` before it is used "
                         f"again (truncated backpropagation through time), and drop retain_graph=True: it only hid "
                         f"the error the second backward through the old steps would raise.")
             others = [h[0] for h in holders[1:4] if h[0] != name]
