@@ -2276,57 +2276,6 @@ def test_a_probe_optimizer_built_over_the_base_names_the_probe_missing_since_its
     assert "mid-run" not in told[1].message and "no optimizer" in told[1].message
 
 
-class _FeedbackAlignment(torch.autograd.Function):
-    """y = x @ w.T + b, back-propagated through a fixed random matrix B (feedback alignment); B's own gradient is
-    returned as zeros."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, fb):
-        ctx.save_for_backward(x, fb)
-        return x @ w.t() + b
-
-    @staticmethod
-    def backward(ctx, go):
-        x, fb = ctx.saved_tensors
-        return go @ fb, go.t() @ x, go.sum(0), torch.zeros_like(fb)
-
-
-class _FALinear(nn.Module):
-    def __init__(self, i, o, as_buffer):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(o, i) / i ** 0.5)
-        self.bias = nn.Parameter(torch.zeros(o))
-        fb = torch.randn(o, i) / i ** 0.5
-        if as_buffer:
-            self.register_buffer("fb", fb)
-        else:
-            self.fb = nn.Parameter(fb)  # the bug: AdamW's decay shrinks the "fixed" feedback matrix
-
-    def forward(self, x):
-        return _FeedbackAlignment.apply(x, self.weight, self.bias, self.fb)
-
-
-@pytest.mark.parametrize("as_buffer", [False, True])
-def test_a_feedback_matrix_kept_as_a_parameter_with_zero_gradients_is_decayed(as_buffer):
-    """Its layer's weight and bias train, so the layer is no whole zero layer; but every element of a matrix's
-    gradient exactly 0 from the first step on is no cancellation."""
-    torch.manual_seed(0)
-    model = nn.Sequential(_FALinear(6, 16, as_buffer), nn.Tanh(), nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    x, y = torch.randn(32, 6), torch.randn(32, 1)
-    with guard(model, opt, live=False) as g:
-        for _ in range(40):
-            loss = F.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    if as_buffer:
-        assert g.findings == []
-        return
-    (f,) = g.findings
-    assert (f.kind, f.where, f.step) == ("weight-decay-without-grad", "0.fb", 0)
-
-
 def test_a_layer_appended_after_the_per_layer_optimizers_is_missing_from_the_start():
     """Forward-forward under a global guard: each layer is called on its own (a root of its own), with one optimizer
     per layer built before the last layer was appended. The last layer is called from the first iteration on, after

@@ -341,16 +341,9 @@ class WeightDecayWithoutGrad(Check):
         output bias when residual signs balance), and so is a lone bias."""
         zero_ids = {id(cands[k][0]) for k in zeros}
         layers: Dict[str, List[torch.Tensor]] = {}
-        out = set()
         for p, *_ in cands:
-            name = self.g.param_name(p)
-            layers.setdefault(name.rpartition(".")[0], []).append(p)
-            # a matrix (2-d or more), or a tensor of no module (named by its place in the optimizer), whose every
-            # element is exactly 0 step after step is no cancellation either (a feedback-alignment matrix kept as
-            # an nn.Parameter, whose custom backward returns zeros for it, beside a weight and bias that train)
-            if id(p) in zero_ids and p.numel() > 1 and (p.dim() >= 2 or name.startswith("param_groups[")
-                                                        or "." not in name):
-                out.add(id(p))
+            layers.setdefault(self.g.param_name(p).rpartition(".")[0], []).append(p)
+        out = set()
         for ps in layers.values():
             if all(id(p) in zero_ids for p in ps) and (len(ps) >= 2 or ps[0].numel() > 1):
                 out.update(id(p) for p in ps)
