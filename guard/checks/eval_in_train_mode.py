@@ -83,10 +83,14 @@ def _recalibrating(m: nn.Module) -> bool:
 
 
 def _sample(module) -> list:
-    """A few values of (up to 4 of) a module's parameters, to tell later whether they changed: compared by value,
-    since an EMA written through `.data` (`t.data.mul_(m).add_(...)`) leaves the version counters as they were."""
+    """A few values of (up to 4 of) a frozen module's parameters, to tell later whether they changed: compared by
+    value, since an EMA written through `.data` (`t.data.mul_(m).add_(...)`) leaves the version counters as they
+    were. Empty for a module that trains (or whose parameters cannot be read so: sparse, meta)."""
+    params = [p for _, p in zip(range(4), module.parameters())]
+    if not params or any(p.requires_grad or p.layout is not torch.strided or p.is_meta for p in params):
+        return []
     with torch.no_grad():
-        return [(p, p.detach().reshape(-1)[:16].clone()) for _, p in zip(range(4), module.parameters())]
+        return [(p, p.detach().reshape(-1)[:16].clone()) for p in params]
 
 
 def _frozen_still(module, sample: list) -> bool:
@@ -94,7 +98,7 @@ def _frozen_still(module, sample: list) -> bool:
     taken: a frozen feature extractor or teacher, whose train mode at every step no training algorithm needs (a
     BYOL/MoCo or mean-teacher target, updated by its EMA, moves)."""
     params = list(module.parameters())
-    if not params or any(p.requires_grad for p in params):
+    if not sample or not params or any(p.requires_grad for p in params):
         return False
     with torch.no_grad():
         return all(torch.equal(p.detach().reshape(-1)[:16], old) for p, old in sample)
