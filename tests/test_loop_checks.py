@@ -2734,3 +2734,25 @@ def test_a_state_carried_by_a_rebinding_is_named_at_that_line():
     f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
     assert f.where == "h_prev" and f.details["carried"] is True and f.details["carried_from"] == "h"
     assert "`h_prev = h.detach()`" in f.hint and _line_text(f.source).strip() == "h_prev = h"
+
+
+def test_unused_forwards_from_two_lines_are_both_said_in_the_message():
+    """A validation forward with grad on at one line and sharpness probes at another: the message counts the first
+    line's forwards and says the other line's too (they were only in `details.sources`)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    with guard(model, opt, live=False) as g:
+        for step in range(6):
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 3:
+                for _ in range(3):
+                    val = F.mse_loss(model(x), y).item()  # validation without no_grad
+                for _ in range(4):
+                    probe = F.mse_loss(model(x + 0.01 * torch.randn_like(x)), y).item()  # sharpness probes
+    (f,) = [f for f in g.findings if f.kind == "eval-without-no-grad"]
+    assert len(f.details["sources"]) == 2 and f.message.startswith("3 forward passes") and "; also 4 at " in f.message

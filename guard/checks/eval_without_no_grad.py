@@ -473,6 +473,9 @@ class EvalWithoutNoGrad(Check):
                        f"torch.no_grad() {waste}{mem}")
             hint = ("Run evaluation under `with torch.no_grad():` (or `torch.inference_mode()`), and call "
                     "model.eval() first; this saves the activation memory and time.")
+        more = [(src, k) for src, k in by_source.items() if src != first.source]
+        if more:  # the model's other lines with unused forwards: said, not only listed in details.sources
+            message += "; also " + ", ".join(f"{k} at {src}" for src, k in more[:3]) + (" ..." if len(more) > 3 else "")
         # dropped graphs are told once they recur: from the step of the first of them
         step = min(first.step, self._drop_first.get((first.path, first.source), first.step)) if dropped else first.step
         self.emit("eval-without-no-grad", first.path, message, hint, step=step, source=first.source,
