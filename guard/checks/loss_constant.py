@@ -163,28 +163,25 @@ class LossConstant(Check):
                                             for p, old in self._weights)
 
     def _emit_plateau(self, loss: float) -> None:
+        lead = f"the loss has been exactly {loss!r} for {self._same} steps (since step {self._same_from}), and so have"
         if not self._weights_moved():
-            self.emit("loss-constant", "loss",
-                      f"the loss has been exactly {loss!r} for {self._same} steps (since step {self._same_from}), and "
-                      f"so have the model's outputs and its weights, while the gradients are not zero: nothing "
-                      f"updates the weights",
-                      "Make the update happen: optimizer.step() with its parentheses (`optimizer.step` only names the "
-                      "method), and an update by hand that writes into the parameter (`p -= lr * p.grad` under "
-                      "torch.no_grad()), not one that re-binds the loop variable (`p = p - lr * p.grad` leaves the "
-                      "model as it was).",
-                      step=self._same_from, source=self.g.source(),
-                      details={"loss": loss, "steps": self._same, "why": "identical loss, outputs and weights"})
-            return
-        self.emit("loss-constant", "loss",
-                  f"the loss has been exactly {loss!r} for {self._same} steps (since step {self._same_from}), and so "
-                  f"have the model's outputs, while the gradients are not zero and the optimizer updates the weights: "
-                  f"the forward is piecewise constant in them (spiking units, sign or rounding, trained through a "
-                  f"surrogate or straight-through gradient) and no unit crosses its threshold",
-                  "Make units reach their threshold: scale up the last layers' initialisation or lower the firing "
-                  "threshold (output neurons that never spike give all-zero counts, a uniform prediction), raise "
-                  "the learning rate of the latent weights, or add a firing-rate term to the loss.",
-                  step=self._same_from, source=self.g.source(),
-                  details={"loss": loss, "steps": self._same, "why": "identical loss and outputs"})
+            message = (f"{lead} the model's outputs and its weights, while the gradients are not zero: nothing "
+                       f"updates the weights")
+            hint = ("Make the update happen: optimizer.step() with its parentheses (`optimizer.step` only names the "
+                    "method), and an update by hand that writes into the parameter (`p -= lr * p.grad` under "
+                    "torch.no_grad()), not one that re-binds the loop variable (`p = p - lr * p.grad` leaves the "
+                    "model as it was).")
+            why = "identical loss, outputs and weights"
+        else:
+            message = (f"{lead} the model's outputs, while the gradients are not zero and the optimizer updates the "
+                       f"weights: the forward is piecewise constant in them (spiking units, sign or rounding, trained "
+                       f"through a surrogate or straight-through gradient) and no unit crosses its threshold")
+            hint = ("Make units reach their threshold: scale up the last layers' initialisation or lower the firing "
+                    "threshold (output neurons that never spike give all-zero counts, a uniform prediction), raise "
+                    "the learning rate of the latent weights, or add a firing-rate term to the loss.")
+            why = "identical loss and outputs"
+        self.emit("loss-constant", "loss", message, hint, step=self._same_from, source=self.g.source(),
+                  details={"loss": loss, "steps": self._same, "why": why})
 
     def on_cross_entropy(self, args, kwargs):
         if self._done:

@@ -421,8 +421,9 @@ class OptimizerParams(Check):
         if missing:
             self._told.update(missing)
             later = self._looked_before
-            if later and self._told_disconnected(missing) is not None:
-                later, step = False, self._told_disconnected(missing)  # missing from their first backward
+            told = self._told_disconnected(missing) if later else None
+            if told is not None:
+                later, step = False, told  # missing from their first backward
             first_look = self._first_look[0] if self._first_look is not None else 0
             if later and not any(n in self._moved for n in missing) and all(
                     named[n].grad is not None for n in missing) and min(
