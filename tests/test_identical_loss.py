@@ -127,6 +127,39 @@ def test_a_distance_between_the_prediction_and_itself_is_a_constant_loss():
         assert _regress(target).findings == []
 
 
+def _fedprox(reference):
+    torch.manual_seed(0)
+    server = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    with guard(live=False) as g:
+        for _ in range(2):
+            model = copy.deepcopy(server)
+            ref = reference(model, server)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for _ in range(3):
+                opt.zero_grad()
+                prox = sum(F.mse_loss(w, r, reduction="sum") for w, r in zip(model.parameters(), ref))
+                (F.cross_entropy(model(x), y) + 0.5 * prox).backward()
+                opt.step()
+            server.load_state_dict(model.state_dict())
+    return g
+
+
+def test_a_reference_that_aliases_the_parameters_is_told_as_a_term_that_does_nothing():
+    """FedProx with the anchor taken from the local copy (`list(model.parameters())`): the proximal term compares each
+    parameter with itself. Only that term is 0 (cross-entropy still trains): not "the model cannot learn", and the fix
+    is a detached clone of the server's weights."""
+    g = _fedprox(lambda model, server: list(model.parameters()))
+    [f] = [f for f in g.findings if f.kind == "loss-constant"]
+    assert (f.severity, f.where, f.step) == ("error", "loss", 0) and f.details["anchor"] is True
+    assert "compared with itself, so this term is identically 0" in f.message and "cannot learn" not in f.message
+    assert "p.detach().clone() for p in global_model.parameters()" in f.hint
+    assert not [f for f in g.findings if f.severity != "info" and f.kind != "loss-constant"], g.findings
+    # the anchor as a detached clone of the server's weights: silent
+    g = _fedprox(lambda model, server: [p.detach().clone() for p in server.parameters()])
+    assert [f for f in g.findings if f.severity != "info"] == []
+
+
 def test_a_loss_frozen_by_gradients_piling_up_is_told_as_the_missing_zero_grad_only():
     """No zero_grad(): the piled-up gradients drive a rate parameter's log to -inf, the loss freezes at a value while
     the (stale) gradient norm stays large. The cause is the missing zero_grad(), told once; no loss-constant hint

@@ -189,6 +189,36 @@ def test_model_in_eval_mode_from_the_start_is_reported_at_step_0():
     assert f.details["modules"] == ["1"]
 
 
+def test_copy_of_a_model_in_eval_mode_is_told_as_a_copy():
+    # FedAvg: each round's clients train copy.deepcopy(server) after the server's evaluation put it in eval mode; the
+    # copies never get .train(): not "in eval mode when guard started" (they did not exist), but a copy's mode
+    torch.manual_seed(0)
+    server = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 2))
+    x, y = torch.randn(32, 6), torch.randint(0, 2, (32,))
+    with guard(checks=["train-in-eval-mode"], live=False) as g:
+        for rnd in range(3):
+            states = []
+            for _ in range(2):
+                client = copy.deepcopy(server)
+                opt = torch.optim.SGD(client.parameters(), lr=0.05)
+                for _ in range(3):
+                    opt.zero_grad()
+                    F.cross_entropy(client(x), y).backward()
+                    opt.step()
+                states.append(client.state_dict())
+            server.load_state_dict({k: torch.stack([s[k].float() for s in states]).mean(0).to(states[0][k].dtype)
+                                    for k in states[0]})
+            server.eval()  # the server's evaluation
+            with torch.no_grad():
+                server(x)
+    [f] = g.findings
+    assert f.kind == "train-in-eval-mode" and f.step == 6  # the first copy made after server.eval()
+    assert "in eval mode from its first call (step 6)" in f.message and "when guard started" not in f.message
+    src = line_of(test_copy_of_a_model_in_eval_mode_is_told_as_a_copy, "server.eval()  # the server's")
+    assert f.details["copied_from"]["eval_source"].endswith(src.rpartition(":")[2]) and src in f.message
+    assert "copy.deepcopy(global_model); model.train()" in f.hint
+
+
 def test_train_in_eval_mode_in_global_mode():
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

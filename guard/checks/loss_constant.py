@@ -220,12 +220,32 @@ class LossConstant(Check):
         shape = list(x.shape)
         same = "the same tensor" if t is x else "a view of the same data (the input's .detach() or a copy-free view)"
         why = f"{fn}(input, target) was given {same} as input and target"
+        if x.grad_fn is None:  # a leaf: a parameter pulled toward an anchor that is itself
+            self._anchor(fn, x, shape, why)
+            return
         self.emit("loss-constant", "loss",
                   f"{why} (shape {shape}): a tensor compared with itself is identically 0, and so is every gradient: "
                   f"the model cannot learn",
                   f"Pass the target as the second argument: F.{fn}(pred, y) (or the loss module's loss_fn(pred, y)), "
                   f"with y the labels or values the model should predict, not its own output.",
                   source=self.g.source(), details={"loss": fn, "input_shape": shape, "why": f"{fn} of a tensor and itself"})
+
+
+    def _anchor(self, fn: str, x: torch.Tensor, shape: list, why: str) -> None:
+        """`mse_loss(w, anchor)` with the anchor holding `w` itself: a regulariser toward reference weights (a FedProx
+        proximal term, L2-SP, EWC) whose reference aliases the parameters. That term is 0; the rest of the loss trains."""
+        name = self.g.param_name(x)
+        self.emit("loss-constant", "loss",
+                  f"{why} (shape {shape}): the parameter {name} is compared with itself, so this term is identically 0 "
+                  f"and adds no gradient: a pull toward reference weights (a FedProx proximal term, L2-SP, EWC) whose "
+                  f"reference is the parameter itself does nothing, and the rest of the loss trains as if it were absent",
+                  "Take the reference as a copy before training changes the weights: "
+                  "`ref = [p.detach().clone() for p in global_model.parameters()]` (the server's or pretrained weights, "
+                  "not `list(model.parameters())`, which holds the very parameters being trained), then "
+                  f"F.{fn}(p, r) over zip(model.parameters(), ref).",
+                  source=self.g.source(),
+                  details={"loss": fn, "input_shape": shape, "parameter": name, "anchor": True,
+                           "why": f"{fn} of a parameter and itself"})
 
 
 add_call_handlers(LossConstant, "shape_", _DISTANCES, "_itself")

@@ -178,14 +178,42 @@ class TrainInEvalMode(Check):
             effects.append("dropout is off (no regularisation)")
         if any("Norm" in t for t in types):
             effects.append("BatchNorm normalises with its frozen running statistics and stops updating them")
-        where_eval = (f"{path}.eval() was called at {eval_src} (before step {since})" if eval_src
-                      else f"{path} was already in eval mode when guard started" if since is not None
-                      else f"{path} is in eval mode")
+        hint = ("Call model.train() at the start of every training epoch (after validation, which calls "
+                "model.eval()). If training in eval mode is deliberate, set `model.guard_eval_mode_ok = True`.")
+        copied = None
+        if eval_src:
+            where_eval = f"{path}.eval() was called at {eval_src} (before step {since})"
+        elif since:
+            # first called mid-run, already in eval mode: made during the run, most often as a copy of a model in eval
+            # mode (copy.deepcopy keeps the mode), e.g. a federated client's copy of the server model after its evaluation
+            copied = self._copied_from(model)
+            where_eval = f"{path} was in eval mode from its first call (step {since})"
+            if copied is not None:
+                where_eval += (f", made during the run like a copy of {copied[0]}, which was put in eval mode at "
+                               f"{copied[1]} (copy.deepcopy keeps the mode of what it copies)")
+                hint = ("Call .train() on the copy before training it (`model = copy.deepcopy(global_model); "
+                        "model.train()`): a copy of a model in eval mode is in eval mode. If training in eval mode is "
+                        "deliberate, set `model.guard_eval_mode_ok = True`.")
+        elif since is not None:
+            where_eval = f"{path} was already in eval mode when guard started"
+        else:
+            where_eval = f"{path} is in eval mode"
         message = (f"optimizer step {step} trains {path} in eval mode: {where_eval} and no {path}.train() "
                    f"followed before the training forward ({call_src}); {len(off)} module(s) act as in "
                    f"evaluation: {shown}{more}; {' and '.join(effects)}")
-        hint = ("Call model.train() at the start of every training epoch (after validation, which calls "
-                "model.eval()). If training in eval mode is deliberate, set `model.guard_eval_mode_ok = True`.")
-        self.emit("train-in-eval-mode", path, message, hint, step=step, source=eval_src or call_src,
-                  details={"eval_step": since, "eval_source": eval_src, "forward_source": call_src,
-                           "modules": [n for n, _ in off[:20]], "types": types[:20], "count": len(off)})
+        details = {"eval_step": since, "eval_source": eval_src, "forward_source": call_src,
+                   "modules": [n for n, _ in off[:20]], "types": types[:20], "count": len(off)}
+        if copied is not None:
+            details["copied_from"] = {"model": copied[0], "eval_source": copied[1]}
+        self.emit("train-in-eval-mode", path, message, hint, step=step, source=eval_src or call_src, details=details)
+
+    def _copied_from(self, model: nn.Module) -> Optional[Tuple[str, str]]:
+        """(path, line of its .eval()) of a model of the same class and parameter shapes put in eval mode by a call
+        the check saw: what `model`, first called in eval mode mid-run, was most likely copied from."""
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        for other, (_, src) in list(self._eval_at.items()):
+            if other is model or src is None or type(other) is not type(model):
+                continue
+            if [tuple(p.shape) for p in other.parameters()] == shapes:
+                return self.g.path_of(other), src
+        return None
