@@ -4,6 +4,9 @@
 # step times drift by 10-20%). Only the measured steps are counted (import and setup run uninstrumented).
 #   bash benchmarks/instructions.sh deep-mlp unguarded default every10 all   [STEPS=20]
 #   bash benchmarks/instructions.sh lightning unguarded default             (also hf-trainer: a whole fit's steps)
+#   WARM=2100 STEPS=200 bash benchmarks/instructions.sh tiny-mlp unguarded default   (the steady state: the count
+#   starts after WARM steps, 4 by default, so that a run's first steps and their looks are left out)
+#   bash benchmarks/instructions.sh tiny-mlp default checks=default,-loss-graph    (a check's marginal cost)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=$1; shift
