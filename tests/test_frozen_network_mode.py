@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -210,6 +211,28 @@ def test_a_frozen_base_run_under_no_grad_in_train_mode_at_every_step_is_told(sco
     assert f.where == ("base" if scope == "models" else "Sequential")
     assert "1 (BatchNorm1d), 3 (Dropout)" in f.message and "requires_grad_(False) does not switch modes" in f.message
     assert ".eval()" in f.hint
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_a_frozen_layer_in_a_reentrant_checkpoint_is_no_evaluation(wrap):
+    """Prompt tuning through frozen layers run with checkpoint(..., use_reentrant=True): the first pass runs under
+    no_grad (CheckpointFunction.forward), the layer is recomputed with grad in backward and the prompt's gradient flows
+    through it. Dropout on in a frozen base is model.train()'s normal behaviour: silent, also when a function of the
+    user's calls the layer inside the checkpoint."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1)).requires_grad_(False)
+    prompt = nn.Parameter(torch.randn(4, 8))
+    opt = torch.optim.SGD([prompt], lr=0.1)
+    fn = (lambda h: layer(h)) if wrap else layer
+    with guard(live=False) as g:
+        for _ in range(40):
+            h = torch.utils.checkpoint.checkpoint(fn, prompt, use_reentrant=True)
+            loss = h.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f for f in g.findings if f.severity != "info"] == []
+    assert prompt.grad is not None
 
 
 @pytest.mark.parametrize("fix", ["eval", "ema"])

@@ -72,6 +72,7 @@ _TORCH_OPTIM = os.path.dirname(os.path.abspath(torch.optim.__file__)) + os.sep  
 _GUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MODULE_FILES = (os.path.abspath(nn.modules.module.__file__),)
 _CONTEXTLIB = os.path.abspath(contextlib.__file__)
+_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "utils", "checkpoint.py")
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
@@ -121,6 +122,17 @@ def _called_by_torch() -> bool:
             f = f.f_back  # swa_utils.AveragedModel passing the call on: who called it decides
             continue
         return fn.startswith(_TORCH_OPTIM)
+    return False
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the call runs in ``torch.utils.checkpoint``'s reentrant first pass (``CheckpointFunction.forward``,
+    under no_grad by autograd): a training forward, recomputed with grad during backward, not an evaluation."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "forward" and os.path.abspath(f.f_code.co_filename) == _CHECKPOINT:
+            return True
+        f = f.f_back
     return False
 
 
@@ -418,6 +430,8 @@ class EvalInTrainMode(Check):
             return
         if _called_by_torch():
             return  # e.g. torch.optim.swa_utils.update_bn recomputes BatchNorm statistics in train mode on purpose
+        if _in_reentrant_checkpoint():
+            return  # checkpoint(frozen_layer, x, use_reentrant=True): its no_grad pass is part of the training forward
         if self._optimizer_in_eval():
             return  # schedule-free: BatchNorm statistics recomputed at the averaged weights (optimizer.eval())
         info = (self.g.step, source, [n for n, _ in training], [t for _, t in training],
