@@ -218,6 +218,31 @@ def test_second_backward_names_a_cached_attribute():
     assert "model.cache = ....detach()" in f.hint
 
 
+def test_second_backward_through_a_prompt_made_as_a_result_of_a_leaf_says_make_it_a_parameter():
+    """A soft prompt written `torch.randn(P, D, requires_grad=True) * 0.5`: a result computed once, not a leaf. The
+    second backward() fails through its freed graph; detaching it (the cache fix) would stop it from ever training."""
+    class Soft(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.prompt = torch.randn(3, 4, requires_grad=True) * 0.5
+            self.gate = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return x + self.prompt * self.gate
+
+    def run(g):
+        soft = Soft()
+        opt = torch.optim.Adam(soft.parameters(), lr=0.05)
+        for _ in range(3):
+            loss = soft(torch.randn(3, 4)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+
+    f = _second_backward(run)
+    assert f.where == "soft.prompt" and f.step == 1
+    assert "computed once from a tensor made with requires_grad=True" in f.message and "not a leaf" in f.message
+    assert f.hint.startswith("Make it an nn.Parameter where it is created") and "soft.prompt = nn.Parameter(" in f.hint
+
+
 def test_second_backward_names_a_gan_batch_shared_by_two_losses():
     G, D = nn.Linear(4, 2), nn.Linear(2, 1)
     og, od = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())

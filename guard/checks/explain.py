@@ -233,6 +233,25 @@ def _carried_at(frame: Any, scope: Dict[str, Any], name: str) -> Optional[Tuple[
     return None
 
 
+def _from_plain_leaf(ts: List[torch.Tensor]) -> bool:
+    """Whether `ts` were computed, in a few operations, from leaves made with requires_grad=True that are no
+    nn.Parameter (and from no parameter): a value meant to be trained, built as a result instead of a leaf."""
+    stack, seen, plain = [t.grad_fn for t in ts if t.grad_fn is not None], 0, False
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if node is None or seen > 16:
+            return False if seen > 16 else plain
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            if isinstance(var, nn.Parameter):
+                return False
+            plain = True
+            continue
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return plain
+
+
 def _freed_holder(exc: BaseException, newest: int) -> Optional[Tuple[str, Optional[str], str, str, str]]:
     """What attached an earlier graph to the loss of a failed backward(), as (name, where, how, the name as
     written there, the value written): a variable or attribute holding a tensor made before the last completed
@@ -276,8 +295,8 @@ def _freed_holder(exc: BaseException, newest: int) -> Optional[Tuple[str, Option
             seen = {id(node) for node in nodes}
             return sum(1 for m, fn_ids in ids.items() if m != n and fn_ids & seen)
         olds.sort(key=lambda c: -covers(*c))
-    if olds:
-        return olds[0][0], None, "", olds[0][0], ""
+    if olds:  # (its tensors in the last place: whether they were made from a plain leaf decides the fix)
+        return olds[0][0], None, "", olds[0][0], olds[0][1]
     budget = Budget(40_000)
 
     def reaches(ts: List[torch.Tensor], others: Set[int]) -> bool:
@@ -961,6 +980,15 @@ class ExplainErrors(Check):
             fix = (f"Detach it where it is kept ({kept}) or compute it again for each step; when two "
                    f"losses share it on purpose, detach it for the one that must not reach its graph (a GAN's "
                    f"D(fake.detach())), or pass retain_graph=True to the first backward().")
+            if isinstance(value, list) and _from_plain_leaf(value):
+                # `self.prompt = torch.randn(P, D, requires_grad=True) * 0.5`: meant to be trained, made once as a
+                # result of a leaf, not a leaf; detaching it would stop it from ever training
+                cause += (f"; `{name}` is computed once from a tensor made with requires_grad=True (such as "
+                          f"`torch.randn(..., requires_grad=True) * 0.5`), so it is a result, not a leaf, and no "
+                          f"optimizer updates it")
+                fix = (f"Make it an nn.Parameter where it is created, a leaf the optimizer updates: "
+                       f"{name} = nn.Parameter(torch.randn(...) * 0.5), with the scaling inside (or scale the leaf in "
+                       f"place under torch.no_grad()); if it is a constant cache, detach it instead ({kept}).")
         elif how == "sum":
             cause = (f"`{name}` adds up tensors across iterations ({line}) with their graphs: backward() on it runs "
                      f"again through the graphs of earlier iterations, which their backward() freed")
