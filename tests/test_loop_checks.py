@@ -2183,6 +2183,44 @@ def test_last_layer_retraining_of_a_frozen_model_kept_in_eval_mode_is_deliberate
     assert kinds(g) == ([] if frozen else ["train-in-eval-mode"]), g.findings
 
 
+class _LoRA(nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(2, base.in_features) * 0.1)
+        self.B = nn.Parameter(torch.zeros(base.out_features, 2))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.A.t() @ self.B.t()
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_lora_fine_tuning_left_in_eval_mode_after_validation_is_told(fixed):
+    """LoRA on a frozen network: the trained parts (A, B) sit in wrappers around frozen Linears, and a validation's
+    model.eval() is never undone. That is fine-tuning with its dropout off, not a head retrained on fixed features
+    (silent until stop 40, which took the frozen weights for deep feature reweighting's frozen backbone)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8).requires_grad_(False), nn.Dropout(0.3), _LoRA(nn.Linear(8, 8)),
+                          _LoRA(nn.Linear(8, 1)))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for step in range(16):
+            if step == 10:
+                model.eval()  # validation
+                if fixed:
+                    model.train()
+            x = torch.randn(16, 8)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if fixed:
+        assert g.findings == []
+    else:
+        [f] = g.findings
+        assert (f.kind, f.where, f.step) == ("train-in-eval-mode", "Sequential", 10) and "1 (Dropout)" in f.message
+
+
 @pytest.mark.parametrize("fixed", [False, True])
 def test_an_ema_teacher_guard_does_not_watch_updated_with_autograd_on_is_named_by_its_variable(fixed):
     """guard(student, opt): the teacher, a deep copy frozen and updated in place without torch.no_grad(), carries a

@@ -136,7 +136,7 @@ class TrainInEvalMode(Check):
     def _rest_frozen(self, model: nn.Module, owners: List[nn.Module], off: List[str]) -> bool:
         """Whether `model` is frozen but for a head retrained on its fixed features (deep feature reweighting,
         classifier re-training): every parameter outside the trained parts requires no gradient, none of the
-        trained parts acts differently in eval mode, and each layer acting as in evaluation (`off`, paths) sits
+        trained parts acts differently in eval mode or holds a frozen weight (an adapter), and each layer acting as in evaluation (`off`, paths) sits
         in the frozen part: its parent holds a frozen parameter (not a head's own Dropout). Decided again every
         64 steps."""
         hit = self._frozen_rest.data.get(id(model))
@@ -144,8 +144,11 @@ class TrainInEvalMode(Check):
             return hit[1]
         trained = {id(p) for m in owners for p in m.parameters()}
         rest = [p for p in model.parameters() if id(p) not in trained]
+        # A trained part that holds frozen weights itself (a LoRA wrapper around a frozen Linear, BitFit's trained
+        # biases beside frozen weights) adapts the network in place: that is fine-tuning, not a head retrained on
+        # fixed features, and its eval mode after a validation is the forgotten model.train()
         ok = bool(rest) and not any(p.requires_grad for p in rest) and not any(
-            isinstance(m, (_BatchNorm, _DropoutNd)) for m in owners)
+            isinstance(m, (_BatchNorm, _DropoutNd)) or not all(p.requires_grad for p in m.parameters()) for m in owners)
         for path in off if ok else ():
             try:
                 parent = model.get_submodule(path.rpartition(".")[0])
