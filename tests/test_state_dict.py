@@ -45,6 +45,41 @@ def test_module_prefix_explained_and_fix_loads():
     assert torch.equal(model.fc.weight, src.module.fc.weight)
 
 
+def test_pruning_reparametrization_on_one_side_is_named_and_its_fixes_load():
+    """torch.nn.utils.prune replaces `weight` by `weight_orig` and `weight_mask`: a pruned checkpoint loaded into a
+    plain model, or a lottery-ticket rewind loading the plain init snapshot into the pruned model. Not "another
+    architecture" with strict=False (which would leave the weights as they were): the hints, applied, load."""
+    import torch.nn.utils.prune as prune
+
+    def make():
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    pruned = make()
+    init = copy.deepcopy(pruned.state_dict())
+    for m in (pruned[0], pruned[2]):
+        prune.l1_unstructured(m, "weight", 0.5)
+    plain = make()
+    with guard(checks="all", live=False) as g:
+        with pytest.raises(RuntimeError) as ei:
+            plain.load_state_dict(pruned.state_dict())
+        assert "saved from a pruned model" in _notes(ei.value)
+        for m in (plain[0], plain[2]):
+            prune.identity(m, "weight")
+        plain.load_state_dict(pruned.state_dict())  # the fix: the same reparametrization first
+    with guard(checks="all", live=False) as g2:
+        with pytest.raises(RuntimeError):
+            pruned.load_state_dict(init)  # the rewind
+        state = pruned.state_dict()
+        state.update({(k + "_orig" if k + "_orig" in state else k): v for k, v in init.items()})
+        pruned.load_state_dict(state)
+    found = [f for f in g.findings + g2.findings if f.kind == "state-dict-mismatch"]
+    assert [f.details["pruning"]["direction"] for f in found] == ["checkpoint", "model"]
+    assert found[0].details["pruning"]["tensors"] == ["0.weight", "2.weight"] and "prune.remove" in found[0].hint
+    assert "'_orig'" in found[1].hint and "lottery-ticket" in found[1].hint
+    assert torch.equal(plain[0].weight_mask, pruned[0].weight_mask)
+    assert torch.equal(pruned[0].weight_orig, init["0.weight"]) and pruned[0].weight_mask.sum() == 24
+
+
 def test_model_wrapped_checkpoint_plain_hints_model_module():
     sd = Net().state_dict()
     dp = nn.DataParallel(Net())

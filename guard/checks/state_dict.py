@@ -70,6 +70,17 @@ def _fmt_groups(groups: List[Dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def _pruning(missing: List[str], unexpected: List[str]) -> Optional[Tuple[str, List[str]]]:
+    """torch.nn.utils.prune's reparametrization on one side only: ("checkpoint", names) when the checkpoint holds
+    ``x_orig`` and ``x_mask`` where the model has ``x``, ("model", names) for the reverse; None otherwise."""
+    for way, plain, split in (("checkpoint", missing, unexpected), ("model", unexpected, missing)):
+        have = set(split)
+        names = [k for k in plain if k + "_orig" in have and k + "_mask" in have]
+        if names and all(k in names or k[:-5] in names for k in split) and len(split) == 2 * len(names):
+            return way, names
+    return None
+
+
 def _renames(missing: List[str], unexpected: List[str]) -> List[Tuple[str, str]]:
     """Top-level modules whose keys match apart from their name (``classifier.*`` saved, ``fc.*`` expected)."""
     def suffixes(keys):
@@ -210,6 +221,7 @@ def analyse(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
         details["num_batches_tracked_only"] = True
     elif diff:
         renames = _renames(missing, unexpected)
+        pruned = _pruning(missing, unexpected)
         if missing:
             details["missing_groups"] = _group(missing, exp)
             parts.append(f"{len(missing)} key(s) the model expects are missing: {_fmt_groups(details['missing_groups'])}")
@@ -226,6 +238,25 @@ def analyse(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
                          f"instead of its state_dict")
             hints.append(f"Pass the model's part: model.load_state_dict(checkpoint[{nested!r}]) (the file also holds "
                          f"{', '.join(repr(k) for k in list(state_dict)[:4] if k != nested)}).")
+        elif pruned:
+            way, names = pruned
+            details["pruning"] = {"direction": way, "tensors": names[:50]}
+            shown = ", ".join(names[:_MAX_LIST]) + (" ..." if len(names) > _MAX_LIST else "")
+            if way == "checkpoint":
+                parts.append(f"the checkpoint was saved from a pruned model: torch.nn.utils.prune keeps "
+                             f"`<name>_orig` and `<name>_mask` in place of each pruned tensor ({shown}), and this model "
+                             f"is not pruned")
+                hints.append("Call prune.remove(module, 'weight') on each pruned module before saving (the masked "
+                             "weight becomes a plain parameter), or prune this model the same way before loading "
+                             "(prune.identity(module, 'weight') makes the weight_orig/weight_mask entries the checkpoint "
+                             "fills). strict=False would leave these weights at their initial values.")
+            else:
+                parts.append(f"this model is pruned (torch.nn.utils.prune keeps `<name>_orig` and `<name>_mask` in "
+                             f"place of {shown}) and the checkpoint holds the plain tensors")
+                hints.append("Load the plain values into `<name>_orig` and keep the masks (a lottery-ticket rewind): "
+                             "state = model.state_dict(); state.update({(k + '_orig' if k + '_orig' in state else k): v "
+                             "for k, v in checkpoint.items()}); model.load_state_dict(state). Or load before pruning. "
+                             "strict=False would leave the pruned weights as they are.")
         elif renames:
             details["renamed"] = [list(r) for r in renames]
             old, new = renames[0]
