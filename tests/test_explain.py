@@ -1377,6 +1377,31 @@ def test_bceloss_on_logits_is_told_to_use_bce_with_logits():
     assert "BCEWithLogitsLoss" in f.hint and "BCEWithLogitsLoss" in _notes(exc)
 
 
+@pytest.mark.parametrize("bug", ["no_update", "step_twice"])
+def test_a_grad_scaler_without_update_is_told_to_call_update(bug):
+    """GradScaler's record of each optimizer (unscaled, stepped) is reset only by update(): without it the next
+    iteration's unscale_() raises "unscale_() is being called after step()", and a second scaler.step() "step() has
+    already been called since the last update()", neither naming the missing call."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, opt, live=False) as g:
+            for _ in range(3):
+                opt.zero_grad()
+                scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+                if bug == "no_update":
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                if bug == "step_twice":
+                    scaler.step(opt)
+    [f] = _explained(g)
+    assert f.where == "GradScaler" and f.details["missing_update"] is True
+    assert f.details["call"] == ("unscale_" if bug == "no_update" else "step") and f.step == 1
+    assert "scaler.update()" in f.hint and "scaler.update()" in _notes(ei.value)
+
+
 def test_integer_one_hot_targets_into_cross_entropy_are_told_as_such():
     model = nn.Sequential(nn.Linear(5, 3))
     f, _ = _classifier_step(nn.CrossEntropyLoss(), torch.randn(16, 5), F.one_hot(torch.randint(0, 3, (16,)), 3),

@@ -1185,6 +1185,22 @@ class ExplainErrors(Check):
             fix = ("Use nn.BCEWithLogitsLoss (F.binary_cross_entropy_with_logits) on the logits: it applies the "
                    "sigmoid itself, in a numerically stable way; keep torch.sigmoid(logits) for predictions only.")
             return "loss", cause, fix, {"loss": "binary_cross_entropy", "logits_given": True}
+        if isinstance(exc, RuntimeError) and ("unscale_() is being called after step()" in text or
+                                              "has already been called" in text and "since the last update()" in text):
+            # the scaler's per-optimizer state (unscaled, stepped) is reset only by update(): without it, the next
+            # step's unscale_() or step() finds the last step's state
+            if "after step()" in text:
+                called, what = "unscale_", "ran after scaler.step(optimizer) with no scaler.update() in between"
+            elif text.lstrip().startswith("step()"):
+                called, what = "step", "ran twice since the last scaler.update()"
+            else:
+                called, what = "unscale_", ("ran twice since the last scaler.update(): update() is missing after "
+                                            "step(), or unscale_() is called twice in one iteration")
+            cause = f"GradScaler.{called}(optimizer) {what}; the scaler's record of each optimizer is reset only by update()"
+            fix = ("Call scaler.update() once per iteration, after scaler.step(optimizer) for every optimizer: "
+                   "scaler.scale(loss).backward(); scaler.unscale_(opt) (only to clip); scaler.step(opt); "
+                   "scaler.update(). Without update() the scale never adapts either.")
+            return "GradScaler", cause, fix, {"missing_update": True, "call": called}
         m = re.search(r"Expected floating point type for target with class probabilities, got (\w+)", text)
         if isinstance(exc, RuntimeError) and m:
             got = m.group(1)
