@@ -177,7 +177,26 @@ def test_train_in_eval_mode_demo_names_step_and_eval_line():
     src = line_of(train_in_eval_mode, "model.eval()  # validation")
     assert f.source == src and f.details["eval_source"] == src and f.details["eval_step"] == 4
     assert f"Sequential.eval() was called at {src}" in f.message and "1 (BatchNorm1d), 3 (Dropout)" in f.message
-    assert "model.train()" in f.hint
+    assert "model.train()" in f.hint and "requires_grad_(False)" not in f.hint  # a validation's eval(): no freeze
+
+
+def test_eval_called_before_training_on_a_trained_model_is_told_it_does_not_freeze():
+    """`encoder.eval()  # freeze` before the first step, the encoder's parameters all in the optimizer: eval() only
+    switches Dropout/BatchNorm, so the hint adds how to freeze."""
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.ReLU())
+    head = nn.Linear(16, 2)
+    with guard(live=False, checks=["train-in-eval-mode"]) as g:
+        encoder.eval()  # meant as a freeze
+        opt = torch.optim.AdamW([*encoder.parameters(), *head.parameters()], lr=1e-3)
+        for _ in range(4):
+            loss = F.cross_entropy(head(encoder(torch.randn(8, 8))), torch.randint(0, 2, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = g.findings
+    assert (f.kind, f.step, f.details["eval_step"]) == ("train-in-eval-mode", 0, 0)
+    assert "eval() only switches Dropout and BatchNorm" in f.hint and "requires_grad_(False)" in f.hint
 
 
 def test_model_in_eval_mode_from_the_start_is_reported_at_step_0():

@@ -186,6 +186,11 @@ class TrainInEvalMode(Check):
         copied = None
         if eval_src:
             where_eval = f"{path}.eval() was called at {eval_src} (before step {since})"
+            if since == 0 and all(p.requires_grad for p in model.parameters()):
+                # called before any training, on a model the optimizer trains whole: eval() taken for a freeze
+                hint += (" If .eval() was meant to freeze it: eval() only switches Dropout and BatchNorm to inference; "
+                         "its weights still train. Freeze with model.requires_grad_(False) (and leave its parameters "
+                         "out of the optimizer).")
         elif since:
             # first called mid-run, already in eval mode: made during the run, most often as a copy of a model in eval
             # mode (copy.deepcopy keeps the mode), e.g. a federated client's copy of the server model after its evaluation
