@@ -1741,6 +1741,29 @@ def test_half_precision_weights_stepped_directly_whose_updates_round_away(lr):
     assert "float16 weights the optimizer steps directly" in f.message
 
 
+def test_half_precision_matrices_that_round_away_are_told_while_zero_started_biases_move():
+    """model.bfloat16() with biases starting at 0 (as nn.TransformerEncoderLayer's do): near 0 bfloat16 numbers are
+    dense, so the biases move while every weight matrix's update rounds away. The sample looks at the matrices."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(torch.sign(m.weight) * (1 + m.weight.abs()))
+                m.bias.zero_()
+    model = model.bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(52):
+            loss = F.mse_loss(model(x.bfloat16()).float(), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+    assert not torch.equal(model[0].bias, torch.zeros_like(model[0].bias))  # the biases did move
+    (f,) = [f for f in g.findings if f.kind == "params-not-updating"]
+    assert f.where == "0.weight" and f.details["parameters"] == ["0.weight", "2.weight", "4.weight"]
+    assert "bfloat16 weights the optimizer steps directly" in f.message
+
+
 def test_weight_decay_stays_quiet_about_zero_gradients_that_follow_a_nan():
     """Auto-decoder codes at zero with a `sqrt(sum z^2)` regulariser: NaN gradients at step 0 make the codes NaN,
     and the decoder fed NaN then gets all-zero gradients (l1's backward of NaN). The NaN is the one finding; the

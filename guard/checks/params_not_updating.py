@@ -296,7 +296,10 @@ class ParamsNotUpdating(Check):
         if not known[1]:
             return
         ps = [p for g in groups if _lr(g) > TINY_LR for p in g["params"]
-              if p.dtype in _HALF and p.grad is not None and p.grad.layout is torch.strided and not p.is_meta][:4]
+              if p.dtype in _HALF and p.grad is not None and p.grad.layout is torch.strided and not p.is_meta]
+        # weight matrices first: biases and norm shifts start at 0, where half-precision numbers are dense, so they
+        # move while the matrices' updates round away (a pure-bf16 transformer: only its biases train)
+        ps = ([p for p in ps if p.dim() >= 2] or ps)[:4]
         if ps:
             self._half_before = (self.g.step, [(p, p.detach().reshape(-1)[:HALF_SAMPLE].clone()) for p in ps])
 
