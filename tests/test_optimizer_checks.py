@@ -1764,6 +1764,37 @@ def test_half_precision_matrices_that_round_away_are_told_while_zero_started_bia
     assert "bfloat16 weights the optimizer steps directly" in f.message
 
 
+@pytest.mark.parametrize("copied_back", [False, True])
+def test_master_weights_never_copied_back_are_told(copied_back):
+    """Hand-rolled mixed precision: a bfloat16 model, float32 master copies in the optimizer, gradients moved over
+    each step. Without the copy back, the model that computes the loss never changes (silent until stop 40)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).bfloat16()
+    params = list(model.parameters())
+    master = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(master, lr=1e-3)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    with guard(live=False) as g:
+        for _ in range(24):
+            loss = F.mse_loss(model(x.bfloat16()).float(), y)
+            loss.backward()
+            for m, p in zip(master, params):
+                m.grad, p.grad = p.grad.float(), None
+            opt.step()
+            opt.zero_grad()
+            if copied_back:
+                with torch.no_grad():
+                    for p, m in zip(params, master):
+                        p.copy_(m)
+    found = [f for f in g.findings if f.kind == "params-not-updating"]
+    if copied_back:
+        assert found == []
+        return
+    (f,) = found
+    assert f.where == "Sequential" and f.step == 0 and f.details["master_weights"] is True
+    assert "float32 copies of the 4 bfloat16 parameters" in f.message and "p.copy_(m)" in f.hint
+
+
 def test_weight_decay_stays_quiet_about_zero_gradients_that_follow_a_nan():
     """Auto-decoder codes at zero with a `sqrt(sum z^2)` regulariser: NaN gradients at step 0 make the codes NaN,
     and the decoder fed NaN then gets all-zero gradients (l1's backward of NaN). The NaN is the one finding; the

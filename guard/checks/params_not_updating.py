@@ -225,8 +225,9 @@ class ParamsNotUpdating(Check):
             self.g.stage(total, lambda v, i=i: self._seen(oref, i, v, step, source))
         if self._held_first is None and self.g.is_primary(optimizer):
             held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
-            self._held_first = {id(m) for m in self.g.models if any(id(p) in held for p in m.parameters())}
-            self._versions = {id(p): p._version for m in self.g.models for p in m.parameters()}
+            models = self.g.models or self.g.roots  # (a global guard: the outermost modules seen called)
+            self._held_first = {id(m) for m in models if any(id(p) in held for p in m.parameters())}
+            self._versions = {id(p): p._version for m in models for p in m.parameters()}
         if self.g.step % HALF_EVERY == 0 and not self._half_told and self.g.is_primary(optimizer):
             self._half_snapshot(optimizer)
         if self.g.step % STUCK_EVERY == 0 and not self._stuck_told and self.g.is_primary(optimizer):
@@ -427,6 +428,32 @@ class ParamsNotUpdating(Check):
                            "initial_lr": group.get("initial_lr"), "modules": prefixes[:5],
                            "parameters": len(params), "whole_run": to_end})
 
+    def _masters(self, model: nn.Module, named: list, tensors: list) -> bool:
+        """Master weights never copied back: the optimizer holds one tensor of another dtype per parameter of `model`
+        (same shapes, same order: float32 copies of a half-precision model), and the model's parameters have not
+        changed since the first step. Told (True) when so."""
+        params = [p for _, p in named]
+        if not params or len(tensors) != len(params) or not all(p.requires_grad for p in params):
+            return False
+        if any(t.shape != p.shape or t.dtype == p.dtype for t, p in zip(tensors, params)):
+            return False
+        if any(self._versions.get(id(p), p._version) != p._version for p in params):
+            return False  # copied back in place: the recipe works
+        mname = self.g.path_of(model)
+        dtype, mdtype = str(params[0].dtype).replace("torch.", ""), str(tensors[0].dtype).replace("torch.", "")
+        opts = self.g.optimizers
+        self.emit("params-not-updating", mname,
+                  f"the optimizer ({', '.join(type(o).__name__ for o in opts)}) steps {len(tensors)} {mdtype} copies of "
+                  f"the {len(params)} {dtype} parameters of {mname} (master weights), but they are never copied back: "
+                  f"{mname}, which computes the loss, has not changed in {self.g.step + 1} steps",
+                  f"After each optimizer.step(), copy the master weights into the model: with torch.no_grad(): for p, m "
+                  f"in zip(model.parameters(), master): p.copy_(m). Or keep the model in float32 and compute in half "
+                  f"precision with torch.autocast, which needs no master copy.",
+                  step=0, source=self.g.source(),
+                  details={"model": mname, "parameters": len(params), "master_weights": True, "dtype": dtype,
+                           "master_dtype": mdtype})
+        return True
+
     def _other_copy(self) -> None:
         tensors = [p for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]]
         held = {id(p) for p in tensors}
@@ -434,12 +461,22 @@ class ParamsNotUpdating(Check):
         # transfer, a feature net left trainable but meant to stay fixed) is no copy: param-not-in-optimizer says it.
         shapes = {tuple(p.shape) for p in tensors if isinstance(p, nn.Parameter)}
         models = self.g.models
+        if not models:
+            # a global guard: only the master-weights form (its shapes match one for one); a model beside another one
+            # trained (a probe beside its base) is no copy
+            for model in self.g.roots:
+                if not any(id(p) in held for p in model.parameters()) and \
+                        self._masters(model, list(model.named_parameters()), tensors):
+                    return
+            return
         if any(id(p) in held for m in models for p in m.parameters()):
             # the optimizer trains a watched model: another one it does not hold is a second network (a target
             # network given gradients by a forward outside no_grad: param-not-in-optimizer says it), not a copy
             return
         for model in models:
             named = list(model.named_parameters())
+            if self._masters(model, named, tensors):
+                return
             with_grad = [n for n, p in named if p.requires_grad and p.is_leaf and p.grad is not None]
             if not with_grad or any(id(p) in held for _, p in named):
                 continue
