@@ -3,9 +3,11 @@ params-not-updating, vanishing-gradients, grads-all-zero, loss-constant. Each bu
 import copy
 import inspect
 import os
+import warnings
 
 import pytest
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
@@ -1078,6 +1080,44 @@ def test_first_layers_behind_a_comparison_get_no_gradient_at_all():
     f = only(g, "vanishing-gradients")
     assert (f.where, f.step) == ("gen1", 0) and f.details["no_gradient"] is True and "None" in f.message
     assert "a comparison" in f.message
+
+
+class _Checkpointed(nn.Module):
+    """Blocks run through torch.utils.checkpoint after a frozen embedding."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.wte = nn.Embedding(20, 16).requires_grad_(False)
+        self.h = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.score = nn.Linear(16, 2)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        for b in self.h:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.reentrant)
+        return self.score(x.mean(1))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_reentrant_checkpoint_after_a_frozen_embedding_is_named_as_the_cut(reentrant):
+    """checkpoint(block, x, use_reentrant=True) with x from a frozen embedding: the blocks' parameters get no gradient
+    (torch only warns). Told as the checkpoint, with use_reentrant=False as the fix, not as round/argmax."""
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    with guard(model, opt, live=False) as g, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad=True"
+        for _ in range(30):
+            ids = torch.randint(0, 20, (8, 5))
+            loss = F.cross_entropy(model(ids), (ids[:, 0] < 10).long())
+            opt.zero_grad(); loss.backward(); opt.step()
+    if not reentrant:
+        assert g.findings == []
+        return
+    f = only(g, "vanishing-gradients")
+    assert (f.where, f.step) == ("h.0.0", 0) and "use_reentrant=True" in f.message and "use_reentrant=False" in f.hint
+    assert f.details["reentrant_checkpoint"].startswith("tests/test_silent_bugs.py:")
 
 
 def test_a_first_layer_used_on_some_batches_only_is_no_cut():

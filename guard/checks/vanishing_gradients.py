@@ -16,7 +16,10 @@ with fewer than `MIN_LAYERS` such layers are not looked at.
 """
 from __future__ import annotations
 
+import inspect
 import math
+import os
+import re
 import weakref
 from typing import List, Optional, Tuple
 
@@ -24,6 +27,8 @@ import torch
 
 from ..tensors import as_float
 from .base import Check
+
+_CHECKPOINT_CALL = re.compile(r"\bcheckpoint(_sequential)?\s*\(")
 
 EVERY = 5
 RUN = 4
@@ -82,6 +87,32 @@ class VanishingGradients(Check):
         (fp, fw), (lp, lw) = best[0], best[-1]
         self._second = weakref.ref(best[1][1])
         return fp, weakref.ref(fw), lp, weakref.ref(lw), len(best)
+
+    def _reentrant_site(self, first: str) -> Optional[str]:
+        """``file:line`` of a ``checkpoint(...)`` call that is not ``use_reentrant=False`` in the forward of a module
+        that holds the layer at path `first` (asked only when a first layer's gradient stayed None)."""
+        for root in self.g.roots:
+            mods, m, parts = [root], root, first.split(".")
+            for part in parts[:-1]:
+                m = getattr(m, "_modules", {}).get(part)
+                if m is None:
+                    break
+                mods.append(m)
+            if m is None:
+                continue
+            for mod in mods:
+                fwd = getattr(type(mod), "forward", None)
+                if fwd is None or (getattr(fwd, "__module__", "") or "").startswith("torch."):
+                    continue
+                try:
+                    lines, start = inspect.getsourcelines(fwd)
+                    path = inspect.getsourcefile(fwd)
+                except (OSError, TypeError):
+                    continue
+                for i, line in enumerate(lines):
+                    if _CHECKPOINT_CALL.search(line) and "use_reentrant=False" not in line.replace(" ", ""):
+                        return f"{os.path.relpath(path) if path else '?'}:{start + i}"
+        return None
 
     def on_step_pre(self, optimizer):
         if self._done or not self.g.sampling or not self.g.is_primary(optimizer) or self.g.step % EVERY:
@@ -147,7 +178,17 @@ class VanishingGradients(Check):
                 self._skip.add(fp)
                 self._run, self._ratios, self._tried_at = 0, [], -1
                 return
-            if worst == 0.0:
+            site = self._reentrant_site(fp) if worst == 0.0 and self._none else None
+            if site is not None:
+                message = (f"the gradients of the first layer {fp} are None (backward never reaches it) at {self._run} "
+                           f"sampled steps since step {self._since}, while those of the last layer {lp} are not ({n} "
+                           f"layers): it runs inside torch.utils.checkpoint(..., use_reentrant=True) "
+                           f"({site}), and a reentrant checkpoint whose input does not require grad (a frozen embedding "
+                           f"or input before it) gives the parameters inside it no gradient, so they do not learn")
+                hint = ("Pass use_reentrant=False to checkpoint: it gives the parameters inside their gradients whatever "
+                        "the input; or make the checkpoint's input require grad (x.requires_grad_() after a frozen "
+                        "embedding; Hugging Face's model.enable_input_require_grads()).")
+            elif worst == 0.0:
                 # Not shrinking but cut: nothing reaches the first layer at all (a round/argmax between them)
                 what = "None (backward never reaches it)" if self._none else "exactly 0"
                 message = (f"the gradients of the first layer {fp} are {what} at {self._run} sampled steps since "
@@ -169,4 +210,5 @@ class VanishingGradients(Check):
                       step=self._since, seen=self.g.step, source=self._source,
                       details={"first": fp, "last": lp, "ratio": worst, "ratios": self._ratios,
                                "layers": n, "sampled_every": EVERY, "threshold": RATIO, "cut": worst == 0.0,
-                               **({"no_gradient": True} if self._none else {})})
+                               **({"no_gradient": True} if self._none else {}),
+                               **({"reentrant_checkpoint": site} if site else {})})
