@@ -455,6 +455,47 @@ def test_optimizer_state_loaded_into_parameters_of_another_order_is_explained_as
     assert f.details["loaded_by_position"] is True and f.details["param_shape"] == [10, 10]
 
 
+def test_optimizer_state_saved_before_pruning_and_loaded_after_names_prune_s_reordering():
+    """The optimizer built before pruning, its state saved after; the resumed model is pruned (prune.identity) before
+    its optimizer: prune re-registers `weight` as `weight_orig` last, so the state lands one parameter off and
+    Adam raises "output with shape [16] doesn't match the broadcast shape [16, 16]"."""
+    import io
+
+    import torch.nn.utils.prune as prune
+
+    def build(pruned):
+        m = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+        if pruned:
+            prune.identity(m[2], "weight")
+        return m
+
+    torch.manual_seed(0)
+    model = build(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 4), torch.randn(32, 2)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(checks=["explain"], live=False) as g:
+            for step in range(6):
+                if step == 2:
+                    prune.l1_unstructured(model[2], "weight", 0.5)
+                if step == 4:
+                    buf = io.BytesIO()
+                    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+                    buf.seek(0)
+                    ck = torch.load(buf)
+                    model = build(True)
+                    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+                    model.load_state_dict(ck["model"])
+                    opt.load_state_dict(ck["opt"])
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    assert "doesn't match the broadcast shape" in str(ei.value)
+    (f,) = _explained(g)
+    assert f.details["loaded_by_position"] is True and f.details["pruned"] == ["2.weight_orig"]
+    assert "re-registers a pruned tensor as `<name>_orig`" in f.message and "prune.identity" in f.hint
+
+
 def test_a_model_converted_to_another_dtype_with_its_optimizer_kept_is_explained():
     """`model.double()` mid-run with Adam's float32 moments kept: torch's error names `end` of a lerp."""
     torch.manual_seed(0)

@@ -1049,7 +1049,7 @@ class ExplainErrors(Check):
         made for it: a parameter resized after that (``resize_token_embeddings`` swaps the embedding's ``.data``
         for a larger one, keeping the Parameter), saved state loaded by position into parameters of another
         order, or a model converted to another dtype (``model.double()``) with the optimizer kept."""
-        sized = any(t in text for t in _SIZE_TEXTS + ("size mismatch", "shape mismatch"))
+        sized = any(t in text for t in _SIZE_TEXTS + ("size mismatch", "shape mismatch", "match the broadcast shape"))
         typed = "dtype" in text
         if not (sized or typed):
             return None
@@ -1086,6 +1086,16 @@ class ExplainErrors(Check):
                         fix = ("Load an optimizer's state only into an optimizer over the same parameters in the same "
                                "order; after changing the model, start the optimizer fresh, or move each parameter's "
                                "state by name.")
+                        pruned = [n for n in (self.g.param_name(q) for q in params) if n.endswith("_orig")]
+                        if pruned:
+                            # prune re-registers `weight` as `weight_orig` after the module's other parameters
+                            cause += (f"; torch.nn.utils.prune re-registers a pruned tensor as `<name>_orig` last among "
+                                      f"its module's parameters ({', '.join(pruned[:3])}), so an optimizer built before "
+                                      f"pruning lists them in another order than one built after")
+                            fix = ("Build both optimizers over the same structure: prune (prune.identity for the "
+                                   "resumed model) before creating the optimizer whose state is saved, or save after "
+                                   "prune.remove(); otherwise start the optimizer fresh.")
+                            details = {**details, "pruned": pruned[:10]}
                         return name, cause, fix, {**details, "loaded_by_position": True}
                     if v.dim() == p.dim() and v.shape[1:] == p.shape[1:]:
                         # rows added or removed (points densified or pruned, as 3D Gaussian splatting does; a
