@@ -646,6 +646,45 @@ class MaskedMSE(nn.Module):
         return ((pred - torch.nan_to_num(target)) ** 2 * keep).sum() / keep.sum()
 
 
+class _RowSoftmax(nn.Module):
+    def forward(self, s):
+        return s.softmax(-1)
+
+
+class _DropsMaskedRow(nn.Module):
+    """Row 0 of the scores masked whole with -inf, softmaxed (NaN there), then dropped: the loss is finite."""
+
+    def __init__(self, keep_finite):
+        super().__init__()
+        self.lin, self.attn, self.keep_finite = nn.Linear(4, 4), _RowSoftmax(), keep_finite
+
+    def forward(self, x):
+        mask = torch.zeros(x.size(0), 4)
+        mask[0] = float("-inf") if not self.keep_finite else torch.tensor([0.0, *[float("-inf")] * 3])
+        return self.attn(self.lin(x) + mask)[1:]
+
+
+@pytest.mark.parametrize("keep_finite", [False, True])
+def test_nan_from_a_row_masked_whole_and_dropped_later_is_told_at_the_softmax(keep_finite):
+    """The NaN row is discarded after the softmax, so the output and the loss are finite, but its backward makes NaN
+    gradients (0 * NaN). The origin is the call that made NaN from a -inf mask, not "a finite forward" at the first
+    parameter. A row with one entry left unmasked is fine."""
+    torch.manual_seed(0)
+    model = _DropsMaskedRow(keep_finite)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    if keep_finite:
+        assert g.findings == []
+        return
+    f = next(f for f in g.findings if f.severity == "error")
+    assert (f.kind, f.where, f.step) == ("nonfinite-output", "attn", 0)
+    assert "only -inf (args[0]: a mask)" in f.message and "0 * NaN" in f.hint
+
+
 def test_nan_a_loss_module_takes_on_purpose_is_not_blamed_when_its_batch_is_masked_whole():
     torch.manual_seed(0)
     model, crit = nn.Linear(4, 1), MaskedMSE()

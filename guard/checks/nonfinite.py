@@ -683,11 +683,17 @@ class NonFinite(Check):
                 padding = padding if not call.is_root else None
                 continue
             padding = padding if not call.is_root else None
-            if any(i in bad for _, i in call.outputs) and not any(i in bad and i not in taken for _, i in call.inputs):
+            # inputs whose only non-finite values are -inf (a mask), from which the call made NaN: a softmax over a row
+            # that is all -inf; its NaN rows dropped after it still back-propagate NaN (0 * NaN)
+            mask_in = [name for name, i in call.inputs if i in bad and i in masks and i not in taken]
+            if any(i in bad for _, i in call.outputs) and not any(
+                    i in bad and i not in taken and i not in masks for _, i in call.inputs) and (
+                    not mask_in or not all(i in masks for _, i in call.outputs if i in bad)):
                 # -inf alone in what it made, on a step whose NaN/Inf came from elsewhere too: a mask (first seen
                 # on a bad step, so not yet known as one) that later arithmetic turned into NaN
                 masked = all(i in masks for _, i in call.outputs if i in bad)
-                if self._report_output(call, bad, refs, [name for name, i in call.inputs if i in taken], masked):
+                if self._report_output(call, bad, refs, [name for name, i in call.inputs if i in taken], masked,
+                                       mask_in):
                     return
         for flag, source, step in losses:
             if flag in bad:
@@ -847,7 +853,7 @@ class NonFinite(Check):
                   details={"module": call.type, "arguments": args, "counts": counts})
 
     def _report_output(self, call: _Call, bad: set, refs: Dict[int, weakref.ref], taken: List[str] = (),
-                       masked: bool = False) -> bool:
+                       masked: bool = False, mask_in: List[str] = ()) -> bool:
         module = call.module()
         after = module is not None and self._broken_after(call, module, bad)
         if self._bad_param_names and not after:
@@ -879,7 +885,10 @@ class NonFinite(Check):
             return True
         why = (f"its parameters {', '.join(bad_params[:5])} are non-finite" if bad_params
                else f"its inputs held only the NaN/Inf it takes on purpose ({', '.join(taken)}: it handled them on "
-                    f"the healthy steps before)" if taken else "its inputs were finite")
+                    f"the healthy steps before)" if taken
+               else f"its inputs held no NaN, only -inf ({', '.join(mask_in)}: a mask), from which it made NaN: a softmax "
+                    f"or logsumexp over a row that is all -inf has nothing to normalise" if mask_in
+               else "its inputs were finite")
         if any((call.path, name) in self._handled for name, i in call.outputs if i in bad):
             why += ("; it made NaN/Inf on earlier steps too, which were handled after it (the loss and gradients "
                     "stayed finite), but on this step they reached the loss or the gradients")
@@ -893,6 +902,10 @@ class NonFinite(Check):
                     "its right_inverse on the layer's weight (log(W) of a weight with negative entries, a division "
                     "by a zero norm). Make right_inverse defined on that weight (log(W.abs() + eps)), or "
                     "initialise the layer into its domain before registering.")
+        if mask_in and not bad_params:
+            hint = ("Leave at least one entry per row unmasked, or give fully masked rows a finite score before the "
+                    "softmax (scores.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)); zeroing or dropping the NaN rows after "
+                    "it is not enough: their backward still makes NaN gradients (0 * NaN). " + MASK_HINT)
         where, what = call.path, f"{call.path} ({call.type})"
         if masked and not bad_params:
             # a forward that writes no mask: an underflow to 0 before a log (probabilities multiplied in linear space)
