@@ -2039,6 +2039,23 @@ def test_sam_without_zero_grad_between_its_two_passes_names_the_optimizer():
     assert "g(w) + g(w + e)" in f.message and "before the second backward()" in f.hint
 
 
+def test_gradient_accumulation_through_an_embedding_with_max_norm_is_no_perturbation():
+    """nn.Embedding(max_norm=1.0) renormalises the rows it looks up in place, in its forward: between two accumulated
+    backward()s the weight changed, but by the model call, not by a SAM-style perturbation. Silent (a false alarm
+    until stop 40)."""
+    torch.manual_seed(0)
+    ent = nn.Embedding(50, 8, max_norm=1.0)
+    opt = torch.optim.SGD(ent.parameters(), lr=0.1)
+    with guard(live=False) as g:
+        for step in range(12):
+            loss = ent(torch.randint(0, 50, (16,))).pow(2).sum() / 2
+            loss.backward()
+            if step % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+    assert g.findings == []
+
+
 def test_an_ema_updated_with_autograd_on_is_one_finding_under_a_global_guard():
     """`for e, p in zip(ema.parameters(), model.parameters()): e.mul_(d).add_((1 - d) * p)` with autograd on:
     told once, at the EMA copy's weights. The loop variable `e` still bound to one of them is no second holder."""

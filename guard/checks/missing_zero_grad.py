@@ -359,8 +359,12 @@ class MissingZeroGrad(Check):
         out = []
         leaf = self._hand_input() if self._hand_input is not None else None
         leaves = [t for r in self._loss_leaves if (t := r()) is not None]
+        # nn.Embedding(max_norm=...) renormalises the rows it looks up in place, in its forward: a change made by the
+        # model call, not by an update between two backward()s (gradient accumulation over micro-batches)
+        renormed = {id(m.weight) for r in self.g.roots for m in r.modules()
+                    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None}
         for p in ([leaf] if leaf is not None else []) + [p for _, p in self.g.named_parameters()[:64]] + leaves:
-            if not p.is_leaf:
+            if not p.is_leaf or id(p) in renormed:
                 continue  # a frozen weight updated in place with autograd on: no .grad to read (torch warns)
             g = p.grad
             if g is None or g.layout is not torch.strided or g.is_meta or not p.requires_grad:
