@@ -1037,20 +1037,33 @@ def test_zero_gradients_a_backward_reaches_beside_a_training_optimizer_are_judge
 
 
 @pytest.mark.parametrize("steps", [20, 45])
-def test_a_lambdalr_warm_up_that_starts_after_the_run_ends(steps):
-    """`LambdaLR(opt, lambda s: min(1.0, s // 30))`: an integer division keeps the factor 0 until step 30. A run of
-    20 steps ends before that: told when it ends, for the whole run, with the `s / warmup` fix. A run of 45 steps
-    gets its start and is silent."""
+def test_a_lambdalr_warm_up_held_at_the_integer_zero_is_told(steps):
+    """`LambdaLR(opt, lambda s: min(1.0, s // 30))`: an integer division keeps the factor 0 until step 30, so the
+    warm-up trains nothing and the full rate then starts at once. Told at the 20th step, whether or not the run gets
+    past step 30 (until stop 40 a run that did was silent), with the `s / warmup` fix."""
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s // 30))
+    g = _steps(model, opt, steps, sched=sched)
+    f = only(g, "params-not-updating")
+    assert f.step == 0 and f.details["integer_division_until"] == 30 and not f.details["whole_run"]
+    assert "held at lr=0 by its LambdaLR" in f.message and "integer 0 until the scheduler's step 30" in f.message
+    assert "s / warmup" in f.hint
+
+
+@pytest.mark.parametrize("steps", [20, 45])
+def test_a_lambdalr_delayed_start_written_as_floats_waits_for_the_run_s_end(steps):
+    """`0.0 if s < 30 else 1.0`: a delayed start written on purpose. A run of 20 steps ends before it: told when it
+    ends, for the whole run. A run of 45 steps gets its start and is silent."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0 if s < 30 else 1.0)
     g = _steps(model, opt, steps, sched=sched)
     if steps == 45:
         assert g.findings == [], g.findings
         return
     f = only(g, "params-not-updating")
     assert f.step == 0 and f.details["whole_run"] is True and "held at lr=0 by its LambdaLR" in f.message
-    assert "s / warmup" in f.hint
 
 
 class _Gated(nn.Module):

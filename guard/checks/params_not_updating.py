@@ -90,6 +90,28 @@ def _scheduled_back(opt: Any, i: int) -> bool:
     return False
 
 
+def _int_zero(opt: Any, i: int) -> Optional[int]:
+    """The step at which a LambdaLR over `opt` whose factor for group `i` is the integer 0 now (an integer division,
+    `s // warmup`: 0 until step `warmup`) first gives a non-zero factor; None when it is not such a schedule. A delayed
+    start written on purpose gives a float or a bool (`0.0 if s < k else 1.0`, `float(s >= k)`)."""
+    import gc
+
+    for sched in gc.get_referrers(opt):
+        lambdas = getattr(sched, "lr_lambdas", None)
+        if (not isinstance(sched, torch.optim.lr_scheduler.LambdaLR) or getattr(sched, "optimizer", None) is not opt
+                or not isinstance(lambdas, list) or i >= len(lambdas)):
+            continue
+        fn, now = lambdas[i], getattr(sched, "last_epoch", 0)
+        try:
+            v = fn(now)
+            if type(v) is not int or v != 0:
+                continue
+            return next((e for e in range(now + 1, now + 1 + HORIZON) if fn(e) != 0), None)
+        except Exception:
+            continue
+    return None
+
+
 def _set_apart(opt: Any, i: int) -> bool:
     """Whether group `i` sits at exactly lr=0 by hand (no scheduler) while another group trains: a per-group
     freeze the script may lift later by setting the lr (LSQ step sizes learned after a warm-up, a backbone
@@ -357,6 +379,12 @@ class ParamsNotUpdating(Check):
         run.count += 1
         if run.count >= STEPS and not run.reported and not run.deferred:
             if _lr(opt.param_groups[i]) == 0.0 and _scheduled_back(opt, i):
+                start = _int_zero(opt, i)
+                if start is not None:
+                    # not a delayed start: an integer division (`s // warmup`) holds the warm-up at exactly 0
+                    run.reported = True
+                    self._report_lr(opt, i, run, int_division=start)
+                    return
                 # a LambdaLR holds the group at 0 on purpose for a while (a delayed start): told only if the run ends
                 # before that start
                 run.deferred = "scheduled"
@@ -377,7 +405,7 @@ class ParamsNotUpdating(Check):
                     run.reported = True
                     self._report_lr(opt, i, run, to_end=True)
 
-    def _report_lr(self, opt, i: int, run: _Run, to_end: bool = False) -> None:
+    def _report_lr(self, opt, i: int, run: _Run, to_end: bool = False, int_division: Optional[int] = None) -> None:
         group = opt.param_groups[i]
         run.lr = lr = max(_lr(group), 0.0)
         params = [p for p in group["params"] if p.grad is not None]
@@ -391,7 +419,14 @@ class ParamsNotUpdating(Check):
         groups = len(opt.param_groups)
         which = f"param group {i} of {type(opt).__name__}" if groups > 1 else type(opt).__name__
         sched = " (a learning-rate scheduler may have driven it there)" if "initial_lr" in group else ""
-        if lr == 0.0 and to_end and run.deferred == "scheduled":
+        if lr == 0.0 and int_division is not None:
+            has = "is held at lr=0 by its LambdaLR"
+            effect = (f"its factor is the integer 0 until the scheduler's step {int_division} (an integer division, "
+                      f"`s // warmup`), so optimizer.step() changes nothing during the warm-up and the full learning "
+                      f"rate then starts at once, on an untrained model")
+            hint = ("Make the warm-up factor a float: `s / warmup` (or `min(1.0, (s + 1) / warmup)`), not "
+                    "`s // warmup`, which is 0 for every step before `warmup`.")
+        elif lr == 0.0 and to_end and run.deferred == "scheduled":
             has = "was held at lr=0 by its LambdaLR (its factor is 0 now and becomes non-zero only later)"
             effect = "optimizer.step() never changed them, to the end of the run: the run ended before the schedule started"
             hint = ("The scheduler's factor is 0 for every step this run made: check the lambda (an integer division, "
@@ -426,7 +461,8 @@ class ParamsNotUpdating(Check):
                   step=run.since, seen=self.g.step, source=run.source,
                   details={"optimizer": type(opt).__name__, "group": i, "lr": lr, "steps": run.count,
                            "initial_lr": group.get("initial_lr"), "modules": prefixes[:5],
-                           "parameters": len(params), "whole_run": to_end})
+                           "parameters": len(params), "whole_run": to_end,
+                           **({"integer_division_until": int_division} if int_division is not None else {})})
 
     def _masters(self, model: nn.Module, named: list, tensors: list) -> bool:
         """Master weights never copied back: the optimizer holds one tensor of another dtype per parameter of `model`
