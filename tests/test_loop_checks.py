@@ -772,6 +772,27 @@ def test_layers_switched_back_to_train_after_model_eval_are_deliberate(switched_
         assert kinds(g) == (["eval-in-train-mode"] if forgot_eval else []), (forgot_eval, g.findings)
 
 
+@pytest.mark.parametrize("samples", [10, 3])
+def test_monte_carlo_dropout_on_the_train_mode_left_from_training_is_deliberate(samples):
+    """MC dropout validation inside the training loop: the model (Dropout only) left in train mode on purpose, one
+    validation input forwarded T times under no_grad and averaged. T = 10 samples is sampling, silent; an evaluation
+    computed three times on one batch is no sampling and still told."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y, xv = torch.randn(64, 10), torch.randint(0, 5, (64,)), torch.randn(40, 10)
+    with guard(model, opt, live=False) as g:
+        for epoch in range(3):
+            for _ in range(4):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                torch.stack([F.softmax(model(xv), -1) for _ in range(samples)]).mean(0)
+    assert kinds(g) == ([] if samples == 10 else ["eval-in-train-mode"]), g.findings
+
+
 def test_batchnorm_statistics_recomputed_by_hand_are_deliberate():
     # Precise BN: reset the statistics, momentum=None (a cumulative average), forwards in train mode
     # under no_grad, as swa_utils.update_bn does. A BatchNorm with its usual momentum is the bug.

@@ -64,6 +64,9 @@ REESTIMATE_LEFT = 0.01
 #: steps after a frozen model's first no_grad call in train mode at which it is judged unchanged (a target network
 #: copied from the online one every few steps, or updated by an EMA, has moved by then)
 FROZEN_WAIT = 32
+#: no_grad calls in a row of a model in train mode on one input, from one line, that make Monte Carlo dropout sampling
+#: (T samples averaged: T is 10 to 100 in practice; an evaluation computed twice or thrice on one batch is no sampling)
+MC_SAMPLES = 4
 RECUR = 3  # training steps after a call site's first no_grad forward in training mode within which it may come back
 OPT_OUT = "guard_train_mode_ok"
 
@@ -273,6 +276,9 @@ class EvalInTrainMode(Check):
         # first one's info, the steps they ran at); and those found to run at training steps (`_decide`)
         self._sites: Dict[Tuple[int, Optional[str]], tuple] = {}
         self._recurring: set = set()
+        self._mc: set = set()  # (id(model), line) of Monte Carlo sampling: the same input forwarded again and again
+        # (the last no_grad train-mode call's (site, step, input data, shape), how many calls in a row had it)
+        self._mc_last: Optional[tuple] = None
         self._frozen_wait: List[tuple] = []  # recurring sites of a frozen model: (ref, path, info, values, due step)
         # (module, line) of the first functional dropout of the root call under way that ran in training mode
         # under no_grad, passing the module's mode (F.dropout(x, p, training=self.training): BART, OPT, Whisper)
@@ -385,10 +391,35 @@ class EvalInTrainMode(Check):
             source = _caller_outside(sys._getframe())
             self._evaluation(holder, self.g.path_of(holder), fdrop, source, deliberate=self._set_by_hand(source))
             return
+        source = self.g.root_source
+        if self._mc_samples(module, args, source):
+            return
         # model.train() just before: the train mode is this pass's purpose (BatchNorm reset before it still counts
         # its re-estimation batches)
-        self._evaluation(module, path, fdrop, self.g.root_source,
-                         deliberate=self._set_by_hand(self.g.root_source))
+        self._evaluation(module, path, fdrop, source, deliberate=self._set_by_hand(source))
+
+    def _mc_samples(self, module, args: tuple, source: Optional[str]) -> bool:
+        """Whether this no_grad call in train mode is the MC_SAMPLES-th in a row on the same input (the same data and
+        shape, from the same line, with no step between) while only Dropout acts as in training: Monte Carlo dropout sampling,
+        `torch.stack([model(x) for _ in range(T)]).mean(0)` with the train mode left from training on purpose. The
+        site is then never told."""
+        key = (id(module), source)
+        if key in self._mc:
+            return True
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        sig = (key, self.g.step, x.data_ptr(), tuple(x.shape)) if x is not None and not x.is_meta else None
+        last = self._mc_last
+        self._mc_last = (sig, last[1] + 1 if sig is not None and last is not None and last[0] == sig else 1)
+        if sig is None or self._mc_last[1] < MC_SAMPLES:
+            return False
+        mods = self._mods.get(module)
+        if mods is None:
+            mods = self._mods[module] = mode_sensitive(module)
+        if any(isinstance(m, _BatchNorm) and m.training for _, r in mods if (m := r()) is not None):
+            return False  # BatchNorm in train mode too: each sample normalises with batch statistics and moves them
+        self._mc.add(key)
+        self._sites.pop(key, None)  # its first sample was deferred as an evaluation
+        return True
 
     def _set_by_hand(self, source: Optional[str]) -> bool:
         """Whether the call from `source` follows a `.train()` in the user's code (decided once per line)."""
