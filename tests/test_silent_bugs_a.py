@@ -549,6 +549,39 @@ def test_healthy_zero_grad_orders_are_silent():
 
 
 @pytest.mark.parametrize("scope", ["models", "global"])
+@pytest.mark.parametrize("where", ["top of each micro-batch", "before the loop", "surgery"])
+def test_zero_grad_at_the_top_of_each_micro_batch_keeps_only_the_last_one(scope, where):
+    """Gradient accumulation over 4 micro-batches with opt.zero_grad() inside the loop: each micro-batch wipes the
+    ones before it, so the step applies one micro-batch. Told at the third step in a row (silent until stop 40).
+    Zeroing before the loop is the recipe; keeping each pass's gradients aside and assigning their mean to p.grad
+    (gradient surgery, DP-SGD by hand) zeroes between the passes on purpose."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(*((model, opt) if scope == "models" else ()), live=False) as g:
+        for _ in range(5):
+            if where == "before the loop":
+                opt.zero_grad()
+            kept = []
+            for mb in torch.randn(4, 4, 8):
+                if where != "before the loop":
+                    opt.zero_grad()
+                (model(mb).pow(2).mean() / 4).backward()
+                if where == "surgery":
+                    kept.append([p.grad.clone() for p in model.parameters()])
+            if where == "surgery":
+                for p, *gs in zip(model.parameters(), *kept):
+                    p.grad = torch.stack(gs).mean(0)
+            opt.step()
+    if where != "top of each micro-batch":
+        assert g.findings == []
+        return
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("zero-grad-before-step", "SGD", 0) and f.details["micro_batches"] is True
+    assert "sees one micro-batch, not the accumulated batch" in f.message and "once per step" in f.hint
+
+
+@pytest.mark.parametrize("scope", ["models", "global"])
 @pytest.mark.parametrize("bug", [True, False])
 def test_a_modules_zero_grad_between_its_backward_and_its_step_with_another_backward_between(scope, bug):
     """Dreamer's order: `wm_loss.backward(); wm.zero_grad(); cr_loss.backward(); cr_opt.step(); wm_opt.step()`.

@@ -58,7 +58,8 @@ def _first_grad(opt) -> Optional[torch.Tensor]:
 
 class _Opt:
     __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids", "had_grads", "wiped", "wiped_src", "run",
-                 "run_src", "run_step", "module_zero", "seen_grad", "hand", "hand_src")
+                 "run_src", "run_step", "module_zero", "seen_grad", "hand", "hand_src", "post_version", "bw_grad",
+                 "drun", "drun_step", "loop")
 
     def __init__(self, stepped_at: int) -> None:
         self.zero_at = -1  # backward count at its latest zero_grad()
@@ -79,6 +80,10 @@ class _Opt:
         self.seen_grad = 0  # id() of that gradient (alive while compared: .grad holds it until replaced), or 0
         self.hand = False
         self.hand_src: Optional[str] = None
+        self.post_version = -1  # its first parameter's version counter after its latest step (-1: none yet)
+        self.bw_grad = 0  # id() of its first gradient after the latest backward() while `wiped` is armed
+        self.drun, self.drun_step = 0, -1  # steps in a row whose earlier backward's gradients were all discarded
+        self.loop = False  # the backward its latest zero_grad() wiped was a plain one (no `inputs=`)
 
 
 class ZeroGradBeforeStep(Check):
@@ -99,6 +104,8 @@ class ZeroGradBeforeStep(Check):
         self._backward_src: Optional[str] = None
         self._st = WeakIdMap()  # optimizer -> _Opt
         self._any_step = 0  # backward count at the latest step() of any optimizer
+        self._armed = False  # some optimizer's zero_grad() wiped a backward's gradients that no step used yet
+        self._plain = True  # the latest backward was a plain one (not restricted to `inputs=`)
 
     def _state(self, opt) -> _Opt:
         st = self._st.data.get(id(opt))
@@ -109,6 +116,13 @@ class ZeroGradBeforeStep(Check):
     def on_backward_done(self, tensors, kwargs):
         self._backwards += 1
         self._backward_src = self.g.root_source
+        # a backward restricted to some inputs (latent inference) or for an input's gradient is no training backward
+        self._plain = not (kwargs and kwargs.get("inputs") is not None)
+        if self._armed:  # a zero_grad() wiped a backward's gradients before any step: which gradient this one left
+            for o, st in self._st.items():
+                if st.wiped is not None:
+                    g = _first_grad(o)
+                    st.bw_grad = id(g) if g is not None else 0
 
     def on_order_opt_zero_grad(self, args, kwargs):
         if not args or not isinstance(args[0], torch.optim.Optimizer):
@@ -128,6 +142,15 @@ class ZeroGradBeforeStep(Check):
             # backward no step has followed yet can have its work lost.
             st.wiped = wiped if wiped and self._backwards > self._any_step else None
             st.wiped_src = self._backward_src
+            st.loop = self._plain  # whether the backward it wipes was a plain one (see _discarded)
+            if st.wiped is not None and st.post_version >= 0:
+                groups = args[0].param_groups
+                p0 = groups[0]["params"][0] if groups and groups[0]["params"] else None
+                if p0 is not None and p0._version != st.post_version:
+                    # the weights were changed in place since its last step, after that backward: an update by hand
+                    # or SAM's perturbation used its gradients; zeroing them then is the recipe
+                    st.wiped = None
+            self._armed = self._armed or st.wiped is not None
 
     def on_order_opt_zero_grad_done(self, args, kwargs, result):
         if not args or not isinstance(args[0], torch.optim.Optimizer):
@@ -238,12 +261,16 @@ class ZeroGradBeforeStep(Check):
         backward's work was thrown away (`opt.zero_grad(); loss_pi.backward(); opt.zero_grad(); loss_v.backward();
         opt.step()`). Told at the third step in a row (a one-off diagnostic backward is no bug)."""
         wiped, st.wiped = st.wiped, None
+        g0 = _first_grad(optimizer)
+        # gradients written by hand after the last backward (gradient surgery: PCGrad projects each task's gradients,
+        # kept aside between zero_grad()s, and assigns p.grad): the zeroing was part of the recipe
+        hand = g0 is None or id(g0) != st.bw_grad
         lost = [p for p in wiped if p.grad is None]
         kept = [p for p in wiped if p.grad is not None and p.grad.layout is torch.strided and not p.grad.is_meta]
         info = (st.zero_src, st.wiped_src, self.g.source(), self.g.step)
         oref = weakref.ref(optimizer)
         if not kept:
-            self._lost(oref, st, lost, info)
+            self._lost(oref, st, lost, info, hand)
             return
         with torch.no_grad():
             grads = [p.grad for p in kept]
@@ -256,14 +283,15 @@ class ZeroGradBeforeStep(Check):
         def verdict(n_zero: float) -> None:
             # which ones are read only when some are zero (the buggy order: one more read then)
             zeros = [r() for r, v in zip(prefs, norms.tolist()) if v == 0.0] if n_zero > 0 else []
-            self._lost(oref, st, lost + [p for p in zeros if p is not None], info)
+            self._lost(oref, st, lost + [p for p in zeros if p is not None], info, hand)
 
         self.g.stage((norms == 0).sum().float(), verdict)
 
-    def _lost(self, oref, st: _Opt, lost: list, info: Tuple) -> None:
+    def _lost(self, oref, st: _Opt, lost: list, info: Tuple, hand: bool = False) -> None:
         zero_src, wiped_src, src, step = info
         if not lost:
             st.run = 0
+            self._discarded(oref, st, info, hand)
             return
         st.run = st.run + 1 if st.run_src == zero_src and st.run_step == step - 1 else 1
         st.run_src, st.run_step = zero_src, step
@@ -285,8 +313,45 @@ class ZeroGradBeforeStep(Check):
                            "backward_source": wiped_src, "grads": "wiped then partly recomputed",
                            "lost": names[:20]})
 
+    def _discarded(self, oref, st: _Opt, info: Tuple, hand: bool) -> None:
+        """Every parameter the wiped backward reached got a gradient again from the backward after the zero_grad(), at
+        the same line: zero_grad() at the top of each micro-batch of an accumulation, so the step applies only the
+        last micro-batch's gradients. Told at the third step in a row; not when the gradients at the step were written
+        by hand (`hand`: gradient surgery keeps each pass's gradients aside and assigns p.grad)."""
+        zero_src, wiped_src, src, step = info
+        # Only a loop over micro-batches (`for mb in chunks: opt.zero_grad(); loss(mb).backward()`, then the step): the
+        # wiped backward ran at the line of the last one. Two backwards at two lines with a zero_grad() between are
+        # often deliberate (an attack's input-gradient backward, a diagnostic pass before the training one).
+        if hand or not (st.loop and self._plain and wiped_src == self._backward_src):
+            st.drun = 0
+            return
+        st.drun = st.drun + 1 if st.drun_step == step - 1 else 1
+        st.drun_step = step
+        opt = oref()
+        if st.drun < 3 or opt is None:
+            return
+        where = self._label(opt)
+        message = (f"{where}.step() applies only the gradients of the last backward() before it: zero_grad() "
+                   f"({zero_src}) came after an earlier backward() ({wiped_src}) and wiped its gradients before any step "
+                   f"used them, at every step since step {step - st.drun + 1}"
+                   + ": each micro-batch's zero_grad() throws away the gradients of the ones before it, so the step "
+                     "sees one micro-batch, not the accumulated batch")
+        hint = ("Zero the gradients once per step, before the first backward(): opt.zero_grad(); then every "
+                "backward() of the step (micro-batches: (loss / n_micro).backward() each; several losses: "
+                "loss_a.backward(); loss_b.backward(), or (loss_a + loss_b).backward()); then opt.step().")
+        self.emit("zero-grad-before-step", where, message, hint, source=src, step=step - st.drun + 1,
+                  details={"optimizer": type(opt).__name__, "zero_grad_source": zero_src,
+                           "backward_source": wiped_src, "grads": "wiped then recomputed", "discarded": True,
+                           "micro_batches": True})
+
     def on_step_post(self, optimizer):
-        self._state(optimizer).stepped_at = self._any_step = self._backwards
+        st = self._state(optimizer)
+        st.stepped_at = self._any_step = self._backwards
+        groups = optimizer.param_groups
+        if groups and groups[0]["params"]:
+            st.post_version = groups[0]["params"][0]._version
+        if self._armed:
+            self._armed = any(o.wiped is not None for o in self._st.values())
 
     def _emit(self, opt, st: _Opt, none: bool, info: Optional[Tuple] = None) -> None:
         zero_src, backward_src, src, step, later = info or (st.zero_src, self._backward_src, self.g.source(),
