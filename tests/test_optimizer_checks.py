@@ -335,7 +335,7 @@ def test_a_probe_updated_by_an_optimizer_not_given_to_guard_is_not_in_no_optimiz
     assert "param-not-in-optimizer" not in kinds(g), g.findings
 
 
-def _unfreeze_run(add: bool, steps: int = 40, at: int = 10):
+def _unfreeze_run(add: bool, steps: int = 40, at: int = 10, how: str = "module"):
     """Progressive unfreezing: the optimizer is built over the trainable parameters while the first layer is
     frozen; at step `at` the layer is unfrozen, and (`add`) given to the optimizer as a new group."""
     torch.manual_seed(0)
@@ -346,7 +346,11 @@ def _unfreeze_run(add: bool, steps: int = 40, at: int = 10):
     with guard(m, opt, live=False) as g:
         for step in range(steps):
             if step == at:
-                m[0].requires_grad_(True)
+                if how == "module":
+                    m[0].requires_grad_(True)
+                else:
+                    for p in m[0].parameters():
+                        p.requires_grad = True
                 if add:
                     opt.add_param_group({"params": m[0].parameters(), "lr": 1e-4})
             opt.zero_grad()
@@ -355,14 +359,21 @@ def _unfreeze_run(add: bool, steps: int = 40, at: int = 10):
     return g
 
 
-def test_a_layer_unfrozen_mid_run_but_never_added_to_the_optimizer_is_found():
-    g = _unfreeze_run(add=False)
+@pytest.mark.parametrize("how", ["module", "attribute"])
+def test_a_layer_unfrozen_mid_run_but_never_added_to_the_optimizer_is_found(how):
+    """`m[0].requires_grad_(True)` at step 10 is seen (a patch of Module.requires_grad_): told from that step and line
+    (since stop 40); `p.requires_grad = True` is not seen, and is told from the look that finds it, "or a little
+    earlier"."""
+    g = _unfreeze_run(add=False, how=how)
     f = only(g, "param-not-in-optimizer")
-    assert f.severity == "warning" and f.where == "0" and 10 <= f.step <= 10 + 16
-    assert f.details["names"] == ["0.weight", "0.bias"] and f.details["appeared_mid_run"] is True
-    assert "unfrozen or replaced mid-run" in f.message and "pile up" in f.message
-    assert "add_param_group" in f.hint
-    assert _unfreeze_run(add=True).findings == []
+    assert f.severity == "warning" and f.where == "0" and f.details["names"] == ["0.weight", "0.bias"]
+    assert f.details["appeared_mid_run"] is True and "pile up" in f.message and "add_param_group" in f.hint
+    if how == "module":
+        assert f.step == 10 and f.details["unfrozen"] is True and "made trainable at step 10" in f.message
+        assert f.source == f.details["unfrozen_at"] and "requires_grad_(True)" in f.message
+    else:
+        assert 10 <= f.step <= 10 + 16 and "unfrozen or replaced mid-run" in f.message
+    assert _unfreeze_run(add=True, how=how).findings == []
 
 
 def test_a_head_replaced_mid_run_and_left_out_of_the_optimizer_is_found():

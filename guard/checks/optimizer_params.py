@@ -121,7 +121,9 @@ class OptimizerParams(Check):
                # (shared with state-dict) a target synced by load_state_dict is no Polyak target (`_polyak`)
                "load_state_dict": "torch.nn.Module.load_state_dict",
                # (shared) gradients taken with create_graph=True with respect to the parameters: `_matched`
-               "autograd_grad": "torch.autograd.grad"}
+               "autograd_grad": "torch.autograd.grad",
+               # `encoder.requires_grad_(True)` mid-run: a part unfrozen (its step and line, for `_missing`)
+               "module_requires_grad": "torch.nn.Module.requires_grad_"}
 
     def __init__(self, guard):
         super().__init__(guard)
@@ -155,6 +157,17 @@ class OptimizerParams(Check):
         self._synced = WeakIdSet()  # modules something loaded a state_dict into (a target synced every N steps)
         self._attrs: Dict[int, str] = {}  # id(tensor) -> the module attribute holding it (a plain tensor to train)
         self._matched: set = set()  # shapes of gradients taken with create_graph=True (gradient matching, MAML)
+        self._unfrozen = WeakIdMap()  # parameter -> (step, line) of the `module.requires_grad_(True)` that unfroze it
+
+    def on_module_requires_grad(self, args, kwargs):
+        mod = args[0] if args else None
+        if not isinstance(mod, nn.Module) or not (args[1] if len(args) > 1 else kwargs.get("requires_grad", True)):
+            return
+        frozen = [p for p in mod.parameters() if not p.requires_grad]  # (called before the change: still frozen)
+        if frozen and len(self._unfrozen) < 100_000:
+            at = (self.g.step, self.g.source())
+            for p in frozen:
+                self._unfrozen[p] = at
 
     def on_load_state_dict(self, args, kwargs):
         if args and isinstance(args[0], nn.Module):
@@ -612,6 +625,16 @@ class OptimizerParams(Check):
             hint = ("To freeze them, set requires_grad_(False) on them (or run that part under torch.no_grad()): "
                     "backward() then skips them. If they should still train, put them back in the optimizer.")
             extra = {"removed_from_optimizer": True}
+        elif later and (unfrozen := self._unfrozen_at(missing, named)) is not None:
+            # made trainable by a `requires_grad_(True)` guard saw, after the optimizer was built over the rest
+            step, source = unfrozen
+            message = (f"{len(missing)} parameter(s) of {_listing(shown, more)} were made trainable at step {step} "
+                       f"({source}: requires_grad_(True)) but are in no optimizer ({opts}): optimizer.step() never "
+                       f"updates them, and zero_grad() never clears their gradients, which pile up")
+            hint = ("Add them to the optimizer when unfreezing: optimizer.add_param_group({'params': "
+                    "model.<module>.parameters()}) (with the learning rate you want for them), or build the optimizer "
+                    "over every parameter you will train and keep the frozen ones' requires_grad=False until then.")
+            extra = {"unfrozen": True, "unfrozen_at": source}
         elif later and self._whole_models(missing, named):
             # A whole model called since the last look, none of it in an optimizer, while the optimizer trains
             # another: a second network (a teacher or target copied from the model) run outside no_grad.
@@ -658,6 +681,14 @@ class OptimizerParams(Check):
         self.emit("param-not-in-optimizer", shown[0], message, hint, step=step, source=source,
                   details={"modules": shown, "parameters": len(missing), "names": missing[:20],
                            "appeared_mid_run": later, **extra})
+
+    def _unfrozen_at(self, missing: List[str], named: list) -> Optional[Tuple[int, Optional[str]]]:
+        """(step, line) of the earliest `requires_grad_(True)` that unfroze every missing parameter; None if not so."""
+        gone = set(missing)
+        ats = [self._unfrozen.data.get(id(p)) for n, p in named if n in gone]
+        if not ats or any(a is None for a in ats):
+            return None
+        return min(ats, key=lambda a: a[0])
 
     def _whole_models(self, missing: List[str], named: list) -> List[str]:
         """The outermost models (a global guard's roots) that hold every missing parameter and none held by an
