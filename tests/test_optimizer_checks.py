@@ -223,6 +223,31 @@ def test_a_head_frozen_after_the_optimizer_was_built_is_told_it_is_frozen():
     assert "are frozen (requires_grad=False)" in f[0].message and "p.grad = None" in f[0].hint
 
 
+class _TwoExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, route):
+        return self.head(sum(e(x) for i, e in enumerate(self.experts) if i in route))
+
+
+def test_an_idle_expert_shrunk_by_weight_decay_names_the_routing():
+    """A mixture of experts whose router stopped choosing expert 1 (zero_grad(set_to_none=False) leaves it zero
+    gradients, AdamW decays it): told, and the hint names the collapsed routing as the cause to fix."""
+    torch.manual_seed(0)
+    model = _TwoExperts()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with guard(model, opt, live=False) as g:
+        for step in range(40):
+            opt.zero_grad(set_to_none=False)
+            F.mse_loss(model(torch.randn(16, 8), (0, 1) if step < 5 else (0,)), torch.randn(16, 1)).backward()
+            opt.step()
+    f = only(g, "weight-decay-without-grad")
+    assert f.where == "experts.1" and f.details["expert"] is True and "collapsed expert" in f.hint
+
+
 def test_none_grads_and_weight_decay_free_group_are_clean():
     g = weight_decay_no_grad.train(fixed=True, live=False, checks="all")
     assert g.findings == [] and g.internal_errors == []

@@ -28,6 +28,7 @@ no extra reduction; the norm change is measured from the 2nd zero step on.
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -424,10 +425,17 @@ class WeightDecayWithoutGrad(Check):
             hint = hint.replace(f"Weight decay pulls {where} toward 0", f"Momentum from earlier steps keeps moving "
                                                                         f"{where} (its norm grew) and weight decay "
                                                                         f"pulls it toward 0")
+        expert = not (frozen and len(frozen) == len(ts)) and re.search(r"(^|\.)experts?\.\d+($|\.)", where) is not None
+        if expert:
+            # a mixture-of-experts expert the router stopped sending tokens to: the zero gradients are the routing's
+            hint += (f" If {where} is an expert the router stopped choosing (a collapsed expert), that is the cause to "
+                     f"fix: raise the load-balancing loss's weight or the capacity factor; the weight decay only "
+                     f"shrinks what the router left idle.")
         self.emit("weight-decay-without-grad", where, what, hint, step=since, seen=self.g.step, source=source,
                   details={"optimizer": opt_name, "group": gi, "weight_decay": wd,
                            "cause": "weight_decay" if decay else "momentum", "momentum": momentum, "lr": lr, "parameters": len(ts),
                            "zero_grad_steps": count, "norm_first": first, "norm_now": now,
                            **({"frozen": True} if frozen and len(frozen) == len(ts) else {}),
+                           **({"expert": True} if expert else {}),
                            "norm_change_pct": change,
                            "names": sorted(self.g.param_name(t.ref()) for t in ts if t.ref() is not None)[:20]})
