@@ -646,6 +646,23 @@ class MaskedMSE(nn.Module):
         return ((pred - torch.nan_to_num(target)) ** 2 * keep).sum() / keep.sum()
 
 
+def test_a_tables_nan_input_names_its_feature_columns():
+    """A tabular batch whose column 2 is NaN (a constant feature z-scored by a zero std): the finding names the
+    columns when the batch is still alive at the step's read, and the hint names the normalisation as a cause."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 5)
+    x[:, 2] = (x[:, 2] * 0 - 0) / torch.tensor(0.0)  # 0 / 0: the z-score of a constant column
+    with guard(model, opt, live=False) as g:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    f = next(f for f in g.findings if f.kind == "nonfinite-input")
+    assert f.details["columns"] == {"args[0]": [2]} and "(args[0]), in columns [2] of args[0]" in f.message
+    assert "zero std" in f.hint
+
+
 class _RowSoftmax(nn.Module):
     def forward(self, s):
         return s.softmax(-1)

@@ -845,12 +845,28 @@ class NonFinite(Check):
                       step=call.step, source=call.source,
                       details={"module": call.type, "arguments": args, "counts": counts, "optimised_input": True})
             return
+        columns = {}
+        for name, i in call.inputs:
+            t = refs.get(i, lambda: None)() if i in bad else None
+            if t is not None and t.dim() == 2 and t.is_floating_point() and 1 < t.shape[1] <= 100_000 \
+                    and 0 not in t.stride() and t.numel() <= 1 << 26:
+                # a table's rows and features: which feature columns hold NaN/Inf (a constant column z-scored by 0)
+                with torch.no_grad():
+                    cols = (~torch.isfinite(t.detach())).any(0).nonzero().flatten()[:11].tolist()
+                if cols:
+                    columns[name] = cols
+        where_cols = ", ".join(f"columns {c[:10]}{' ...' if len(c) > 10 else ''} of {n}" for n, c in columns.items())
         self.emit("nonfinite-input", "input",
-                  f"the input to {call.path} contains NaN/Inf ({', '.join(args)}): the data is dirty",
+                  f"the input to {call.path} contains NaN/Inf ({', '.join(args)})"
+                  + (f", in {where_cols}" if where_cols else "") + ": the data is dirty, or a value computed for it "
+                  f"before the call is",
                   "Check the dataset and transforms for NaN/Inf (e.g. torch.isfinite(x).all() in the Dataset), "
-                  "or filter such samples before they reach the model.",
+                  "or filter such samples before they reach the model; a value the loop computes for the model (a "
+                  "normalisation dividing by a zero std or count, deg.pow(-0.5) of a node with no edges, log of 0) "
+                  "needs a clamp or an epsilon where it is made.",
                   step=call.step, source=call.source,
-                  details={"module": call.type, "arguments": args, "counts": counts})
+                  details={"module": call.type, "arguments": args, "counts": counts,
+                           **({"columns": columns} if columns else {})})
 
     def _report_output(self, call: _Call, bad: set, refs: Dict[int, weakref.ref], taken: List[str] = (),
                        masked: bool = False, mask_in: List[str] = ()) -> bool:
