@@ -663,6 +663,29 @@ def test_a_tables_nan_input_names_its_feature_columns():
     assert "zero std" in f.hint
 
 
+@pytest.mark.parametrize("form", ["log(sigmoid)", "logsigmoid"])
+def test_a_log_of_a_sigmoid_that_underflows_gets_the_logsigmoid_fix(form):
+    """A negative-sampling loss written `-torch.log(torch.sigmoid(-s))`: a confident negative's sigmoid underflows to 0
+    and the log is -inf. Told as the log of a sigmoid with F.logsigmoid as the fix; F.logsigmoid itself is fine."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.fill_(40.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            s = model(torch.ones(8, 4)).squeeze(1)
+            loss = -(torch.log(torch.sigmoid(-s)) if form == "log(sigmoid)" else F.logsigmoid(-s)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if form == "logsigmoid":
+        assert g.findings == []
+        return
+    f = next(f for f in g.findings if f.kind == "nonfinite-loss")
+    assert f.details["log_of"] == "sigmoid" and "F.logsigmoid(x)" in f.hint and f.step == 0
+
+
 class _RowSoftmax(nn.Module):
     def forward(self, s):
         return s.softmax(-1)

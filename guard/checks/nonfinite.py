@@ -167,6 +167,7 @@ class NonFinite(Check):
         self._refs: Dict[int, weakref.ref] = {}  # flag index -> tensor ref (for details)
         self._calls: List[_Call] = []
         self._losses: List[Tuple[int, Optional[str], int]] = []
+        self._loss_fns: Dict[int, Any] = {}  # loss flag -> its grad_fn (the node structure outlives backward())
         self._grads: List[Tuple[int, Any, int, Optional[str]]] = []
         # (loss function, its target) of this window: held (a temporary `y[idx]` is gone by the read) until the
         # step is read, a few per window
@@ -378,7 +379,8 @@ class NonFinite(Check):
         for t in ts:
             if isinstance(t, torch.Tensor) and screenable(t):
                 # A 0-dim fp32/fp64 loss is its own sum (it is read at the step's end, as the timeline's loss is).
-                self._losses.append((self._flag(t, own=True), self.g.root_source, self.g.step))
+                self._losses.append((flag := self._flag(t, own=True), self.g.root_source, self.g.step))
+                self._loss_fns[flag] = t.grad_fn  # its graph's last nodes, walked only for a NaN/Inf loss's hint
 
     def on_ctc_loss(self, args, kwargs):
         if not (args[6] if len(args) > 6 else kwargs.get("zero_infinity", False)) and (
@@ -556,7 +558,7 @@ class NonFinite(Check):
 
     def _on_resolved(self):
         bad, masks = self._bad, self._masks
-        window = (self._calls, self._losses, self._grads, self._refs, self._targets)
+        window = (self._calls, self._losses, self._grads, self._refs, self._targets, self._loss_fns)
         self._window_updates = (self._calls, self._updates)
         self._new_window()
         if not bad:
@@ -727,6 +729,16 @@ class NonFinite(Check):
                                   step=step, source=source, details={"derivative_source": at})
                     elif self._dirty_target(step, source, window[4]):
                         pass
+                    elif (unstable := _log_of(window[5].get(flag))) is not None:
+                        inner, stable = unstable
+                        self.emit("nonfinite-loss", "loss",
+                                  f"the loss passed to backward() is NaN/Inf although the model's outputs were finite: "
+                                  f"it takes the log of a {inner}, which underflows to 0 (log gives -inf) for large "
+                                  f"inputs",
+                                  f"Compute it in log space: {stable} is exact where log({inner}(x)) underflows (or use "
+                                  f"the built-in loss that takes logits: F.binary_cross_entropy_with_logits, "
+                                  f"F.cross_entropy).",
+                                  step=step, source=source, details={"log_of": inner, "stable": stable})
                     else:
                         self.emit("nonfinite-loss", "loss",
                                   "the loss passed to backward() is NaN/Inf although the model's outputs were finite",
@@ -1224,6 +1236,29 @@ def _only_neg_inf(t: torch.Tensor) -> bool:
     """Whether -inf is the one non-finite value in `t` (no NaN, no +inf); read on the error path only."""
     d = t.detach()
     return not bool(torch.isnan(d).any()) and not bool((d == _INF).any())
+
+
+_STABLE_LOG = {"SigmoidBackward0": ("sigmoid", "F.logsigmoid(x)"), "SoftmaxBackward0": ("softmax", "F.log_softmax(x, dim)")}
+
+
+def _log_of(fn: Any, budget: int = 64) -> Optional[Tuple[str, str]]:
+    """(what, its stable form) when the loss graph behind `fn` takes the log of a sigmoid or softmax output
+    (`torch.log(torch.sigmoid(x))`); None otherwise. A few dozen nodes from the loss at most."""
+    stack = [fn] if fn is not None else []
+    while stack and budget > 0:
+        node = stack.pop()
+        budget -= 1
+        try:
+            nxt = [n for n, _ in node.next_functions if n is not None]
+        except Exception:
+            continue
+        if type(node).__name__ == "LogBackward0":
+            for n in nxt:
+                hit = _STABLE_LOG.get(type(n).__name__)
+                if hit is not None:
+                    return hit
+        stack.extend(nxt)
+    return None
 
 
 def _counted(c: Dict[str, int]) -> str:
