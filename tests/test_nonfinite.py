@@ -686,6 +686,24 @@ def test_a_log_of_a_sigmoid_that_underflows_gets_the_logsigmoid_fix(form):
     assert f.details["log_of"] == "sigmoid" and "F.logsigmoid(x)" in f.hint and f.step == 0
 
 
+def test_a_mixture_likelihood_in_linear_space_that_underflows_gets_the_logsumexp_fix():
+    """A mixture density network's -log(sum(pi * N(y))) with narrow components far from y: every density underflows
+    to 0 and the log is -inf. Told as the log of a sum of exponentials, with torch.logsumexp as the fix."""
+    torch.manual_seed(0)
+    head = nn.Linear(3, 6)
+    opt = torch.optim.SGD(head.parameters(), lr=1e-6)
+    with guard(head, opt, live=False) as g:
+        out = head(torch.randn(16, 3))
+        pi, mu = out[:, :3].softmax(-1), out[:, 3:]
+        dens = torch.exp(-0.5 * ((50.0 - mu) / 0.1) ** 2)  # y = 50, sigma = 0.1: exp(-125000) = 0
+        loss = -torch.log((pi * dens).sum(-1)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = next(f for f in g.findings if f.kind == "nonfinite-loss")
+    assert f.details["log_of"].startswith("sum of exponentials") and "torch.logsumexp" in f.hint
+
+
 class _RowSoftmax(nn.Module):
     def forward(self, s):
         return s.softmax(-1)

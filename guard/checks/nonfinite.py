@@ -733,11 +733,10 @@ class NonFinite(Check):
                         inner, stable = unstable
                         self.emit("nonfinite-loss", "loss",
                                   f"the loss passed to backward() is NaN/Inf although the model's outputs were finite: "
-                                  f"it takes the log of a {inner}, which underflows to 0 (log gives -inf) for large "
-                                  f"inputs",
-                                  f"Compute it in log space: {stable} is exact where log({inner}(x)) underflows (or use "
-                                  f"the built-in loss that takes logits: F.binary_cross_entropy_with_logits, "
-                                  f"F.cross_entropy).",
+                                  f"it takes the log of a {inner}, which underflows to 0 (log gives -inf)",
+                                  f"Compute it in log space: {stable} is exact where the log of the value underflows (or "
+                                  f"use the built-in loss that takes logits: F.binary_cross_entropy_with_logits, "
+                                  f"F.cross_entropy; for a mixture, torch.distributions.MixtureSameFamily's log_prob).",
                                   step=step, source=source, details={"log_of": inner, "stable": stable})
                     else:
                         self.emit("nonfinite-loss", "loss",
@@ -1257,8 +1256,24 @@ def _log_of(fn: Any, budget: int = 64) -> Optional[Tuple[str, str]]:
                 hit = _STABLE_LOG.get(type(n).__name__)
                 if hit is not None:
                     return hit
+                if type(n).__name__.startswith(("SumBackward", "MeanBackward")) and _exp_below(n, 4):
+                    # log(sum(pi * exp(...))): a mixture's likelihood in linear space, 0 when every term underflows
+                    return ("sum of exponentials (a mixture's likelihood computed in linear space)",
+                            "torch.logsumexp(log_weights + log_densities, dim)")
         stack.extend(nxt)
     return None
+
+
+def _exp_below(node: Any, depth: int) -> bool:
+    """Whether an exp node lies within `depth` nodes under `node` (through elementwise arithmetic)."""
+    if depth <= 0 or node is None:
+        return False
+    if type(node).__name__ == "ExpBackward0":
+        return True
+    try:
+        return any(_exp_below(n, depth - 1) for n, _ in node.next_functions if n is not None)
+    except Exception:
+        return False
 
 
 def _counted(c: Dict[str, int]) -> str:
