@@ -127,7 +127,7 @@ def test_bpr_with_a_positive_score_kept_n_1_against_a_squeezed_negative():
     assert (f.kind, f.where, f.step) == ("loss-shape-broadcast", "loss", 0)
     assert f.details["op"] == "-" and f.details["both_with_gradient"] is True
     assert f.details["input_shape"] == [12] and f.details["target_shape"] == [12, 1]
-    assert "both carrying gradient" in f.message and "a.squeeze(-1)" in f.hint and same
+    assert "both carrying gradient" in f.message and "s.squeeze(-1)" in f.hint and same
 
 
 CLEAN = {
@@ -341,6 +341,6 @@ def test_learned_per_sample_weights_kept_as_a_column_against_a_per_sample_term(w
         assert [(x.kind, x.step) for x in g.findings] == [("loss-shape-broadcast", 0)]
         d = g.findings[0].details
         assert d["op"] == "*" and d["both_with_gradient"] is True and d["broadcast_shape"] == [64, 64]
-        assert "weight or scale" in g.findings[0].message and "a.squeeze(-1)" in g.findings[0].hint
+        assert "weight or scale" in g.findings[0].message and "s.squeeze(-1)" in g.findings[0].hint
     else:
         assert g.findings == []

@@ -346,14 +346,14 @@ class LossShapeBroadcast(Check):
                     f"over all pairs of anchors), not with its own")
             fix = "reduce without keepdim (dist.max(1).values, .amax(1)) or b.squeeze(-1), so both are [N]"
         elif hit.get("both"):
-            kind = ("two scores of the model: a positive's kept [N, 1] by its Linear, a negative's squeezed"
+            kind = ("two scores of the model, one kept [N, 1] (by the Linear that made it) and one squeezed to [N]"
                     if op in ("-", "+") else
                     "a per-sample weight or scale kept [N, 1] by the Linear head that made it, and a per-sample term")
-            what = (f"a hand-written loss computes `a {op} b` with a of shape {other} and b of shape {shape}, both "
+            what = (f"a hand-written loss computes `{op}` between operands of shapes {other} and {shape}, both "
                     f"carrying gradient ({kind}), and the result has shape {out}: each sample's term is paired with "
                     f"every other sample's, not with its own")
-            fix = (f"a.squeeze(-1) so both are [N] (or, when every pair is meant, make it explicit: "
-                   f"a.view(-1)[:, None] {op} b[None, :])")
+            fix = (f"squeeze the [N, 1] one (s.squeeze(-1)) so both are [N] (or, when every pair is meant, make it "
+                   f"explicit: a.view(-1)[:, None] {op} b.view(-1)[None, :])")
         elif hit.get("column"):
             what = (f"a hand-written loss computes `a {op} b` with b of shape {other}, a column sliced from the "
                     f"model's output kept 2-d (`out[:, 1:]`: a log-variance, a scale), and a of shape {shape}: the result has shape {out}, so each sample's term is paired with "
