@@ -206,6 +206,21 @@ def test_target_demo_reports_values_and_classes(capsys):
     assert target_out_of_range.train(fixed=True, checks="all", live=False).findings == []
 
 
+def test_a_segmentation_mask_s_void_label_255_is_told_to_use_ignore_index_255():
+    """A mask with the void label 255 into cross_entropy without ignore_index: the hint names ignore_index=255 (the
+    value found), not only the default -100; a label 5 out of range gets no such sentence."""
+    for bad, void in ((255, True), (5, False)):
+        logits = torch.randn(2, 3, 4, 4)
+        target = torch.randint(0, 3, (2, 4, 4))
+        target[0, 0, 0] = bad
+        with guard(nn.Linear(2, 2), live=False) as g:
+            with pytest.raises(IndexError):
+                F.cross_entropy(logits, target)
+        f = g.findings[0]
+        assert f.kind == "target-out-of-range" and f.details["bad_values"] == [bad]
+        assert ("ignore_index=255" in f.hint) is void
+
+
 def test_target_raise_mode_explains_on_the_error_path():
     logits = torch.randn(4, 3)
     with guard(nn.Linear(2, 2), mode="raise", live=False) as g:

@@ -80,6 +80,23 @@ def test_sample_weights_of_shape_n_1_times_per_sample_loss():
     assert "w.view_as(x)" in f.hint and same
 
 
+def test_a_dice_product_of_a_channel_kept_prediction_and_a_mask_names_the_channel_to_squeeze():
+    """Binary dice with `sigmoid(logits)` [B, 1, H, W] times a mask [B, H, W]: [B, B, H, W]. The fix squeezes dim 1
+    (x.squeeze(-1) would change nothing: the last dimension is W)."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 1, 3, padding=1)
+    opt = torch.optim.SGD(conv.parameters(), lr=0.1)
+    x, mask = torch.randn(4, 3, 8, 8), (torch.rand(4, 8, 8) > 0.5).float()
+    with guard(conv, opt, live=False) as g:
+        p = torch.sigmoid(conv(x))
+        loss = 1 - (2 * (p * mask).sum() + 1) / (p.sum() + mask.sum() + 1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    [f] = g.findings
+    assert f.kind == "loss-shape-broadcast" and "x.squeeze(1)" in f.hint and "[4, 4, 8, 8]" in f.message
+
+
 def test_dqn_gathered_q_values_against_1d_targets():
     def td(q, x, y):
         chosen = q.gather(1, torch.zeros(len(q), 1, dtype=torch.long))  # [N, 1]

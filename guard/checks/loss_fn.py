@@ -362,9 +362,13 @@ class LossMisuse(Check):
         message = (f"{fn}() got class targets outside [0, {c}): {shown}" + (" ..." if values.numel() > 10 else "")
                    + f" ({count} of {t.numel()} targets; the input has C={c} classes"
                    + (f", ignore_index={ii}" if ii != -100 else "") + ")")
+        # 255 is the usual "void" label of segmentation masks (VOC, Cityscapes): its ignore_index is 255, not -100
+        void = 255 in shown and ii != 255
         hint = (f"Targets must be class indices in [0, {c - 1}]: check the label encoding (1-based labels need "
                 f"`y - 1`), the model's number of outputs (C={c}), or mark padding with ignore_index "
-                f"(default -100).")
+                f"(default -100)." + (" The value 255 is the void label of segmentation masks: pass "
+                                      "ignore_index=255 to the loss (nn.CrossEntropyLoss(ignore_index=255))."
+                                      if void else ""))
         exc, self._exc = self._exc, None
         if exc is not None:  # the opaque error gets the explanation as a note on its traceback
             add_guard_note(exc, f"{NOTE_PREFIX}target-out-of-range at loss (step {step}): {message}\n  fix: {hint}")

@@ -153,6 +153,17 @@ def _saved_shape(node: Any, attr: str) -> Optional[List[int]]:
     return list(t.shape) if isinstance(t, torch.Tensor) else None
 
 
+def _extra_one(a: Optional[List[int]], b: Optional[List[int]]) -> Optional[int]:
+    """The dimension (-1 for the last) of size 1 that `a` has beyond `b`: removing it gives `b` ([8, 1, 32, 32] against
+    [8, 32, 32]: 1); None when there is no such dimension."""
+    if a is None or b is None or len(a) != len(b) + 1:
+        return None
+    for i, n in enumerate(a):
+        if n == 1 and list(a[:i]) + list(a[i + 1:]) == list(b):
+            return -1 if i == len(a) - 1 else i
+    return None
+
+
 def crossed_pairs(loss: torch.Tensor) -> List[Dict[str, Any]]:
     """The broadcast accidents in a hand-written loss's graph (see the module's docstring)."""
     found: List[Dict[str, Any]] = []
@@ -394,7 +405,10 @@ class LossShapeBroadcast(Check):
             what = (f"a hand-written loss computes `{'x * w' if op == '*' else 'x / w'}` with x (it carries gradient) "
                     f"of shape {shape} and w{of}, and the result has shape {out}: each sample's term meets every "
                     f"sample's w (a weight or a mask), not only its own")
-            fix = ("w.view_as(x) (or w.squeeze(-1)) so the shapes are equal" if other is not None and other[-1:] == [1]
+            xi, wi = _extra_one(shape, other), _extra_one(other, shape)
+            fix = (f"x.squeeze({xi}) (or w.unsqueeze({xi})) so the shapes are equal" if xi is not None else
+                   f"w.squeeze({wi}) (or w.view_as(x)) so the shapes are equal" if wi is not None else
+                   "w.view_as(x) (or w.squeeze(-1)) so the shapes are equal" if other is not None and other[-1:] == [1]
                    else "give both the same shape (x.squeeze(-1), or w.view_as(x))")
         message = what[0].upper() + what[1:] + "; PyTorch computes it without a warning"
         hint = f"Make the shapes equal before `{'torch.where' if op == 'where' else op}`: {fix}."
