@@ -1831,6 +1831,37 @@ def test_master_weights_never_copied_back_are_told(copied_back):
     assert "float32 copies of the 4 bfloat16 parameters" in f.message and "p.copy_(m)" in f.hint
 
 
+def test_a_hand_written_optimizer_used_again_on_a_same_shaped_model_keeps_the_check_on():
+    """A hand-written optimizer class over one model, then a new instance over a fresh model of the same shapes (a
+    resume): the stuck-update look compared the two models' samples as lists, element-wise, and raised; the check
+    switched itself off (an internal error until stop 40). Now silent, and still on."""
+
+    class SGDh(torch.optim.Optimizer):
+        def __init__(self, params, lr=0.01):
+            super().__init__(params, dict(lr=lr))
+
+        @torch.no_grad()
+        def step(self):
+            for grp in self.param_groups:
+                for p in grp["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-grp["lr"])
+
+    torch.manual_seed(0)
+    kept = []  # the first model stays alive (a script's global)
+    with guard(live=False) as g:
+        for _ in range(2):
+            m = nn.Linear(3, 2)
+            kept.append(m)
+            o = SGDh(m.parameters())
+            for _ in range(40):
+                o.zero_grad()
+                m(torch.randn(4, 3)).pow(2).mean().backward()
+                o.step()
+    assert g.internal_errors == [] and g.findings == []
+    assert any(c.name == "params-not-updating" for c in g.checks)
+
+
 def test_weight_decay_stays_quiet_about_zero_gradients_that_follow_a_nan():
     """Auto-decoder codes at zero with a `sqrt(sum z^2)` regulariser: NaN gradients at step 0 make the codes NaN,
     and the decoder fed NaN then gets all-zero gradients (l1's backward of NaN). The NaN is the one finding; the

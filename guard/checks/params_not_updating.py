@@ -274,7 +274,8 @@ class ParamsNotUpdating(Check):
             return
         with torch.no_grad():
             # (weak references: a model released between looks is not kept alive by guard)
-            if before is not None and [r() for r, _ in before[1]] == ps:
+            # (by identity: list equality would compare another model's tensors of the same shapes element-wise)
+            if before is not None and len(before[1]) == len(ps) and all(r() is p for (r, _), p in zip(before[1], ps)):
                 same = torch.stack([(p.detach().reshape(-1)[:STUCK_SAMPLE] == old).all()
                                     for p, (_, old) in zip(ps, before[1])]).all()
                 grads = torch.stack([p.grad.detach().float().abs().amax() for p in ps]).amax()
