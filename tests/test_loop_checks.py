@@ -1277,6 +1277,37 @@ def test_a_forward_with_many_outputs_whose_last_one_is_trained_is_no_evaluation(
     assert g.findings == []
 
 
+@pytest.mark.parametrize("bug", [True, False])
+def test_a_generator_whose_every_output_is_detached_is_told_as_cut_off(bug):
+    """The generator loss computed on `fake.detach()`: optG steps but G never gets a gradient. Told at the end as the
+    detach cutting G off (not with a no_grad fix, which would keep it so). A WGAN whose G trains every 5th step,
+    its critic steps on `G(z).detach()`, is told as graphs built for nothing, from the same step."""
+    torch.manual_seed(0)
+    G, D = nn.Linear(4, 4), nn.Linear(4, 1)
+    oG, oD = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())
+    with guard(live=False) as g:
+        for i in range(20):
+            fake = G(torch.randn(8, 4)).detach()
+            oD.zero_grad()
+            (D(fake).mean() - D(torch.randn(8, 4)).mean()).backward()
+            oD.step()
+            if bug:
+                oG.zero_grad()
+                (-D(fake).mean()).backward()
+                oG.step()
+            elif i % 5 == 4:
+                oG.zero_grad()
+                (-D(G(torch.randn(8, 4))).mean()).backward()
+                oG.step()
+    [f] = [f for f in g.findings if f.kind == "eval-without-no-grad"]
+    assert f.where == "Linear" and f.step == 0  # (G: the first model seen; a function's variables are not read)
+    if bug:
+        assert f.details["parameters_without_gradient"] == 2 and "cuts Linear off from the loss" in f.message
+        assert "remove the .detach()" in f.hint
+    else:
+        assert "parameters_without_gradient" not in f.details and "for nothing" in f.message
+
+
 def test_a_train_mode_forward_thrown_away_once_per_epoch_is_told_when_it_recurs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))

@@ -107,6 +107,8 @@ class EvalWithoutNoGrad(Check):
         self._done = False
         self._backwards = self._backwards_at_call = 0  # backward() calls seen, and at the last root call's start
         self._drops: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> training-mode graphs dropped at once
+        self._probes: Dict[int, tuple] = {}  # id(module) -> ([backwards that reached its weights], hook handle)
+        self._deferred: Optional[_Fwd] = None  # a dropped forward waiting for its module's weights to be reached
         self._drop_first: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> the step of the first of them
         self._first_bn = WeakIdMap()  # root model -> weak reference to its first BatchNorm (or to nothing)
         self._streak: Dict[Tuple[int, bool, Optional[str]], int] = {}  # call site -> back-propagated in a row
@@ -307,8 +309,10 @@ class EvalWithoutNoGrad(Check):
             self._reached(roots)
         conditional = self._conditional()
         unused = [r for r in self._pending if not r.used and not conditional(r)]
+        if self._deferred is not None:
+            unused = [self._deferred]  # dropped forwards waiting for a backward that never reached their weights
         if unused:
-            self._report(unused)
+            self._report(unused, final=True)
 
     def _holders(self, recs: set) -> Tuple[Optional[str], List[torch.Tensor]]:
         """A variable in the user's frames whose graph reaches these forwards (e.g. `val_loss`), and its tensors."""
@@ -376,7 +380,35 @@ class EvalWithoutNoGrad(Check):
                 return 0
         return len(params)
 
-    def _report(self, unused: List[_Fwd]) -> None:
+    def _unreached(self, rec: _Fwd) -> bool:
+        """Whether no backward() has reached `rec`'s module's weights since its first dropped forward (a probe: a
+        post-accumulate-grad hook on its first trainable parameter, put there at that forward's first report)."""
+        m = rec.module() if rec.module is not None else None
+        if m is None:
+            return False
+        probe = self._probes.get(id(m))
+        if probe is None:
+            p = next((q for q in m.parameters() if q.requires_grad), None)
+            if p is None or len(self._probes) > 64:
+                return False
+            box = [0]
+
+            def hit(_param: Any, box: list = box) -> None:
+                box[0] += 1
+            probe = self._probes[id(m)] = (box, self.g.grad_hook(p, hit))
+        return probe[0][0] == 0
+
+    def _never_reached(self, rec: _Fwd) -> int:
+        """At the end: how many trainable parameters of `rec`'s module some optimizer holds, when no backward reached
+        them since its first dropped forward (the probe never fired); 0 otherwise."""
+        m = rec.module() if rec.module is not None else None
+        probe = self._probes.get(id(m)) if m is not None else None
+        if probe is None or probe[0][0]:
+            return 0
+        held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        return sum(1 for p in m.parameters() if p.requires_grad and id(p) in held)
+
+    def _report(self, unused: List[_Fwd], final: bool = False) -> None:
         # A training-mode forward whose graph was dropped at once (a lazy module's dry run, a GAN's
         # `fake = G(z).detach()` for the critic) kept nothing: a few such calls are no evaluation; when
         # they recur they are reported as what they are (graphs built for nothing), not as kept memory.
@@ -392,6 +424,7 @@ class EvalWithoutNoGrad(Check):
         runs: Dict[Any, int] = {}  # (site, backward() calls before them) -> forwards dropped at once
         for r in unused:
             if r.short and not r.eval_mode:
+                self._unreached(r)  # the probe goes on at a module's first dropped forward
                 drops[(r.path, r.source)] = drops.get((r.path, r.source), 0) + 1
                 self._drop_first.setdefault((r.path, r.source), r.step)
                 runs[(r.site, r.backwards)] = runs.get((r.site, r.backwards), 0) + 1
@@ -418,9 +451,17 @@ class EvalWithoutNoGrad(Check):
             and not ((ent := skips.get(r.site)) and ent[1] >= 2 and ent[1] < SKIPPING * ent[0]))])
         if not unused:
             return
+        first = unused[0]
+        m = first.module() if first.module is not None else None
+        if not final and first.short and not first.eval_mode and m is not None and id(m) not in self._on_path.data \
+                and self._unreached(first):
+            # dropped forwards of a model no backward has reached since the first of them: it may be a GAN's generator
+            # whose own step comes later (told then as graphs built for nothing) or one cut off from every loss (a
+            # generator loss on `fake.detach()`: told at the end as such, not with a no_grad fix that would keep it so)
+            self._deferred = first
+            return
         self._done = True
         self._pending = []
-        first = unused[0]
         by_source: Dict[Optional[str], int] = {}
         for r in unused:
             if r.path == first.path:  # the message is about this model: count only its calls
@@ -448,6 +489,8 @@ class EvalWithoutNoGrad(Check):
         if dropped:
             n = details["forwards"] = max(n, drops.get((first.path, first.source), 0))
         starved = self._starved(first) if dropped else 0
+        if dropped and not starved and final:
+            starved = self._never_reached(first)
         if dropped and starved:
             # Its trainable weights are in an optimizer and never got a gradient: the detach cuts off a part
             # meant to train (a helper's `return backbone(x).detach()`), not a GAN's critic step.
