@@ -2108,6 +2108,32 @@ def test_gradient_accumulation_through_an_embedding_with_max_norm_is_no_perturba
     assert g.findings == []
 
 
+@pytest.mark.parametrize("perturbed", ["embedding", "every weight"])
+def test_fgm_sums_clean_and_adversarial_gradients_on_purpose(perturbed):
+    """FGM: the embedding table perturbed along its gradient between the clean and the adversarial backward, whose
+    gradients are summed on purpose, then restored before the step: silent (a false alarm as SAM until stop 40).
+    Perturbing every weight that way is SAM without its zero_grad(): still told."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 16), nn.Flatten(), nn.Linear(64, 2))
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    with guard(live=False) as g:
+        for _ in range(8):
+            x = torch.randint(0, 20, (32, 4))
+            y = (x[:, 0] > 9).long()
+            F.cross_entropy(model(x), y).backward()
+            ps = [model[0].weight] if perturbed == "embedding" else list(model.parameters())
+            backup = [p.data.clone() for p in ps]
+            for p in ps:
+                p.data.add_(p.grad / p.grad.norm())
+            F.cross_entropy(model(x), y).backward()
+            for p, b in zip(ps, backup):
+                p.data = b
+            opt.step()
+            opt.zero_grad()
+    found = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    assert (found == []) is (perturbed == "embedding"), g.findings
+
+
 def test_an_ema_updated_with_autograd_on_is_one_finding_under_a_global_guard():
     """`for e, p in zip(ema.parameters(), model.parameters()): e.mul_(d).add_((1 - d) * p)` with autograd on:
     told once, at the EMA copy's weights. The loop variable `e` still bound to one of them is no second holder."""

@@ -361,9 +361,14 @@ class MissingZeroGrad(Check):
         leaves = [t for r in self._loss_leaves if (t := r()) is not None]
         # nn.Embedding(max_norm=...) renormalises the rows it looks up in place, in its forward: a change made by the
         # model call, not by an update between two backward()s (gradient accumulation over micro-batches)
-        renormed = {id(m.weight) for r in self.g.roots for m in r.modules()
-                    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None}
-        for p in ([leaf] if leaf is not None else []) + [p for _, p in self.g.named_parameters()[:64]] + leaves:
+        embs = [m for r in self.g.roots for m in r.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+        renormed = {id(m.weight) for m in embs if m.max_norm is not None}
+        # embedding tables left out when there are other weights: FGM-style adversarial training perturbs only them
+        # between its two backwards, whose gradients it sums on purpose (SAM perturbs every weight: the others tell it)
+        table = {id(m.weight) for m in embs}
+        params = [p for _, p in self.g.named_parameters()[:64]]
+        params = [p for p in params if id(p) not in table] or params
+        for p in ([leaf] if leaf is not None else []) + params + leaves:
             if not p.is_leaf or id(p) in renormed:
                 continue  # a frozen weight updated in place with autograd on: no .grad to read (torch warns)
             g = p.grad
