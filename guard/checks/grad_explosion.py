@@ -294,9 +294,18 @@ class GradExplosion(Check):
             message = (f"total gradient norm {v:.3g} is {v / med:.0f}x its running median {med:.3g} "
                        f"(last {len(st.window)} steps; this run's norms vary up to about {ratio:.0f}x); "
                        f"largest: {largest}")
-            hint = (f"The update is about to jump far: lower the learning rate (or lengthen its warm-up), and clip "
-                    f"gradients before optimizer.step(): torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                    f"max_norm={_nice(3 * med)}) (a few times the usual norm here).")
+            if _adaptive(opt):
+                # Adam-like steps are normalised: the update grows a few times at most, but its moments take the
+                # spike in, and spikes that come back are how such runs start to diverge
+                hint = (f"{type(opt).__name__} normalises its step, so this update grows only a few times, but the "
+                        f"spike enters its moment estimates; if it comes back, lower the learning rate (or lengthen "
+                        f"its warm-up) and clip gradients before optimizer.step(): "
+                        f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={_nice(3 * med)}) (a few times "
+                        f"the usual norm here).")
+            else:
+                hint = (f"The update is about to jump far: lower the learning rate (or lengthen its warm-up), and clip "
+                        f"gradients before optimizer.step(): torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                        f"max_norm={_nice(3 * med)}) (a few times the usual norm here).")
         self.emit("grad-explosion", where, message, hint, step=step, source=source,
                   details={"optimizer": type(opt).__name__, "total_norm": v, "running_median": med,
                            "ratio": v / med, "threshold_ratio": ratio, "largest": [{"name": n, "norm": x} for n, x in ranked],
