@@ -20,7 +20,7 @@ drove it to 0), or an optimizer built over another copy of the model.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -70,18 +70,23 @@ class _Run:
 HORIZON = 20_000
 
 
-def _scheduled_back(opt: Any, i: int) -> bool:
-    """Whether a LambdaLR over `opt` gives group `i` a non-zero factor again within HORIZON steps: a group held at 0
-    for a while on purpose (a backbone that starts after the head's warm-up). Looked for among the optimizer's
-    referrers, once per report (a few ms). A MultiplicativeLR's factors multiply the current lr: 0 stays 0."""
+def _lambda_factors(opt: Any, i: int) -> Iterator[Tuple[Callable[[int], Any], int]]:
+    """(factor function of group `i`, the scheduler's last epoch) of each LambdaLR over `opt`, found among the
+    optimizer's referrers (a few ms: only when a report is due)."""
     import gc
 
     for sched in gc.get_referrers(opt):
         lambdas = getattr(sched, "lr_lambdas", None)
-        if (not isinstance(sched, torch.optim.lr_scheduler.LambdaLR) or getattr(sched, "optimizer", None) is not opt
-                or not isinstance(lambdas, list) or i >= len(lambdas)):
-            continue
-        fn, now = lambdas[i], getattr(sched, "last_epoch", 0)
+        if (isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and getattr(sched, "optimizer", None) is opt
+                and isinstance(lambdas, list) and i < len(lambdas)):
+            yield lambdas[i], getattr(sched, "last_epoch", 0)
+
+
+def _scheduled_back(opt: Any, i: int) -> bool:
+    """Whether a LambdaLR over `opt` gives group `i` a non-zero factor again within HORIZON steps: a group held at 0
+    for a while on purpose (a backbone that starts after the head's warm-up). A MultiplicativeLR's factors multiply
+    the current lr: 0 stays 0."""
+    for fn, now in _lambda_factors(opt, i):
         try:
             if any(fn(e) != 0 for e in range(now + 1, now + 1 + HORIZON)):
                 return True
@@ -94,14 +99,7 @@ def _int_zero(opt: Any, i: int) -> Optional[int]:
     """The step at which a LambdaLR over `opt` whose factor for group `i` is the integer 0 now (an integer division,
     `s // warmup`: 0 until step `warmup`) first gives a non-zero factor; None when it is not such a schedule. A delayed
     start written on purpose gives a float or a bool (`0.0 if s < k else 1.0`, `float(s >= k)`)."""
-    import gc
-
-    for sched in gc.get_referrers(opt):
-        lambdas = getattr(sched, "lr_lambdas", None)
-        if (not isinstance(sched, torch.optim.lr_scheduler.LambdaLR) or getattr(sched, "optimizer", None) is not opt
-                or not isinstance(lambdas, list) or i >= len(lambdas)):
-            continue
-        fn, now = lambdas[i], getattr(sched, "last_epoch", 0)
+    for fn, now in _lambda_factors(opt, i):
         try:
             v = fn(now)
             if type(v) is not int or v != 0:
