@@ -6,10 +6,11 @@ loop. Only when no frame of the user's own is on the stack does a framework fram
 """
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import sysconfig
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -134,6 +135,20 @@ def short_path(path: str) -> str:
     if len(_short_cache) < 10000:
         _short_cache[key] = hit
     return hit
+
+
+def source_match(obj: Any, test: Callable[[str], bool]) -> Optional[str]:
+    """``file:line`` of the first line of `obj`'s source (a class or a function) that passes `test`; None when none
+    does or the source cannot be read (a class defined in a notebook cell, C code)."""
+    try:
+        lines, start = inspect.getsourcelines(obj)
+        fname = inspect.getsourcefile(obj)
+    except (OSError, TypeError):
+        return None
+    for i, text in enumerate(lines):
+        if test(text):
+            return f"{short_path(fname) if fname else '?'}:{start + i}"
+    return None
 
 
 CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function's frame (fast locals)

@@ -29,7 +29,6 @@ no device values.
 """
 from __future__ import annotations
 
-import inspect
 import re
 import sys
 import weakref
@@ -38,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._frames import is_skipped, short_path as _short
+from .._frames import is_skipped, short_path as _short, source_match
 from .base import Check
 
 DEPTH = 3  # nesting of plain containers searched (list of lists, dict of lists, ...)
@@ -78,14 +77,10 @@ def _assignment_source(owner: type, attr: str) -> Optional[str]:
     for cls in owner.__mro__:
         if cls.__module__.startswith("torch."):
             break
-        try:
-            lines, start = inspect.getsourcelines(cls)
-            fname = inspect.getsourcefile(cls)
-        except (OSError, TypeError):
-            continue
-        for i, text in enumerate(lines):
-            if pat.search(text) and not re.search(r"Module(List|Dict)\(|Sequential\(", text):
-                return f"{_short(fname)}:{start + i}"
+        hit = source_match(cls, lambda text: pat.search(text) is not None
+                           and not re.search(r"Module(List|Dict)\(|Sequential\(", text))
+        if hit is not None:
+            return hit
     return None
 
 

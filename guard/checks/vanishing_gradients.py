@@ -16,15 +16,14 @@ with fewer than `MIN_LAYERS` such layers are not looked at.
 """
 from __future__ import annotations
 
-import inspect
 import math
-import os
 import re
 import weakref
 from typing import List, Optional, Tuple
 
 import torch
 
+from .._frames import source_match
 from ..tensors import as_float
 from .base import Check
 
@@ -104,14 +103,10 @@ class VanishingGradients(Check):
                 fwd = getattr(type(mod), "forward", None)
                 if fwd is None or (getattr(fwd, "__module__", "") or "").startswith("torch."):
                     continue
-                try:
-                    lines, start = inspect.getsourcelines(fwd)
-                    path = inspect.getsourcefile(fwd)
-                except (OSError, TypeError):
-                    continue
-                for i, line in enumerate(lines):
-                    if _CHECKPOINT_CALL.search(line) and "use_reentrant=False" not in line.replace(" ", ""):
-                        return f"{os.path.relpath(path) if path else '?'}:{start + i}"
+                hit = source_match(fwd, lambda line: _CHECKPOINT_CALL.search(line) is not None
+                                   and "use_reentrant=False" not in line.replace(" ", ""))
+                if hit is not None:
+                    return hit
         return None
 
     def on_step_pre(self, optimizer):
