@@ -123,6 +123,8 @@ class MissingZeroGrad(Check):
     def __init__(self, guard):
         super().__init__(guard)
         self._st = WeakIdMap()  # optimizer -> _State
+        # ((ids of the roots, number of parameters), ids of embedding tables, ids of those with max_norm)
+        self._embedding_ids: Optional[tuple] = None
         self._per_param_told: set = set()  # optimizer types told once for all their per-parameter instances
         self._armed = False  # some state may be armed (only a step arms one): backwards skip the scan otherwise
         self._pending = False  # some state holds left-over gradients not yet judged: backwards note their line
@@ -361,12 +363,16 @@ class MissingZeroGrad(Check):
         leaves = [t for r in self._loss_leaves if (t := r()) is not None]
         # nn.Embedding(max_norm=...) renormalises the rows it looks up in place, in its forward: a change made by the
         # model call, not by an update between two backward()s (gradient accumulation over micro-batches)
-        embs = [m for r in self.g.roots for m in r.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-        renormed = {id(m.weight) for m in embs if m.max_norm is not None}
+        named = self.g.named_parameters()
+        key = (tuple(map(id, self.g.roots)), len(named))
+        if self._embedding_ids is None or self._embedding_ids[0] != key:  # walked once while the modules stay the same
+            embs = [m for r in self.g.roots for m in r.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+            self._embedding_ids = (key, {id(m.weight) for m in embs},
+                                   {id(m.weight) for m in embs if m.max_norm is not None})
         # embedding tables left out when there are other weights: FGM-style adversarial training perturbs only them
         # between its two backwards, whose gradients it sums on purpose (SAM perturbs every weight: the others tell it)
-        table = {id(m.weight) for m in embs}
-        params = [p for _, p in self.g.named_parameters()[:64]]
+        _, table, renormed = self._embedding_ids
+        params = [p for _, p in named[:64]]
         params = [p for p in params if id(p) not in table] or params
         for p in ([leaf] if leaf is not None else []) + params + leaves:
             if not p.is_leaf or id(p) in renormed:
