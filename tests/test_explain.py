@@ -1503,3 +1503,26 @@ def test_adam_state_after_columns_were_added_names_the_variable_and_the_columns(
     (f,) = _explained(g)
     assert f.where == "W_enc" and f.details["columns_changed"] is True
     assert "resize_token_embeddings" not in f.message and "dim=1" in f.hint and "W_enc" in _notes(ei.value)
+
+
+def test_a_one_cycle_schedule_sized_per_epoch_and_stepped_per_batch_is_told_to_size_it_from_the_loop():
+    """OneCycleLR raises "Tried to step 21 times. The specified number of total steps is 20" once stepped past
+    its total_steps: the usual cause is total_steps set to the number of epochs while step() runs per batch."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=5)
+    with pytest.raises(ValueError) as ei:
+        with guard(model, opt, live=False) as g:
+            for _epoch in range(5):
+                for _batch in range(4):
+                    x = torch.randn(8, 4)
+                    loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    sched.step()
+    [f] = _explained(g)
+    assert f.where == "OneCycleLR" and f.details["total_steps"] == 5 and f.details["stepped"] == 6
+    assert "steps_per_epoch=len(train_loader)" in f.hint and "steps_per_epoch" in _notes(ei.value)
+    path, line = f.source.rsplit(":", 1)
+    assert open(path).read().splitlines()[int(line) - 1].strip() == "sched.step()"

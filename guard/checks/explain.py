@@ -98,6 +98,33 @@ _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lam
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
+_ONECYCLE_RE = re.compile(r"Tried to step (\d+) times\. The specified number of total steps is (\d+)")
+
+
+def _one_cycle_overrun(exc: BaseException, stepped: int, total: int) -> Tuple[str, str, str, Dict[str, Any]]:
+    """OneCycleLR stepped past its total_steps: sized for one step per epoch (or one loader) and stepped per batch."""
+    sched = _traceback_self(exc, "OneCycleLR")
+    name = type(sched).__name__ if sched is not None else "OneCycleLR"
+    cause = (f"{name} was stepped {stepped} times, but its schedule was built for total_steps={total}: it counts "
+             f"scheduler.step() calls, one per optimizer step, so a run of E epochs of B batches needs E x B of them "
+             f"(a schedule sized as the number of epochs, or one epoch's batches, runs out here)")
+    fix = ("Size it from the loop: OneCycleLR(optimizer, max_lr=..., epochs=EPOCHS, steps_per_epoch=len(train_loader)) "
+           "(with gradient accumulation, steps_per_epoch=math.ceil(len(train_loader) / accum_steps)), and call "
+           "scheduler.step() right after each optimizer.step().")
+    return name, cause, fix, {"scheduler": name, "stepped": stepped, "total_steps": total}
+
+
+def _traceback_self(exc: BaseException, cls_name: str) -> Any:
+    """The ``self`` of the innermost traceback frame whose ``self`` is an instance of a class named `cls_name`."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if any(c.__name__ == cls_name for c in type(obj).__mro__):
+            found = obj
+        tb = tb.tb_next
+    return found
+
+
 def _dtype_part(type_name: str) -> str:
     """``torch.cuda.FloatTensor`` and ``float`` -> ``float``: the dtype in a legacy type name."""
     return type_name.lower().replace("torch.", "").replace("cuda.", "").replace("tensor", "")
@@ -595,6 +622,9 @@ class ExplainErrors(Check):
             m = _DIST_RE.search(text)
             if m:
                 return _distribution_args(text, *m.groups())
+            m = _ONECYCLE_RE.search(text)
+            if m:
+                return _one_cycle_overrun(exc, int(m.group(1)), int(m.group(2)))
         if isinstance(exc, RuntimeError) and "modified by an inplace operation" in text:
             info, self._inplace = self._inplace, None
             path = (info or {}).get("module")
