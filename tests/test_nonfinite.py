@@ -1824,3 +1824,26 @@ def test_minus_inf_from_a_forward_that_masks_nothing_is_told_as_log_of_zero(mask
     else:
         assert "masks nothing" in f.message and f.details["no_mask_in_forward"] is True
         assert "logsumexp" in f.hint
+
+
+def test_weights_made_nan_by_an_lbfgs_line_search_are_told_as_its_own_steps_not_a_change_after_the_update():
+    """LBFGS moves the weights in place between its closure's evaluations inside one step(closure): weights NaN at
+    such an evaluation were made by that update, not by something that changed them after it (a SAM perturbation)."""
+    torch.manual_seed(0)
+    x = torch.linspace(-2, 2, 200).unsqueeze(1)
+    y = torch.sin(3 * x)
+    model = nn.Sequential(nn.Linear(1, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=20)
+
+    def closure():  # no zero_grad(): the gradients pile up and the steps diverge
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    with guard(model, opt, live=False) as g:
+        for _ in range(6):
+            opt.step(closure)
+    [f] = [f for f in g.findings if f.kind == "nonfinite-param"]
+    assert "inside optimizer.step()" in f.message and "changed_after_update" not in f.details
+    assert "SAM" not in f.hint and "line_search_fn='strong_wolfe'" in f.hint and "zero_grad()" in f.hint
+    assert any(f.kind == "missing-zero-grad" for f in g.findings)

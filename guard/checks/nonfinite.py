@@ -1138,8 +1138,17 @@ class NonFinite(Check):
         if not new or caused:
             return False  # already known, or the step's gradients were NaN/Inf (reported upstream)
         screened = step in self._screened
-        edited = [self.g.param_name(p) for p in group] if self._edited_since_update() else []
-        if screened and not edited and self._ran_clean(group):
+        # During an update (an LBFGS closure's later evaluations), weights changed since the last update are
+        # this update's own trial points, not an edit after it.
+        during = self._in_update is not None
+        edited = [self.g.param_name(p) for p in group] if not during and self._edited_since_update() else []
+        if during:
+            why = (f"; found by a forward inside optimizer.step() (its closure, evaluated again by the optimizer at "
+                   f"the trial weights it moved to), so this update's own steps made them NaN/Inf")
+            hint = ("The optimizer's steps inside step(closure) diverged: with LBFGS use line_search_fn='strong_wolfe' "
+                    "and a lower lr (and max_iter), make sure the closure calls optimizer.zero_grad() before backward(), "
+                    "and that the loss is finite and bounded below at the starting weights.")
+        elif screened and not edited and self._ran_clean(group):
             why = (f"; the model's calls after that update had finite inputs and outputs, so they became NaN/Inf "
                    f"later, changed outside the optimizer")
             hint = ("Look at what changes the weights after optimizer.step(): an update by hand (a zeroth-order or "
