@@ -6,7 +6,7 @@ other values. Host side, a window of the logs of the last `WINDOW` finite,
 non-zero totals. After `WARMUP` steps a total fires when its log lies above the
 window's median by more than the run's own spread allows: ``Z`` robust standard
 deviations (1.4826 x the median absolute deviation of the logs), ``HIGH`` x the
-window's largest total, and never less than ``FACTOR`` x the median. Runs whose norms vary by design (random extra
+window's largest total (``HIGH_HEAVY`` x when that is already ``SPREAD`` x the median: a heavy tail), and never less than ``FACTOR`` x the median. Runs whose norms vary by design (random extra
 terms, losses summed over episodes of varying length) thus set their own,
 higher bar; a steady run keeps the ``FACTOR`` floor. A burst (consecutive
 totals above the bar) is reported once; the next report needs a total back
@@ -42,6 +42,10 @@ FACTOR = 10.0  # the least ratio to the median that fires, however steady the ru
 Z = 6.0  # robust standard deviations of log norms above the median that fire
 HIGH = 2.0  # and the least ratio to the largest norm in the window
 LOG_HIGH = math.log(HIGH)
+# A window whose largest norm is already SPREAD x its median is heavy-tailed (meta-learning over random tasks, a
+# few hard batches): its next largest is often twice the last, so a jump must be HIGH_HEAVY x the largest there.
+SPREAD = 5.0
+HIGH_HEAVY = 4.0
 
 
 DIVERGE = 1000.0  # a total this many times the window's median, after a steady climb, is a divergence
@@ -116,7 +120,8 @@ def _bar(logs) -> tuple:
     HIGH x the window's largest norm (rare by-design jumps of a run are not its explosions)."""
     m = median(logs)
     sigma = 1.4826 * median(abs(x - m) for x in logs)
-    return math.exp(m), max(FACTOR, math.exp(Z * sigma), HIGH * math.exp(max(logs) - m))
+    spread = math.exp(max(logs) - m)
+    return math.exp(m), max(FACTOR, math.exp(Z * sigma), (HIGH_HEAVY if spread >= SPREAD else HIGH) * spread)
 
 
 def _adaptive(opt) -> bool:
