@@ -2457,3 +2457,48 @@ def test_a_heavy_tailed_run_s_next_largest_norm_is_no_explosion_but_a_jump_far_a
     else:
         [f] = found
         assert f.step == 84 and f.details["ratio"] > 50
+
+
+def _quant(w, bits=4):
+    s = w.detach().abs().max() / (2 ** (bits - 1) - 1)
+    return torch.round(w / s) * s
+
+
+class _QLinear(nn.Linear):
+    """A fake-quantised Linear: its straight-through estimator right (`w + (q(w) - w).detach()`) or wrong."""
+
+    wrong = False
+
+    def forward(self, x):
+        w = self.weight
+        wq = w.detach() + (_quant(w) - w.detach()) if self.wrong else w + (_quant(w) - w).detach()
+        return F.linear(x, wq, self.bias)
+
+
+@pytest.mark.parametrize("wrong", [True, False])
+def test_weight_matrices_cut_by_a_straight_through_estimator_detached_on_the_wrong_term_are_told(wrong):
+    """Every weight matrix gets an exactly-zero gradient while its bias learns: no cancellation does that step
+    after step; AdamW's decay shrinks the weights (silent until stop 41: a lone zero in a layer was exempt)."""
+    torch.manual_seed(0)
+    layers = [_QLinear(16, 32), nn.ReLU(), _QLinear(32, 32), nn.ReLU(), _QLinear(32, 3)]
+    for m in layers[::2]:
+        m.wrong = wrong
+    model = nn.Sequential(*layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
+    x = torch.randn(256, 16)
+    y = x[:, :3].argmax(1)
+    with guard(model, opt, live=False) as g:
+        for i in range(40):
+            idx = slice(i % 4 * 64, i % 4 * 64 + 64)
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    found = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
+    if not wrong:
+        assert g.findings == []
+        return
+    [f] = found
+    assert f.where == "0.weight" and f.step == 0 and f.details["parameters"] == 3
+    assert f.details["names"] == ["0.weight", "2.weight", "4.weight"] and f.details["zero_beside_learning_bias"]
+    assert "0.weight, 2.weight, 4.weight" in f.message and "biases learn" in f.message
+    assert "w + (quant(w) - w).detach()" in f.hint

@@ -126,6 +126,7 @@ class WeightDecayWithoutGrad(Check):
         self._first_seen = WeakIdMap()  # optimizer -> the first step this check saw it at
         self._source = WeakIdMap()  # optimizer -> the line of its last step with a zero-gradient run
         self._walked = False  # a backward since the last round was looked at
+        self._lone: set = set()  # ids of weight matrices at exactly 0 beside a bias that learns (`_whole_layers`)
         self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
 
     # Was the parameter in this step's graph at all? An all-zero gradient of a parameter that was
@@ -348,6 +349,13 @@ class WeightDecayWithoutGrad(Check):
         for ps in layers.values():
             if all(id(p) in zero_ids for p in ps) and (len(ps) >= 2 or ps[0].numel() > 1):
                 out.update(id(p) for p in ps)
+            elif len(ps) == 2 and id(ps[0]) in zero_ids and id(ps[1]) not in zero_ids and ps[0].dim() >= 2 \
+                    and [self.g.param_name(p).rpartition(".")[2] for p in ps] == ["weight", "bias"]:
+                # A layer's weight matrix at exactly 0 while its bias learns: no cancellation zeroes a whole matrix
+                # step after step. The weight reaches the output only through an op without a derivative (a
+                # fake-quantiser's straight-through estimator detached on the wrong term), or its input is 0.
+                out.add(id(ps[0]))
+                self._lone.add(id(ps[0]))
         return out
 
     def _report(self, opt, due: List[_Track], source: Optional[str]) -> None:
@@ -367,6 +375,10 @@ class WeightDecayWithoutGrad(Check):
             by_group.setdefault(t.group, []).append(t)
         model_names = [n for n, _ in self.g.named_parameters()]
         for gi, ts in by_group.items():
+            lone = [t for t in ts if id(t.ref()) in self._lone]
+            if lone:  # weight matrices of several layers, each beside its learning bias: one finding, at the first
+                self._emit(opt, gi, names[id(lone[0])], lone, source)
+                ts = [t for t in ts if id(t.ref()) not in self._lone]
             chosen = {names[id(t)]: t for t in ts}
             for prefix in module_prefixes(chosen, model_names):
                 mine = [t for n, t in chosen.items() if n == prefix or n.startswith(prefix + ".")]
@@ -384,6 +396,7 @@ class WeightDecayWithoutGrad(Check):
         lr = opt.param_groups[gi].get("lr", 0.0)
         lr = float(lr) if not isinstance(lr, torch.Tensor) else float(lr.detach().cpu())
         trend = "shrank" if change < 0 else "grew"
+        lone = [t for t in ts if (p := t.ref()) is not None and id(p) in self._lone]
         if decay:
             by = f"weight_decay={wd:g}" + (f", plus {opt_name}'s momentum from earlier steps" if momentum else "")
             what = (f"{where}: {len(ts)} parameter(s) in {opt_name} param_groups[{gi}] got all-zero gradients "
@@ -395,7 +408,18 @@ class WeightDecayWithoutGrad(Check):
                     f"output will be near 0. Remove these parameters from the optimizer for this phase, put "
                     f"them in their own group with weight_decay=0, or let their grads be None "
                     f"(zero_grad(set_to_none=True), which optimizers skip).")
-            if all(t.in_graph for t in ts):
+            if all(t.in_graph for t in ts) and len(lone) == len(ts):
+                if len(ts) > 1:
+                    what += " (" + ", ".join(self.g.param_name(t.ref()) for t in ts[:8]) + (", ..." if len(ts) > 8 else "") + ")"
+                what += (" (backward reaches them, but their gradients are computed as exactly 0 while their layers' "
+                         "biases learn: the weights reach the output only through an op whose derivative is 0, "
+                         "round() or sign() in a fake-quantiser whose straight-through estimator detaches the wrong "
+                         "term, or their layers' inputs are exactly 0)")
+                hint = (f"These weights never learn and weight decay shrinks them. For a straight-through "
+                        f"estimator keep the weight itself in the graph: w_q = w + (quant(w) - w).detach() (not "
+                        f"w.detach() + (quant(w) - w.detach())), and look for round/sign/argmax applied to the weights "
+                        f"without one; if their inputs are 0, look at the layer before them.")
+            elif all(t.in_graph for t in ts):
                 what += (" (backward reaches them, but their gradients are computed as exactly 0: a loss term "
                          "weighted by 0, a term with nothing to learn from in these batches (a box branch kept in "
                          "the graph with `reg.sum() * 0` while no batch has a box), or every unit after them dead)")
@@ -437,5 +461,6 @@ class WeightDecayWithoutGrad(Check):
                            "zero_grad_steps": count, "norm_first": first, "norm_now": now,
                            **({"frozen": True} if frozen and len(frozen) == len(ts) else {}),
                            **({"expert": True} if expert else {}),
+                           **({"zero_beside_learning_bias": True} if lone and len(lone) == len(ts) else {}),
                            "norm_change_pct": change,
                            "names": sorted(self.g.param_name(t.ref()) for t in ts if t.ref() is not None)[:20]})
