@@ -1283,3 +1283,44 @@ def test_a_constant_loss_whose_weights_never_move_is_not_blamed_on_thresholds():
     f = only(g, "loss-constant")
     assert f.details["why"] == "identical loss, outputs and weights" and "nothing updates the weights" in f.message
     assert "spiking" not in f.message and "p -= lr * p.grad" in f.hint
+
+
+def test_a_transformer_s_first_attention_query_at_its_usual_init_is_not_taken_for_vanishing_gradients():
+    """At HF's init (weights ~ N(0, 0.02)) the attention logits are near 0, and so are the query and key projections'
+    gradients: layer 0's query was paired with the classifier and told as vanishing (6.7e-06x) until stop 41."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
+        num_labels=2, max_position_embeddings=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    ids = torch.randint(1, 100, (96, 16))
+    y = ids[:, 3] % 2
+    with guard(model, opt, live=False) as g:
+        for _ in range(30):
+            b = torch.randint(0, 96, (16,))
+            model(input_ids=ids[b], labels=y[b]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert [f for f in g.findings if f.kind == "vanishing-gradients"] == []
+
+
+def test_layers_frozen_mid_run_with_their_zero_gradients_left_are_no_cut():
+    """`requires_grad_(False)` at step 20 with zero_grad(set_to_none=False): the first layer keeps a zero gradient,
+    which is no operation cutting the path (told as one, with the round/argmax hint, until stop 41)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(256, 8)
+    y = (x[:, 0] > 0).long()
+    with guard(model, opt, live=False) as g:
+        for step in range(60):
+            if step == 20:
+                model[:6].requires_grad_(False)
+            b = torch.randint(0, 256, (32,))
+            loss = F.cross_entropy(model(x[b]), y[b])
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+    assert g.findings == []

@@ -11,7 +11,9 @@ Layers are the watched modules of one model (the one with most such layers among
 those whose weights the primary optimizer updates) in the order of their first call
 (the module table), with a weight of two or more dimensions that requires a gradient:
 biases and norm scales are left out, as are ``nn.Embedding`` weights (a
-pretrained embedding's sparse, tiny gradient is normal) and frozen layers. Nets
+pretrained embedding's sparse, tiny gradient is normal), attention query and key
+projections (near-zero attention logits at init give them tiny gradients by
+construction) and frozen layers (also when frozen after the pairing). Nets
 with fewer than `MIN_LAYERS` such layers are not looked at.
 """
 from __future__ import annotations
@@ -28,6 +30,10 @@ from ..tensors import as_float
 from .base import Check
 
 _CHECKPOINT_CALL = re.compile(r"\bcheckpoint(_sequential)?\s*\(")
+
+# An attention's query and key projections: at a transformer's usual init (weights ~ N(0, 0.02)) the attention logits
+# are near 0 and so are these projections' gradients, by construction, while the rest of the layer learns
+_QUERY_KEY = re.compile(r"(query|key|q|k|wq|wk|q_proj|k_proj|q_lin|k_lin|to_q|to_k|q_linear|k_linear)$", re.I)
 
 EVERY = 5
 RUN = 4
@@ -76,7 +82,8 @@ class VanishingGradients(Check):
             for path, info in self.g.modules.items():  # in the order of first calls
                 kind = types.get(path, info.get("type"))
                 key = path if path in by_module else "" if path == kind else None  # the root: its class name
-                if key not in by_module or kind in ("Embedding", "EmbeddingBag") or path in self._skip:
+                if key not in by_module or kind in ("Embedding", "EmbeddingBag") or path in self._skip \
+                        or _QUERY_KEY.match(path.rpartition(".")[2]):
                     continue
                 order.append((path, by_module[key]))
             if len(order) > len(best):
@@ -121,8 +128,10 @@ class VanishingGradients(Check):
                 return
         fp, fref, lp, lref, n = self._pair
         first, last = fref(), lref()
-        if first is None or last is None:
-            self._pair = None
+        if first is None or last is None or not (first.requires_grad and last.requires_grad):
+            # (frozen since the pairing: the zero gradients zero_grad(set_to_none=False) leaves are no cut; paired
+            # again among the layers that train)
+            self._pair, self._run, self._ratios, self._tried_at = None, 0, [], -1
             return
         gf, gl = first.grad, last.grad
         if gf is None and gl is not None and not gl.is_meta and gl.layout == torch.strided:
