@@ -2502,3 +2502,25 @@ def test_weight_matrices_cut_by_a_straight_through_estimator_detached_on_the_wro
     assert f.details["names"] == ["0.weight", "2.weight", "4.weight"] and f.details["zero_beside_learning_bias"]
     assert "0.weight, 2.weight, 4.weight" in f.message and "biases learn" in f.message
     assert "w + (quant(w) - w).detach()" in f.hint
+
+
+def test_gradients_zeroed_by_hand_after_backward_are_told_as_zeroed_not_computed_as_zero():
+    """`emb.weight.grad.zero_()` after backward to "freeze" the embedding under AdamW: the decay shrinks it. It was
+    told as gradients "computed as exactly 0" (a loss term weighted by 0) until stop 41."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 16)
+    head = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(40):
+            x = torch.randint(0, 50, (16, 8))
+            loss = F.cross_entropy(head(emb(x).mean(1)), (x[:, 0] > 25).long())
+            opt.zero_grad()
+            loss.backward()
+            emb.weight.grad.zero_()
+            opt.step()
+    [f] = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
+    assert f.where == "emb" and f.details["zeroed_after_backward"] is True
+    assert "zeroed in place after backward" in f.message and "weighted by 0" not in f.message
+    assert "p.grad = None" in f.hint and "requires_grad_(False)" in f.hint

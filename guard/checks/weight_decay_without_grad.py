@@ -127,6 +127,7 @@ class WeightDecayWithoutGrad(Check):
         self._source = WeakIdMap()  # optimizer -> the line of its last step with a zero-gradient run
         self._walked = False  # a backward since the last round was looked at
         self._lone: set = set()  # ids of weight matrices at exactly 0 beside a bias that learns (`_whole_layers`)
+        self._zeroed: set = set()  # ids of suspects whose gradient was not 0 when backward accumulated it
         self._stepped = False  # an optimizer stepped since then (every optimizer of a round sees it)
 
     # Was the parameter in this step's graph at all? An all-zero gradient of a parameter that was
@@ -154,6 +155,13 @@ class WeightDecayWithoutGrad(Check):
     def _accumulated(self, param: torch.Tensor) -> None:
         if id(param) in self._suspects:
             self._reached.add(id(param))
+            g = param.grad
+            if id(param) not in self._zeroed and g is not None and not g.is_meta and g.layout == torch.strided:
+                # the gradient backward accumulated (read with the step's values): not 0 while the step sees 0, it
+                # was zeroed by hand after backward (`p.grad.zero_()` to "freeze" a part), not computed as 0
+                key = id(param)
+                self.g.stage(torch.linalg.vector_norm(g.detach()).float(),
+                             lambda v: self._zeroed.add(key) if v > 0 else None)
 
     def on_step_pre(self, optimizer):
         self._stepped = True
@@ -419,6 +427,13 @@ class WeightDecayWithoutGrad(Check):
                         f"estimator keep the weight itself in the graph: w_q = w + (quant(w) - w).detach() (not "
                         f"w.detach() + (quant(w) - w.detach())), and look for round/sign/argmax applied to the weights "
                         f"without one; if their inputs are 0, look at the layer before them.")
+            elif all(t.in_graph for t in ts) and all(id(t.ref()) in self._zeroed for t in ts):
+                what += (" (backward computes non-zero gradients for them, but they are 0 at optimizer.step(): they "
+                         "are zeroed in place after backward, `p.grad.zero_()` or `p.grad.fill_(0)` to freeze them, "
+                         "and the optimizer still decays them)")
+                hint = (f"Zeroing gradients does not freeze parameters under weight decay or momentum. To freeze "
+                        f"{where}: {where}.requires_grad_(False) and leave it out of the optimizer (or a param group "
+                        f"with weight_decay=0), or set p.grad = None instead of zeroing it: optimizers skip None.")
             elif all(t.in_graph for t in ts):
                 what += (" (backward reaches them, but their gradients are computed as exactly 0: a loss term "
                          "weighted by 0, a term with nothing to learn from in these batches (a box branch kept in "
@@ -462,5 +477,6 @@ class WeightDecayWithoutGrad(Check):
                            **({"frozen": True} if frozen and len(frozen) == len(ts) else {}),
                            **({"expert": True} if expert else {}),
                            **({"zero_beside_learning_bias": True} if lone and len(lone) == len(ts) else {}),
+                           **({"zeroed_after_backward": True} if all(id(t.ref()) in self._zeroed for t in ts) else {}),
                            "norm_change_pct": change,
                            "names": sorted(self.g.param_name(t.ref()) for t in ts if t.ref() is not None)[:20]})
