@@ -1847,3 +1847,42 @@ def test_weights_made_nan_by_an_lbfgs_line_search_are_told_as_its_own_steps_not_
     assert "inside optimizer.step()" in f.message and "changed_after_update" not in f.details
     assert "SAM" not in f.hint and "line_search_fn='strong_wolfe'" in f.hint and "zero_grad()" in f.hint
     assert any(f.kind == "missing-zero-grad" for f in g.findings)
+
+
+@pytest.mark.parametrize("case", ["acos", "log_std"])
+def test_a_nan_loss_from_finite_outputs_names_the_restricted_domain_op_between_them(case):
+    """The loss's graph between the model's outputs and the loss is walked (a few dozen nodes) for ops with a
+    restricted domain: acos of a cosine rounded above 1, log of a standard deviation predicted without a positive
+    parameterisation. Until stop 41 the hint was the generic log(0)/sqrt(<0)/x/0 with a clamp fix."""
+    torch.manual_seed(0)
+    if case == "acos":
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        x = torch.randn(4, 16) * 3
+        with torch.no_grad():
+            w = nn.Parameter(model(x).clone())  # class centres at the embeddings: cosines of 1, rounded above it
+        opt = torch.optim.SGD([*model.parameters(), w], lr=0.1)
+        y = torch.arange(4)
+
+        def loss_fn():
+            cos = F.normalize(model(x)) @ F.normalize(w).T
+            return F.cross_entropy(30 * torch.cos(torch.acos(cos) + 0.2 * F.one_hot(y, 4)), y)
+    else:
+        model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        x = torch.randn(64, 4)
+
+        def loss_fn():
+            mu, std = model(x).chunk(2, 1)  # no softplus: about half the stds are negative
+            return (torch.log(std) + 0.5 * ((x[:, :1] - mu) / std) ** 2).mean()
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            loss = loss_fn()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "nonfinite-loss")
+    assert f.step == 0
+    if case == "acos":
+        assert f.details["ops"] == ["acos"] and "cos.clamp(-1 + 1e-7, 1 - 1e-7)" in f.hint
+    else:
+        assert f.details["ops"] == ["log"] and "F.softplus(raw) + 1e-6" in f.hint

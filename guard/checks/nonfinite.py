@@ -739,14 +739,19 @@ class NonFinite(Check):
                                   f"F.cross_entropy; for a mixture, torch.distributions.MixtureSameFamily's log_prob).",
                                   step=step, source=source, details={"log_of": inner, "stable": stable})
                     else:
+                        ops = _domain_ops(window[5].get(flag))
+                        said = "; ".join(_DOMAIN_HINTS[o] for o in ops)
                         self.emit("nonfinite-loss", "loss",
-                                  "the loss passed to backward() is NaN/Inf although the model's outputs were finite",
-                                  "The loss computation itself overflows or divides by zero (log(0), sqrt(<0), x/0): "
-                                  "clamp its inputs (e.g. torch.log(p.clamp_min(1e-8))) or use a stable built-in loss. "
-                                  "A mean over zero elements is NaN too, built-in losses included: a selection that "
+                                  "the loss passed to backward() is NaN/Inf although the model's outputs were finite"
+                                  + (f"; between them it computes {', '.join(ops)}, {'each ' if len(ops) > 1 else ''}NaN/Inf outside its domain"
+                                     if ops else ""),
+                                  (f"Look at those ops' inputs: {said}. " if ops else
+                                   "The loss computation itself overflows or divides by zero (log(0), sqrt(<0), x/0): "
+                                   "clamp its inputs (e.g. torch.log(p.clamp_min(1e-8))) or use a stable built-in loss. ")
+                                  + "A mean over zero elements is NaN too, built-in losses included: a selection that "
                                   "can be empty (F.cross_entropy(logits[mask], y[mask]) when no row passes the mask) "
                                   "needs `if mask.any():`, or (per_row * mask).sum() / mask.sum().clamp_min(1).",
-                                  step=step, source=source)
+                                  step=step, source=source, details={"ops": ops} if ops else None)
                 return
         for flag, gn, step, source in grads:
             if flag in bad and not params_known_bad:  # NaN weights from an earlier window make NaN grads: not news
@@ -1244,6 +1249,55 @@ def _only_neg_inf(t: torch.Tensor) -> bool:
     """Whether -inf is the one non-finite value in `t` (no NaN, no +inf); read on the error path only."""
     d = t.detach()
     return not bool(torch.isnan(d).any()) and not bool((d == _INF).any())
+
+
+# Ops with a restricted domain, by autograd node, as the hint names them (in this order)
+_DOMAIN_OPS = {"AcosBackward0": "acos", "AsinBackward0": "asin", "AtanhBackward0": "atanh", "LogBackward0": "log",
+               "Log2Backward0": "log", "Log10Backward0": "log", "Log1pBackward0": "log1p", "SqrtBackward0": "sqrt",
+               "RsqrtBackward0": "rsqrt", "PowBackward0": "pow", "PowBackward1": "pow", "DivBackward0": "division"}
+_DOMAIN_HINTS = {
+    "acos": "acos/asin of a value outside [-1, 1] is NaN, and a cosine of normalised vectors rounds to 1.0000001: "
+            "clamp it first, cos.clamp(-1 + 1e-7, 1 - 1e-7)",
+    "asin": "asin of a value outside [-1, 1] is NaN: clamp it to [-1 + 1e-7, 1 - 1e-7] first",
+    "atanh": "atanh of +-1 is Inf and outside (-1, 1) NaN: clamp it to [-1 + 1e-6, 1 - 1e-6]",
+    "log": "log of 0 is -Inf and of a negative value NaN: a value the model predicts and that must be positive "
+           "(a standard deviation, a rate) needs a positive parameterisation, F.softplus(raw) + 1e-6 or raw.exp() "
+           "(clamping a negative one leaves it stuck with no gradient); a probability needs p.clamp_min(1e-8) or "
+           "the computation in log space",
+    "log1p": "log1p of a value <= -1 is -Inf or NaN",
+    "sqrt": "sqrt of a negative value is NaN (a variance computed as E[x^2] - E[x]^2 rounds below 0: clamp_min(0), "
+            "or use x.var())",
+    "rsqrt": "rsqrt of 0 is Inf and of a negative value NaN: add an eps, (v + 1e-5).rsqrt()",
+    "pow": "a fractional power of a negative value is NaN and a negative power of 0 Inf",
+    "division": "a division by 0 is Inf (0/0 NaN): add an eps to the denominator or clamp it",
+}
+
+
+def _domain_ops(fn: Any, budget: int = 64) -> List[str]:
+    """The restricted-domain ops (acos, log, sqrt, ...) in the loss graph behind `fn`, a few dozen nodes deep."""
+    found: List[str] = []
+    stack, seen = ([fn] if fn is not None else []), set()
+    while stack and budget > 0:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        budget -= 1
+        op = _DOMAIN_OPS.get(type(node).__name__)
+        if op == "pow":
+            e = getattr(node, "_saved_exponent", None)  # a scalar exponent outlives backward; a whole one is fine
+            if isinstance(e, (int, float)) and float(e).is_integer() and e >= 0:
+                op = None
+        if op is not None and op not in found:
+            found.append(op)
+        try:
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+        except Exception:
+            continue
+    order = list(_DOMAIN_HINTS)
+    if len(found) > 1 and "division" in found:
+        found.remove("division")  # everywhere (a mean, F.normalize): named only when nothing else is there
+    return sorted(found, key=order.index)
 
 
 _STABLE_LOG = {"SigmoidBackward0": ("sigmoid", "F.logsigmoid(x)"), "SoftmaxBackward0": ("softmax", "F.log_softmax(x, dim)")}
