@@ -2524,3 +2524,26 @@ def test_gradients_zeroed_by_hand_after_backward_are_told_as_zeroed_not_computed
     assert f.where == "emb" and f.details["zeroed_after_backward"] is True
     assert "zeroed in place after backward" in f.message and "weighted by 0" not in f.message
     assert "p.grad = None" in f.hint and "requires_grad_(False)" in f.hint
+
+
+def test_a_tied_weight_untied_once_after_the_optimizer_was_built_is_one_replacement_not_a_rebinding_at_every_call():
+    """`head.weight = emb.weight` (a tie) then, once the optimizer exists, `head.weight = nn.Parameter(...)`: the tie
+    re-uses a registered parameter and is no re-binding; the untie is one replacement, whose fix is to rebuild the
+    optimizer (it was told as "replaced again and again" with the spectral-norm fix until stop 41)."""
+    torch.manual_seed(0)
+    with guard(live=False) as g:  # a global guard sees the tie as the model is built
+        emb = nn.Embedding(50, 16)
+        head = nn.Linear(16, 50, bias=False)
+        head.weight = emb.weight
+        model = nn.Sequential(emb, head)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        head.weight = nn.Parameter(emb.weight.detach().clone())  # untied once, after the optimizer was built
+        for _ in range(20):
+            x = torch.randint(0, 50, (8, 10))
+            loss = F.cross_entropy(model(x).view(-1, 50), x.view(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f.details.get("replaced") is True and "rebound_per_call" not in f.details
+    assert "again and again" not in f.message and "rebuild the optimizer over the new parameters" in f.hint

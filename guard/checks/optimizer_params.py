@@ -136,6 +136,7 @@ class OptimizerParams(Check):
         self._rebinds: Dict[Tuple[int, str], Tuple[int, int]] = {}
         # parameters that replaced one at least the second time (re-bound per call or per step) -> first step
         self._rebound = WeakIdMap()
+        self._registered = WeakIdMap()  # every nn.Parameter registered in a module while guard runs (ties reuse one)
         # a parameter that replaced another (the first time at that name) -> (step, line, weak reference to the old)
         self._replaced = WeakIdMap()
         self._held_step = 0  # the step of that look
@@ -514,7 +515,10 @@ class OptimizerParams(Check):
         self._params.forget()  # a parameter assigned since: list the parameters again
         if len(args) >= 3 and isinstance(args[0], nn.Module) and isinstance(args[2], nn.Parameter) \
                 and args[0]._parameters.get(args[1]) is not None:
-            # a parameter replaced by a new nn.Parameter: more than once is a re-binding at every call
+            # a parameter replaced by a new nn.Parameter: more than once is a re-binding at every call. One already
+            # registered in a module (weight tying, `head.weight = emb.weight`) is no new parameter: not counted
+            if id(args[2]) in self._registered.data:
+                return
             key = (id(args[0]), args[1])
             n, first = self._rebinds.get(key, (0, self.g.step))
             if n == 0:  # the first time: which one it replaced, when and where
@@ -524,6 +528,8 @@ class OptimizerParams(Check):
                 self._rebound[args[2]] = first  # the step of the first re-binding
             if len(self._rebinds) > 4096:
                 self._rebinds.clear()
+        if len(args) >= 3 and isinstance(args[2], nn.Parameter):
+            self._registered[args[2]] = True
 
     def _told_disconnected(self, missing: List[str]) -> Optional[int]:
         """The step of a `loss-disconnected` finding that named these parameters as the only ones the loss reaches,
