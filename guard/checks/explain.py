@@ -125,6 +125,15 @@ def _traceback_self(exc: BaseException, cls_name: str) -> Any:
     return found
 
 
+def _one_hot_like(t: torch.Tensor) -> bool:
+    """Whether a target holds only 0s and 1s (one-hot or multi-hot labels); read on the error path only."""
+    try:
+        d = t.detach()
+        return bool(((d == 0) | (d == 1)).all())
+    except Exception:
+        return True
+
+
 def _dtype_part(type_name: str) -> str:
     """``torch.cuda.FloatTensor`` and ``float`` -> ``float``: the dtype in a legacy type name."""
     return type_name.lower().replace("torch.", "").replace("cuda.", "").replace("tensor", "")
@@ -1197,6 +1206,15 @@ class ExplainErrors(Check):
                      f"looks like class indices; an element-wise loss needs one target per output")
             fix = (f"For classification use F.cross_entropy(logits, target.long()) (it takes class indices); to "
                    f"keep {fn}, give it one-hot targets: F.one_hot(target.long(), {c}).float().")
+        elif len(xs) == len(ts) >= 2 and xs[:-1] == ts[:-1] and not _one_hot_like(t):
+            c, k = xs[-1], ts[-1]
+            cause = (f"{fn}() got input {xs} and target {ts}: {k} target columns for {c} outputs, and the target "
+                     f"holds values other than 0 and 1 (no one-hot labels): another tensor of the step is passed as "
+                     f"the target, or the arguments are in another order than the loss expects")
+            fix = (f"Check what reaches {fn}(input, target): a reconstruction loss compares the output with the "
+                   f"input it reconstructs ({fn}(recon, x), not the latent mean); a loss function of your own "
+                   f"called with *model(x) takes the model's outputs in their order.")
+            details["target_one_hot"] = False
         elif len(xs) == len(ts) >= 2 and xs[:-1] == ts[:-1]:
             c, k = xs[-1], ts[-1]
             cause = (f"{fn}() got input {xs} and target {ts}: {k} target columns for {c} outputs (F.one_hot(y) "
