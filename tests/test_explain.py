@@ -1528,3 +1528,28 @@ def test_a_one_cycle_schedule_sized_per_epoch_and_stepped_per_batch_is_told_to_s
     assert "steps_per_epoch=len(train_loader)" in f.hint and "steps_per_epoch" in _notes(ei.value)
     path, line = f.source.rsplit(":", 1)
     assert open(path).read().splitlines()[int(line) - 1].strip() == "sched.step()"
+
+
+def test_autograd_grad_inside_a_function_decorated_no_grad_is_told_at_the_decorator_not_the_loss():
+    """A Langevin sampler decorated @torch.no_grad() (copied from a sampling helper): the exception leaves the
+    decorated function with recording back on, so the mode is taken where torch.autograd.grad raised. It was told
+    at `loss` as a graph cut by .detach()/.item() until stop 41."""
+    energy = nn.Sequential(nn.Linear(2, 16), nn.SiLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(energy.parameters(), lr=1e-4)
+
+    @torch.no_grad()
+    def sample(x):
+        x = x.clone().requires_grad_(True)
+        g, = torch.autograd.grad(energy(x).sum(), x)
+        return (x - 0.05 * g).detach()
+
+    with pytest.raises(RuntimeError) as ei:
+        with guard(energy, opt, live=False) as g:
+            neg = sample(torch.randn(8, 2))
+            loss = energy(torch.randn(8, 2)).mean() - energy(neg).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = _explained(g)
+    assert f.where == "torch.autograd.grad" and f.details["grad_enabled"] is False
+    assert "@torch.no_grad()" in f.hint and "torch.enable_grad()" in _notes(ei.value)

@@ -436,6 +436,8 @@ class ExplainErrors(Check):
     patches = {
         "functorch_vjp": "torch._functorch.eager_transforms._vjp_with_argnums",
         "functorch_grad": "torch._functorch.eager_transforms.grad_and_value_impl",
+        # shared with nonfinite and eval-without-no-grad (one wrapper): the grad mode where it raised
+        "autograd_grad": "torch.autograd.grad",
     }
 
     def __init__(self, guard):
@@ -511,6 +513,12 @@ class ExplainErrors(Check):
     def _resume(self) -> None:
         if self._suspended and self._suspended.pop():
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+
+    def on_autograd_grad_error(self, args, kwargs, exc):
+        # the mode torch.autograd.grad ran under: the exception leaves a function decorated @torch.no_grad() with
+        # recording back on
+        if not hasattr(exc, "guard_grad_enabled"):
+            exc.guard_grad_enabled = torch.is_grad_enabled()
 
     def on_functorch_vjp(self, args, kwargs):
         self._suspend()
@@ -927,6 +935,15 @@ class ExplainErrors(Check):
             if tb.tb_frame.f_code.co_name == "grad" and is_skipped(tb.tb_frame.f_code.co_filename):
                 fn = "grad"
             tb = tb.tb_next
+        if grad_off and fn == "grad":
+            why = ("gradient recording was off where torch.autograd.grad ran (inside torch.no_grad() or a function "
+                   "decorated @torch.no_grad(): a sampler or attack written like an evaluation helper), so the model "
+                   "call it differentiates recorded no graph")
+            fix = ("Record the graph where the gradient is taken: drop the @torch.no_grad() decorator from that "
+                   "function, or wrap the model call and torch.autograd.grad in `with torch.enable_grad():`, and "
+                   "detach the samples it returns.")
+            cause = f"torch.autograd.grad got a tensor with no autograd graph: {why}"
+            return "torch.autograd.grad", cause, fix, {"grad_enabled": False, "model_frozen": frozen, "autograd_grad": True}
         if grad_off:
             why = ("gradient recording is off where it ran (inside torch.no_grad(), torch.inference_mode() or a "
                    "function decorated with them, such as an evaluation helper reused for training)")
