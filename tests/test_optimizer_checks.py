@@ -2547,3 +2547,33 @@ def test_a_tied_weight_untied_once_after_the_optimizer_was_built_is_one_replacem
     (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
     assert f.details.get("replaced") is True and "rebound_per_call" not in f.details
     assert "again and again" not in f.message and "rebuild the optimizer over the new parameters" in f.hint
+
+
+@pytest.mark.parametrize("zeroed", [False, True])
+def test_langevin_backwards_on_a_model_left_in_train_mode_are_input_gradient_passes(zeroed):
+    """An energy model with no Dropout or BatchNorm is rarely put in eval mode for its sampler: the same input
+    leaf changed in place between the model's calls (`x -= a * x.grad` under no_grad) marks the sampler's
+    backwards, which also fill the parameters' .grad (silent until stop 41: only eval-mode passes counted)."""
+    torch.manual_seed(0)
+    energy = nn.Sequential(nn.Linear(2, 32), nn.SiLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(energy.parameters(), lr=1e-4)
+    with guard(energy, opt, live=False) as g:
+        for _ in range(6):
+            opt.zero_grad()
+            x = torch.randn(64, 2).requires_grad_(True)
+            for _ in range(5):
+                energy(x).sum().backward()
+                with torch.no_grad():
+                    x -= 0.05 * x.grad
+                x.grad = None
+            if zeroed:
+                opt.zero_grad()
+            loss = energy(torch.randn(64, 2) + 2).mean() - energy(x.detach()).mean()
+            loss.backward()
+            opt.step()
+    found = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    if zeroed:
+        assert g.findings == []
+    else:
+        [f] = found
+        assert f.step == 0 and f.details["input_backwards"] == 4 and "sampler" in f.message

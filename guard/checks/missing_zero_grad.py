@@ -141,6 +141,9 @@ class MissingZeroGrad(Check):
         # (steps, its line, the loss line) once the loop's own backward followed them
         self._input_leaf: Optional[int] = None
         self._graph_leaf: Optional[int] = None  # a training-mode call's input leaf that requires grad (forces' pos)
+        # (id, version, ref) of the last training-mode call's input leaf that requires grad: changed in place before the
+        # next call on it, it is a sampler's iterate
+        self._moved_leaf: Optional[tuple] = None
         self._input_graph = False  # an input gradient was taken with backward(create_graph=True)
         self._input_backwards: set = set()
         self._input_count = 0
@@ -176,6 +179,14 @@ class MissingZeroGrad(Check):
             a = args[0] if args else None
             self._graph_leaf = (id(a) if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf
                                 and not isinstance(a, nn.Parameter) else None)
+            if self._graph_leaf is not None:
+                # ... except the same input leaf changed in place since the model's last call on it (Langevin's
+                # `x -= a * x.grad` under no_grad, in a model with no Dropout or BatchNorm left in train mode): an
+                # input-gradient pass, whatever the mode
+                last, self._moved_leaf = self._moved_leaf, (id(a), a._version, weakref.ref(a))
+                if last is not None and last[0] == id(a) and last[2]() is a and last[1] != a._version \
+                        and next(module.parameters(), torch.empty(0)).requires_grad:
+                    self._input_leaf = id(a)
             return
         for a in args[:2]:
             if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, nn.Parameter):

@@ -59,7 +59,7 @@ def _first_grad(opt) -> Optional[torch.Tensor]:
 class _Opt:
     __slots__ = ("zero_at", "zero_src", "stepped_at", "n_params", "ids", "had_grads", "wiped", "wiped_src", "run",
                  "run_src", "run_step", "module_zero", "seen_grad", "hand", "hand_src", "post_version", "bw_grad",
-                 "drun", "drun_step", "loop")
+                 "drun", "drun_step", "loop", "to_none")
 
     def __init__(self, stepped_at: int) -> None:
         self.zero_at = -1  # backward count at its latest zero_grad()
@@ -84,6 +84,7 @@ class _Opt:
         self.bw_grad = 0  # id() of its first gradient after the latest backward() while `wiped` is armed
         self.drun, self.drun_step = 0, -1  # steps in a row whose earlier backward's gradients were all discarded
         self.loop = False  # the backward its latest zero_grad() wiped was a plain one (no `inputs=`)
+        self.to_none = True  # its latest zero_grad() set the gradients to None (the default since torch 2.0)
 
 
 class ZeroGradBeforeStep(Check):
@@ -143,6 +144,7 @@ class ZeroGradBeforeStep(Check):
             st.wiped = wiped if wiped and self._backwards > self._any_step else None
             st.wiped_src = self._backward_src
             st.loop = self._plain  # whether the backward it wipes was a plain one (see _discarded)
+            st.to_none = bool(kwargs.get("set_to_none", args[1] if len(args) > 1 else True))
             if st.wiped is not None and st.post_version >= 0:
                 groups = args[0].param_groups
                 p0 = groups[0]["params"][0] if groups and groups[0]["params"] else None
@@ -269,6 +271,10 @@ class ZeroGradBeforeStep(Check):
         kept = [p for p in wiped if p.grad is not None and p.grad.layout is torch.strided and not p.grad.is_meta]
         info = (st.zero_src, st.wiped_src, self.g.source(), self.g.step)
         oref = weakref.ref(optimizer)
+        if st.to_none:
+            # zero_grad(set_to_none=True) left None: a gradient there now was computed by the later backward, exactly 0
+            # or not (an energy model's output bias cancels in E(pos).mean() - E(neg).mean())
+            kept = []
         if not kept:
             self._lost(oref, st, lost, info, hand)
             return
