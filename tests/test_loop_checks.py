@@ -2889,3 +2889,31 @@ def test_unused_forwards_from_two_lines_are_both_said_in_the_message():
                     probe = F.mse_loss(model(x + 0.01 * torch.randn_like(x)), y).item()  # sharpness probes
     (f,) = [f for f in g.findings if f.kind == "eval-without-no-grad"]
     assert len(f.details["sources"]) == 2 and f.message.startswith("3 forward passes") and "; also 4 at " in f.message
+
+
+def test_maml_fast_weights_made_from_detached_copies_get_the_inner_loop_fix():
+    """MAML whose inner loop starts from `v.detach().clone().requires_grad_(True)`: the meta-loss reaches only the
+    copies, rebuilt for every task, so building the optimizer over them (the copies fix) is wrong; the fix is to
+    start from the parameters themselves (told with that fix first since stop 41)."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 1))
+    meta_opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    with guard(net, meta_opt, live=False) as g:
+        for _ in range(3):
+            meta_opt.zero_grad()
+            meta_loss = 0.0
+            for _ in range(2):
+                x = torch.rand(20, 1) * 10 - 5
+                y = torch.sin(x)
+                fast = {k: v.detach().clone().requires_grad_(True) for k, v in net.named_parameters()}
+                grads = torch.autograd.grad(F.mse_loss(functional_call(net, fast, (x[:10],)), y[:10]),
+                                            list(fast.values()), create_graph=True)
+                fast = {k: w - 0.01 * gi for (k, w), gi in zip(fast.items(), grads)}
+                meta_loss = meta_loss + F.mse_loss(functional_call(net, fast, (x[10:],)), y[10:]) / 2
+            meta_loss.backward()
+            meta_opt.step()
+    f = [f for f in g.findings if f.kind == "loss-disconnected"][0]
+    assert f.step == 0 and f.details["inner_loop"] is True
+    assert f.hint.startswith("Start the inner loop from the parameters themselves") and "params.values()" not in f.hint

@@ -133,11 +133,18 @@ class LossDisconnected(Check):
     kinds = {"loss-disconnected": ("error", "the tensor passed to backward() reaches none of the optimizer's parameters")}
     description = "the tensor passed to backward() reaches none of the optimizer's parameters (torch.tensor(loss.item(), requires_grad=True), detached outputs)"
 
+    # shared with nonfinite, eval-without-no-grad and explain (one wrapper): an inner loop's derivatives
+    patches = {"autograd_grad": "torch.autograd.grad"}
+
     def watches(self, module) -> bool:
         return False
 
+    def on_autograd_grad(self, args, kwargs):
+        self._inner_step = self.g.step  # a meta-learning inner loop (MAML) takes derivatives this step
+
     def __init__(self, guard):
         super().__init__(guard)
+        self._inner_step = -1  # the last step torch.autograd.grad ran at
         # backwards of this step that reached no nn.Parameter: ([(leaf ref, its version then)], leaf descriptions,
         # source, step, shape)
         self._pending: List[Tuple[List[Tuple[weakref.ref, int]], List[str], Optional[str], int, List[int]]] = []
@@ -379,6 +386,14 @@ class LossDisconnected(Check):
         elif inputs:
             hint = ("Change the optimised tensor in place, under torch.no_grad(): img.clamp_(0, 1), img.copy_(new) "
                     "(it stays the tensor the optimizer holds); or build a new optimizer over the new tensor.")
+        elif copies and self._inner_step >= step - 1:
+            # copies adapted in an inner loop (MAML's fast weights): they are rebuilt for every task, so the optimizer
+            # cannot hold them; the adaptation must start from the parameters themselves
+            hint = ("Start the inner loop from the parameters themselves, not detached copies: fast = "
+                    "dict(model.named_parameters()) (or {k: v.clone() for k, v in model.named_parameters()}: clone() "
+                    "keeps the graph), then fast = {k: w - lr * g ...} with torch.autograd.grad(..., create_graph=True) "
+                    "for second order; the meta-loss then reaches the parameters the optimizer holds. "
+                    "`.detach().clone().requires_grad_()` cuts them off.")
         elif copies:
             hint = ("Build the optimizer over the tensors the forward uses (torch.optim.Adam(params.values()) for a "
                     "functional_call params dict), or pass the module's own parameters (dict(model.named_parameters())) "
@@ -388,4 +403,5 @@ class LossDisconnected(Check):
                            **({"stacked_copies": True} if stacked else {}),
                            **({"model_copy": True} if whole and all(d.startswith("a parameter") for d in descr) else {}),
                            **({"rebound_input": True} if inputs else {}),
-                           **({"resized": True} if resized else {})})
+                           **({"resized": True} if resized else {}),
+                           **({"inner_loop": True} if copies and self._inner_step >= step - 1 else {})})
