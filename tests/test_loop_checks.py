@@ -2917,3 +2917,43 @@ def test_maml_fast_weights_made_from_detached_copies_get_the_inner_loop_fix():
     f = [f for f in g.findings if f.kind == "loss-disconnected"][0]
     assert f.step == 0 and f.details["inner_loop"] is True
     assert f.hint.startswith("Start the inner loop from the parameters themselves") and "params.values()" not in f.hint
+
+
+@pytest.mark.parametrize("who", ["teacher", "generator"])
+def test_a_teacher_queried_with_detach_in_train_mode_is_told_its_dropout_runs_but_a_gan_generator_is_not(who):
+    """`teacher(x).detach()` with the teacher trained earlier and left in train mode: beyond the wasted graph, its
+    Dropout makes the soft targets noisy (stop 41). A GAN's `G(z).detach()` for the critic step is trained at every
+    step (its weights move): only the wasted graph is told."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 8))
+    other = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1 if who == "generator" else 8))
+    opt_net = torch.optim.Adam(net.parameters(), lr=1e-3)
+    opt_other = torch.optim.Adam(other.parameters(), lr=1e-3)
+    with guard(None, live=False) as g:
+        if who == "teacher":
+            for _ in range(20):  # the teacher's own training, then distillation into `other`
+                x = torch.randn(32, 8)
+                opt_net.zero_grad()
+                F.mse_loss(net(x), x).backward()
+                opt_net.step()
+        for _ in range(40):
+            x = torch.randn(32, 8)
+            out = net(x).detach()
+            if who == "teacher":
+                loss = F.mse_loss(other(x), out)
+            else:  # critic step on the detached fakes, then the generator's step
+                loss = other(out).mean() - other(x).mean()
+            opt_other.zero_grad()
+            loss.backward()
+            opt_other.step()
+            if who == "generator":
+                opt_net.zero_grad()
+                (-other(net(x)).mean()).backward()
+                opt_net.step()
+    found = [f for f in g.findings if f.kind == "eval-without-no-grad"]
+    if who == "teacher":
+        [f] = found
+        assert f.details["train_mode_modules"] == ["2 (Dropout)"] and "dropout noise" in f.message
+        assert ".eval()" in f.hint and "torch.no_grad()" in f.hint
+    else:
+        assert found and all("train_mode_modules" not in f.details for f in found)

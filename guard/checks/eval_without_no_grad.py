@@ -34,6 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._frames import frame_locals
 from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, user_frames, walk
+from ._modes import mode_sensitive
 from .base import Check
 from .._weak import WeakIdMap
 
@@ -110,6 +111,7 @@ class EvalWithoutNoGrad(Check):
         self._probes: Dict[int, tuple] = {}  # id(module) -> ([backwards that reached its weights], hook handle)
         self._deferred: Optional[_Fwd] = None  # a dropped forward waiting for its module's weights to be reached
         self._drop_first: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> the step of the first of them
+        self._drop_versions: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> its weights' versions then
         self._first_bn = WeakIdMap()  # root model -> weak reference to its first BatchNorm (or to nothing)
         self._streak: Dict[Tuple[int, bool, Optional[str]], int] = {}  # call site -> back-propagated in a row
         self._tick = 0  # forwards of trusted call sites
@@ -426,11 +428,16 @@ class EvalWithoutNoGrad(Check):
             if r.short and not r.eval_mode:
                 self._unreached(r)  # the probe goes on at a module's first dropped forward
                 drops[(r.path, r.source)] = drops.get((r.path, r.source), 0) + 1
-                self._drop_first.setdefault((r.path, r.source), r.step)
+                if (r.path, r.source) not in self._drop_first:
+                    self._drop_first[(r.path, r.source)] = r.step
+                    m = r.module() if r.module is not None else None
+                    if m is not None:  # its weights' versions then: moved by the report, an optimizer trains it
+                        self._drop_versions[(r.path, r.source)] = sum(p._version for _, p in zip(range(64), m.parameters()))
                 runs[(r.site, r.backwards)] = runs.get((r.site, r.backwards), 0) + 1
         if len(drops) > 256:
             drops.clear()
             self._drop_first.clear()
+            self._drop_versions.clear()
         # A training line whose forwards are also back-propagated, dropped in two or more separate runs between its
         # backwards, but not between (nearly) every two: batches skipped on what the forward showed (`if not hard.any():
         # continue` in hard-example mining, a batch without a pair), known only after computing it; so is its last
@@ -508,6 +515,22 @@ class EvalWithoutNoGrad(Check):
                        f"`.detach()`ed or discarded output): building them costs time and memory for nothing")
             hint = ("Run forwards whose outputs need no gradient under `with torch.no_grad():` (a GAN's critic "
                     "step: `with torch.no_grad(): fake = G(z)`); for evaluation also call model.eval() first.")
+            module = first.module() if first.module is not None else None
+            then = self._drop_versions.get((first.path, first.source))
+            still = (module is not None and then is not None and self.g.step > first.step
+                     and sum(p._version for _, p in zip(range(64), module.parameters())) == then)
+            noisy = ([f"{n_} ({type(m).__name__})" for n_, r in mode_sensitive(module) if (m := r()) is not None
+                      and m.training] if still else [])
+            if noisy:
+                # a model no optimizer trains now (a trained teacher queried as `teacher(x).detach()`): its Dropout and
+                # BatchNorm run in training mode on outputs that serve as targets or features
+                details["train_mode_modules"] = noisy[:20]
+                message += (f"; {first.path} is not trained now and runs with {', '.join(noisy[:3])}"
+                            f"{' ...' if len(noisy) > 3 else ''} in training mode, so what it gives (a teacher's "
+                            f"targets, frozen features) carries dropout noise and batch statistics")
+                hint = (f"Put {first.path} in eval mode once (.eval()) and query it under `with torch.no_grad():` "
+                        f"(`with torch.no_grad(): targets = teacher(x)`): no graph, and deterministic outputs; "
+                        f".detach() alone keeps its Dropout and BatchNorm in training mode.")
         else:
             waste = ("keeps every activation for a backward that never comes" if details["graphs_alive"] else
                      "saves activations and spends time on graphs for a backward that never comes")
