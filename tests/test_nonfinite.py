@@ -1886,3 +1886,29 @@ def test_a_nan_loss_from_finite_outputs_names_the_restricted_domain_op_between_t
         assert f.details["ops"] == ["acos"] and "cos.clamp(-1 + 1e-7, 1 - 1e-7)" in f.hint
     else:
         assert f.details["ops"] == ["log"] and "F.softplus(raw) + 1e-6" in f.hint
+
+
+def test_nan_from_a_temperature_annealed_to_zero_names_the_zero_argument_not_the_learning_rate():
+    """`F.gumbel_softmax(logits, tau=tau)` with tau annealed to 0 inside the forward: the module made NaN from finite
+    inputs and finite weights; the number argument at 0 is named, with a floor for the schedule (the hint said to
+    lower the learning rate or clip gradients until stop 41)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 4)
+
+        def forward(self, x, tau):
+            return self.b(F.gumbel_softmax(self.a(x), tau=tau))
+
+    torch.manual_seed(0)
+    model = M()
+    opt = torch.optim.Adam(model.parameters())
+    with guard(model, opt, live=False) as g:
+        for it in range(3):
+            loss = model(torch.randn(8, 4), 1.0 - it / 2).pow(2).mean()  # tau reaches 0 at the third step
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "nonfinite-output")
+    assert f.step == 2 and f.details["zero_arguments"] == ["args[1]"] and f.details["nonfinite_params"] == []
+    assert "max(tau, 0.1)" in f.hint and "equal to 0" in f.message

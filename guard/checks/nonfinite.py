@@ -40,7 +40,7 @@ class _Call:
     """One module call's screened inputs and outputs, by flag index."""
 
     __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module", "graded", "padded",
-                 "evaluating", "masks", "made")
+                 "evaluating", "masks", "made", "zeros")
 
     def __init__(self, path: str, mtype: str, is_root: bool, source: Optional[str], step: int, module: Any,
                  inputs: List[Tuple[str, int]], outputs: List[Tuple[str, int]]):
@@ -52,6 +52,7 @@ class _Call:
         self.padded: Optional[int] = None  # flag of the output outside its fully masked rows (attention, see below)
         self.masks: Optional[tuple] = None  # an attention's (query, key_padding_mask, attn_mask), read if it made NaN
         self.made = False  # a root call whose first input has autograd history (made by a model: a GAN's fakes)
+        self.zeros: Optional[List[str]] = None  # its number arguments equal to 0 (a temperature annealed to 0)
 
 
 # Modules whose output cannot become NaN/Inf from finite inputs (and parameter-free containers):
@@ -306,6 +307,11 @@ class NonFinite(Check):
             if outputs is None:
                 return
         call = _Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module, inputs, outputs)
+        if (len(args) > 1 or kwargs) and outputs:
+            zeros = [f"args[{i}]" for i, a in enumerate(args) if type(a) in (int, float) and a == 0] + [
+                k for k, v in kwargs.items() if type(v) in (int, float) and v == 0]
+            if zeros:
+                call.zeros = zeros
         if is_root and args and isinstance(args[0], torch.Tensor) and args[0].grad_fn is not None:
             call.made = True
         if outputs and (self._pad_rows is not None or (
@@ -925,6 +931,12 @@ class NonFinite(Check):
             why += ("; it made NaN/Inf on earlier steps too, which were handled after it (the loss and gradients "
                     "stayed finite), but on this step they reached the loss or the gradients")
         hint = _output_hint(call.type, bool(bad_params))
+        if call.zeros and not bad_params and not taken and not mask_in:
+            why += (f"; it was called with {', '.join(call.zeros[:3])} equal to 0 (a temperature or scale annealed "
+                    f"to 0, which the forward divides by)")
+            hint = ("A number argument of the forward reached 0: a Gumbel-softmax or distillation temperature, a "
+                    "scale or a step size annealed to 0 makes x / tau Inf or NaN. Keep the schedule above a floor "
+                    "(tau = max(tau, 0.1)); the weights are not the cause, so lowering the learning rate will not help.")
         if call.type == "CTCLoss" and call.step in self._ctc_steps and not bad_params:
             hint = CTC_HINT  # a loss module called on its own (a global guard's outermost call)
         if bad_params and call.step == 0 and all(n.rsplit(".", 1)[-1].startswith("original") for n in bad_params) \
@@ -1020,7 +1032,8 @@ class NonFinite(Check):
                            "output_stats": out_stats, "nonfinite_params": bad_params,
                            **({"fully_masked_rows": int(rows.sum())} if rows is not None else {}),
                            **({"huge_weights": {n: v for n, v, _ in huge[:20]}} if huge else {}),
-                           **({"nonfinite_buffers": inf_buffers[:20]} if inf_buffers else {})})
+                           **({"nonfinite_buffers": inf_buffers[:20]} if inf_buffers else {}),
+                           **({"zero_arguments": call.zeros} if call.zeros and not bad_params else {})})
         return True
 
     def _report_inner_loss(self, call: _Call, counts: Dict[str, Any]) -> None:
