@@ -68,13 +68,21 @@ def is_skipped(filename: str) -> bool:
     return _level(filename) != 0
 
 
-def user_source(depth: int = 1) -> Optional[str]:
-    """``file:line`` of the innermost user frame (a framework frame when no user frame is on the stack)."""
+#: library frames between a call and the user's frame from which a framework runs the loop (Lightning's
+#: `trainer.fit(...)`: dozens); a helper the user's loop calls (`accelerator.backward(loss)`) passes a few
+DEEP_LIBRARY = 8
+
+
+def user_source(depth: int = 1, libs: Optional[list] = None) -> Optional[str]:
+    """``file:line`` of the innermost user frame (a framework frame when no user frame is on the stack).
+
+    With `libs` (a list), the number of library frames passed before that user frame is appended to it."""
     try:
         f = sys._getframe(depth)
     except ValueError:
         return None
     fallback = None
+    passed = 0
     cache = _cache
     while f is not None:
         try:
@@ -85,6 +93,8 @@ def user_source(depth: int = 1) -> Optional[str]:
             f = f.f_back
             continue
         if level == 0:
+            if libs is not None:
+                libs.append(passed)
             # The same few lines call the model, backward() and step() at every step: their text is kept
             # by code object and instruction (f_lineno decodes the line table, and the f-string allocates).
             # Keyed by the code object's identity (code objects compare equal across files when their
@@ -100,8 +110,10 @@ def user_source(depth: int = 1) -> Optional[str]:
                     _line_cache.clear()
                 _line_cache[key] = hit
             return hit[1]
-        if level == 1 and fallback is None:
-            fallback = f
+        if level == 1:
+            passed += 1
+            if fallback is None:
+                fallback = f
         f = f.f_back
     return f"{short_path(fallback.f_code.co_filename)}:{fallback.f_lineno}" if fallback is not None else None
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import hooks as _hooks
 from ._dist import remember_rank
-from ._frames import user_source
+from ._frames import DEEP_LIBRARY, user_source
 from .callstack import pop_call, push_call
 from . import watched as _watched
 from .router import in_transform
@@ -82,7 +82,7 @@ class Wiring:
             from ._frames import is_skipped, short_path
 
             if not is_skipped(code.co_filename):
-                self._tls.root_source = f"{short_path(code.co_filename)}:{code.co_firstlineno}"
+                self._tls.root_source = self._tls.model_source = f"{short_path(code.co_filename)}:{code.co_firstlineno}"
         out = fn(*args, **kwargs)
         self._hook_post(module, args, kwargs, out)
         return out
@@ -285,7 +285,7 @@ class Wiring:
             self.watched.note_call(module)
         self.room.make()
         tls = self._tls
-        tls.root_source = user_source(3)
+        tls.root_source = tls.model_source = user_source(3)
         tls.forwards = getattr(tls, "forwards", 0) + 1
         self._fresh_step = False
 
@@ -464,6 +464,18 @@ class Wiring:
             return tuple(args[:lead]) + (guarded_closure,) + tuple(args[lead + 1:]), kwargs
         return args, {**kwargs, "closure": guarded_closure}
 
+    def _line_at(self, depth: int) -> Optional[str]:
+        """`user_source(depth)`, except through a framework that runs the loop (Lightning calls backward() and step()
+        from inside `trainer.fit(...)`, dozens of library frames down): the latest model call's line, in the user's
+        training_step, says where instead of the `fit` line."""
+        libs: list = []
+        line = user_source(depth, libs)
+        if libs and libs[0] >= DEEP_LIBRARY:
+            model = getattr(self._tls, "model_source", None)
+            if model is not None:
+                return model
+        return line
+
     def _before_update(self, opt: torch.optim.Optimizer) -> None:
         t0 = _clock()
         try:
@@ -592,7 +604,7 @@ class Wiring:
             try:
                 if self._backward_pending:
                     self._advance_backward_step()
-                tls.root_source = user_source(2)
+                tls.root_source = self._line_at(3)
                 if self.sampling:
                     self.staging.add_loss(tensors)
                 # (Tensor.backward passes retain_graph and create_graph by position: the checks read them by name)

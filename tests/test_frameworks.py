@@ -386,3 +386,30 @@ def test_fabric_wrapped_module_is_named_as_the_model_it_wraps(scope):
     by_kind = {f.kind: f for f in g.findings}
     assert "the input to Sequential" in by_kind["nonfinite-input"].message
     assert by_kind["missing-zero-grad"].details["names"][:2] == ["0.weight", "0.bias"]
+
+
+class LitLogOfNegative(L.LightningModule):
+    """A hand-written loss that takes the log of a negative value at its first step."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch["x"]).mean()  # the model call guard names
+        return torch.log(out * 0 - 1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_finding_of_a_lightning_backward_names_the_training_step_not_the_fit_line():
+    """Lightning calls backward() and step() from dozens of frames inside `trainer.fit(...)`: the user's line on
+    the stack was the `fit` call; the model call in training_step is named instead (stop 41)."""
+    L.seed_everything(0, verbose=False)
+    with guard(live=False) as g:  # as TORCH_GUARD=1 runs it: no callback, the LightningModule's own layers are called
+        trainer([], max_steps=2).fit(LitLogOfNegative(), loader(None))
+    f = next(f for f in g.findings if f.kind == "nonfinite-loss")
+    with open(__file__) as fh:
+        line = next(i for i, text in enumerate(fh, 1) if "# the model call guard names" in text)
+    assert f.source == f"{HERE}:{line}" and f.step == 0

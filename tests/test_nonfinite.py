@@ -1910,5 +1910,28 @@ def test_nan_from_a_temperature_annealed_to_zero_names_the_zero_argument_not_the
             loss.backward()
             opt.step()
     f = only(g, "nonfinite-output")
-    assert f.step == 2 and f.details["zero_arguments"] == ["args[1]"] and f.details["nonfinite_params"] == []
-    assert "max(tau, 0.1)" in f.hint and "equal to 0" in f.message
+    assert f.step == 2 and f.details["zero_arguments"] == ["tau"] and f.details["nonfinite_params"] == []
+    assert "max(tau, 0.1)" in f.hint and "called with tau equal to 0" in f.message
+
+
+def test_a_time_argument_at_zero_is_no_temperature():
+    """An ODE function called at t = 0.0 that makes NaN for another reason (a log of a negative state): the 0 is a
+    time, not a divisor; the temperature hint would mislead."""
+    class F_(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, t, y):
+            return torch.log(self.lin(y) - 100.0) * (1 + t)
+
+    torch.manual_seed(0)
+    model = F_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        loss = model(0.0, torch.randn(4, 2)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-output")
+    assert "zero_arguments" not in f.details and "tau" not in f.hint

@@ -308,8 +308,10 @@ class NonFinite(Check):
                 return
         call = _Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module, inputs, outputs)
         if (len(args) > 1 or kwargs) and outputs:
-            zeros = [f"args[{i}]" for i, a in enumerate(args) if type(a) in (int, float) and a == 0] + [
-                k for k, v in kwargs.items() if type(v) in (int, float) and v == 0]
+            # float arguments at 0 (an int 0 is an index: Lightning's batch_idx); named when reporting, if the
+            # forward's signature calls them a temperature or scale (a time t = 0.0 of an ODE is no divisor)
+            zeros = [i for i, a in enumerate(args) if type(a) is float and a == 0.0] + [
+                k for k, v in kwargs.items() if type(v) is float and v == 0.0]
             if zeros:
                 call.zeros = zeros
         if is_root and args and isinstance(args[0], torch.Tensor) and args[0].grad_fn is not None:
@@ -931,6 +933,7 @@ class NonFinite(Check):
             why += ("; it made NaN/Inf on earlier steps too, which were handled after it (the loss and gradients "
                     "stayed finite), but on this step they reached the loss or the gradients")
         hint = _output_hint(call.type, bool(bad_params))
+        call.zeros = _divisor_names(module, call.zeros) if call.zeros and module is not None else None
         if call.zeros and not bad_params and not taken and not mask_in:
             why += (f"; it was called with {', '.join(call.zeros[:3])} equal to 0 (a temperature or scale annealed "
                     f"to 0, which the forward divides by)")
@@ -1394,6 +1397,21 @@ def _fully_masked(module: Any, masks: tuple, out: Any) -> Optional[torch.Tensor]
         return rows if tuple(bad.shape) == tuple(rows.shape) and not bool((bad & ~rows).any()) else None
     except Exception:  # a mask of another layout: the generic message
         return None
+
+
+_DIVISOR = re.compile(r"(tau|temp|temperature|scale|inv_temp|beta|alpha|gamma|t_?emp\w*)$", re.I)
+
+
+def _divisor_names(module: Any, zeros: List[Any]) -> Optional[List[str]]:
+    """The names, in `module.forward`'s signature, of the float arguments at 0 that read as a temperature or scale
+    (`tau`, `temperature`, `scale`): such a 0 is a divisor; others (a time `t`, a dropout rate) are left out."""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters]
+    except (TypeError, ValueError):
+        return None
+    names = [params[z] if isinstance(z, int) and z < len(params) else z for z in zeros]
+    named = [n for n in names if isinstance(n, str) and _DIVISOR.search(n)]
+    return named or None
 
 
 def _output_hint(mtype: str, params: bool) -> str:
