@@ -458,15 +458,12 @@ class Guard(Wiring):
         """``file:line`` of the user's code that is running now."""
         m = self.router.memo  # within one dispatch: walked once
         if m is FRESH:
-            line = self._user_line()
+            line = self._line_at(3)
             self.router.memo = (threading.get_ident(), line)  # tagged: another thread's dispatch walks its own
             return line
         if m is not None and m[0] == threading.get_ident():
             return m[1]
-        return self._user_line()
-
-    def _user_line(self) -> Optional[str]:
-        return self._line_at(4)
+        return self._line_at(3)
 
     @property
     def root_source(self) -> Optional[str]:
