@@ -144,7 +144,7 @@ class LossDisconnected(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
-        self._inner_step = -1  # the last step torch.autograd.grad ran at
+        self._inner_step = -10  # the last step torch.autograd.grad ran at (none yet: far before step 0)
         # backwards of this step that reached no nn.Parameter: ([(leaf ref, its version then)], leaf descriptions,
         # source, step, shape)
         self._pending: List[Tuple[List[Tuple[weakref.ref, int]], List[str], Optional[str], int, List[int]]] = []
