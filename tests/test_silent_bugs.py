@@ -1324,3 +1324,31 @@ def test_layers_frozen_mid_run_with_their_zero_gradients_left_are_no_cut():
             loss.backward()
             opt.step()
     assert g.findings == []
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_straight_through_round_without_detach_in_a_three_layer_net_is_a_cut(detach):
+    """`x + (torch.round(x) - x)` has a zero derivative: no gradient reaches the first layers. A net of fewer than 4
+    weight layers is looked at for such exact cuts (silent until stop 41); its small ratios are still not told."""
+    class Q(nn.Module):
+        def forward(self, x):
+            return x + (torch.round(x) - x).detach() if detach else x + (torch.round(x) - x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), Q(), nn.Linear(64, 64), nn.ReLU(), Q(), nn.Linear(64, 3))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x = torch.randn(512, 16)
+    y = x[:, :3].argmax(1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(30):
+            i = torch.randint(0, 512, (64,))
+            loss = F.cross_entropy(model(x[i]), y[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [f for f in g.findings if f.kind == "vanishing-gradients"]
+    if detach:
+        assert g.findings == []
+    else:
+        [f] = found
+        assert f.where == "0" and f.details["cut"] is True and f.details["layers"] == 3 and f.step == 0

@@ -14,7 +14,8 @@ biases and norm scales are left out, as are ``nn.Embedding`` weights (a
 pretrained embedding's sparse, tiny gradient is normal), attention query and key
 projections (near-zero attention logits at init give them tiny gradients by
 construction) and frozen layers (also when frozen after the pairing). Nets
-with fewer than `MIN_LAYERS` such layers are not looked at.
+with fewer than `MIN_LAYERS` such layers (but two or more) are looked at for a cut only: a first
+layer's gradient exactly 0 while the last one's is not.
 """
 from __future__ import annotations
 
@@ -88,8 +89,8 @@ class VanishingGradients(Check):
                 order.append((path, by_module[key]))
             if len(order) > len(best):
                 best = order
-        if len(best) < MIN_LAYERS:
-            return None
+        if len(best) < 2:
+            return None  # (under MIN_LAYERS only an exact cut is told: `_seen`)
         (fp, fw), (lp, lw) = best[0], best[-1]
         self._second = weakref.ref(best[1][1])
         return fp, weakref.ref(fw), lp, weakref.ref(lw), len(best)
@@ -134,6 +135,8 @@ class VanishingGradients(Check):
             self._pair, self._run, self._ratios, self._tried_at = None, 0, [], -1
             return
         gf, gl = first.grad, last.grad
+        if n < MIN_LAYERS and gf is None:
+            return  # a shallow net's first layer without a gradient: left out of the graph on purpose as often as not
         if gf is None and gl is not None and not gl.is_meta and gl.layout == torch.strided:
             # no gradient at all while the last layer has one: the backward never reached it (a comparison's
             # `(x > 0).float()` leaves the graph), counted as a cut; a layer that had one at any sample, or whose
@@ -162,7 +165,9 @@ class VanishingGradients(Check):
         self.g.stage(ratio, lambda v: self._seen(v, step, source))
 
     def _seen(self, v: float, step: int, source: Optional[str]) -> None:
-        if not (v < RATIO) or self._pair is None:  # NaN (last layer's gradient 0) counts as fine
+        if not (v < RATIO) or self._pair is None or (v != 0.0 and self._pair[4] < MIN_LAYERS):
+            # NaN (last layer's gradient 0) counts as fine; so does a small ratio in a net too shallow for it to
+            # mean anything, where an exact 0 is still a cut (a round() between two layers without an STE)
             self._run, self._ratios = 0, []
             return
         if self._run == 0:
