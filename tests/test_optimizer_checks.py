@@ -2577,3 +2577,46 @@ def test_langevin_backwards_on_a_model_left_in_train_mode_are_input_gradient_pas
     else:
         [f] = found
         assert f.step == 0 and f.details["input_backwards"] == 4 and "sampler" in f.message
+
+
+@pytest.mark.parametrize("order", ["leak", "leak-module-zero", "standard", "zero-before-own"])
+def test_a_generator_loss_left_in_the_discriminator_after_its_zero_grad_is_told(order):
+    """`opt_d.zero_grad()` at the top, then the generator's backward (through D) and its step, then D's own
+    backward and step: D's step applies the generator loss's gradients too (what toggle_optimizer prevents; silent
+    until stop 41). The standard order, or D's zero_grad() right before its own backward, is clean."""
+    torch.manual_seed(0)
+    G, D = nn.Linear(4, 2), nn.Linear(2, 1)
+    opt_g = torch.optim.Adam(G.parameters(), 1e-3)
+    opt_d = torch.optim.Adam(D.parameters(), 1e-3)
+    with guard(live=False) as g:  # G and D called one by one: each is a model of its own
+        for _ in range(4):
+            real = torch.randn(8, 2) + 2
+            fake = G(torch.randn(8, 4))
+            if order == "standard":
+                opt_d.zero_grad()
+                (F.softplus(-D(real)).mean() + F.softplus(D(fake.detach())).mean()).backward()
+                opt_d.step()
+                opt_g.zero_grad()
+                F.softplus(-D(fake)).mean().backward()
+                opt_g.step()
+                continue
+            if order == "leak-module-zero":
+                D.zero_grad()
+            elif order == "leak":
+                opt_d.zero_grad()
+            opt_g.zero_grad()
+            F.softplus(-D(fake)).mean().backward()
+            opt_g.step()
+            if order == "zero-before-own":
+                opt_d.zero_grad()
+            (F.softplus(-D(real)).mean() + F.softplus(D(fake.detach())).mean()).backward()
+            opt_d.step()
+    found = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    if order in ("standard", "zero-before-own"):
+        assert g.findings == []
+    else:
+        [f] = found
+        # (a global guard knows opt_d from its first step: the leak is seen at the second iteration, whose D step
+        # comes after opt_g's, the step counter's, second step)
+        assert f.where == "Adam[1]" and f.details["leaked_from"].startswith("Adam") and f.step in (1, 2)
+        assert "toggle_optimizer" in f.hint and "opt_d.zero_grad(); d_loss.backward()" in f.hint

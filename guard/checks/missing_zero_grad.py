@@ -28,7 +28,7 @@ without it (with no optimizer, 4 parameters' versions per backward).
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -37,6 +37,11 @@ from ..tensors import as_float, fused_norms
 from ._params import frame_optimizers
 from .base import Check
 from .._weak import WeakIdMap
+
+
+def _first_param(optimizer) -> Optional[torch.Tensor]:
+    groups = optimizer.param_groups
+    return groups[0]["params"][0] if groups and groups[0]["params"] else None
 
 
 def _input_leaf(t: torch.Tensor, params_ok: bool = False) -> Optional[torch.Tensor]:
@@ -154,6 +159,14 @@ class MissingZeroGrad(Check):
         # with no model call and no optimizer (a camera pose's quaternion and translation as plain leaves, updated by
         # hand): the leaves the latest backward reached stand for the parameters
         self._loss_leaves: List[weakref.ref] = []
+        # Another loss's gradients left in an optimizer's parameters (a generator's loss back-propagated through the
+        # discriminator after the discriminator's zero_grad()): per optimizer zeroed since its last step, (backwards
+        # counted at that zero_grad(), ref); and per polluted optimizer, (backwards counted then, the other optimizer,
+        # its backward's line)
+        self._backwards = 0
+        self._zeroed_opts: Dict[int, Tuple[int, weakref.ref]] = {}
+        self._leaked: Dict[int, Tuple[int, str, Optional[str]]] = {}
+        self._leak_told = False
 
     # ------------------------------------------------------------------ input gradients taken with backward()
     def watches(self, module) -> bool:
@@ -240,6 +253,8 @@ class MissingZeroGrad(Check):
     # ------------------------------------------------------------------ zero_grad observed
     def on_opt_zero_grad_done(self, args, kwargs, result):
         self._forget_inputs()
+        if args and isinstance(args[0], torch.optim.Optimizer) and not self._leak_told:
+            self._zeroed(args[0], kwargs.get("set_to_none", args[1] if len(args) > 1 else True))
         if self._during and args and id(args[0]) in self._during:
             self._during[id(args[0])][1] += 1
         st = self._st.data.get(id(args[0])) if args else None
@@ -250,6 +265,13 @@ class MissingZeroGrad(Check):
 
     def on_module_zero_grad_done(self, args, kwargs, result):
         self._forget_inputs()
+        if args and not self._leak_told and len(self.g.optimizers) > 1:
+            to_none = kwargs.get("set_to_none", args[1] if len(args) > 1 else True)
+            ids = {id(p) for p in args[0].parameters()}
+            for o in self.g.optimizers:
+                first = _first_param(o)
+                if first is not None and id(first) in ids:
+                    self._zeroed(o, to_none)  # D.zero_grad() clears what opt_d steps
         for counts in self._during.values():
             counts[1] += 1  # model.zero_grad() inside a closure clears what the optimizer steps, as a rule
         if not args or not self._st:
@@ -273,6 +295,8 @@ class MissingZeroGrad(Check):
     def on_step_post(self, optimizer):
         if self._input_backwards:
             self._forget_inputs()
+        if self._zeroed_opts:
+            self._zeroed_opts.pop(id(optimizer), None)
         counts = self._during.pop(id(optimizer), None)
         if counts is not None and counts[0] >= 2 and not counts[1] and not self._closure_done:
             self._closure_done = True
@@ -296,6 +320,7 @@ class MissingZeroGrad(Check):
                 self._armed = True
 
     def on_backward(self, tensors, kwargs):
+        self._backwards += 1
         if not self._input_told and (kwargs or {}).get("inputs") is None:  # backward(inputs=[x]) fills x.grad only
             if self._graph_leaf is not None and (kwargs or {}).get("create_graph"):
                 # `E.sum().backward(create_graph=True); F = -pos.grad`: an input's gradient taken for the loss, which
@@ -513,7 +538,51 @@ class MissingZeroGrad(Check):
                 self._emit_closure(opt, counts[0], counts[3])
         self._during.clear()
 
+    def _zeroed(self, optimizer, to_none: Any) -> None:
+        self._leaked.pop(id(optimizer), None)
+        if to_none:  # (zeros left by set_to_none=False cannot tell a later backward's writes without a read)
+            self._zeroed_opts[id(optimizer)] = (self._backwards, weakref.ref(optimizer))
+        else:
+            self._zeroed_opts.pop(id(optimizer), None)
+
+    def _leaks(self, optimizer) -> None:
+        """At `optimizer`'s step: another optimizer zeroed since its own last step, whose parameters a backward
+        since then gave gradients, gets them from this optimizer's loss (one attribute read per such optimizer)."""
+        for key, (n, ref) in list(self._zeroed_opts.items()):
+            other = ref()
+            if other is None:
+                del self._zeroed_opts[key]
+                continue
+            if other is optimizer or self._backwards <= n or key in self._leaked:
+                continue
+            first = _first_param(other)
+            if first is not None and first.grad is not None and not any(
+                    q is first for grp in optimizer.param_groups for q in grp["params"]):
+                self._leaked[key] = (self._backwards, self._label(optimizer), self.g.root_source)
+
+    def _judge_leak(self, optimizer) -> None:
+        leak = self._leaked.pop(id(optimizer), None)
+        if leak is None or self._backwards <= leak[0]:
+            return  # (no backward of its own since: one joint backward for both optimizers is fine)
+        self._leak_told = True
+        n, other, src = leak
+        where = self._label(optimizer)
+        self.emit("missing-zero-grad", where,
+                  f"{where}.step() applies gradients that a backward() for {other} ({src}) wrote into its parameters "
+                  f"after its zero_grad(), before {other}.step(): that other loss's gradients (a generator's loss "
+                  f"back-propagated through the discriminator, an actor's through the critic) are added to this "
+                  f"optimizer's own loss's",
+                  f"Zero {where}'s gradients right before its own loss's backward(): opt_d.zero_grad(); "
+                  f"d_loss.backward(); opt_d.step() (after the other optimizer's step), or freeze its parameters during "
+                  f"the other backward (requires_grad_(False) on them; Lightning's toggle_optimizer).",
+                  step=self.g.step, source=self.g.source(), details={"optimizer": type(optimizer).__name__,
+                                                                     "leaked_from": other, "leaking_backward": src})
+
     def on_step_pre(self, optimizer):
+        if self._zeroed_opts and not self._leak_told:
+            if self._leaked:
+                self._judge_leak(optimizer)
+            self._leaks(optimizer)
         if self._polluted is None and self._input_graph and not self._input_told:
             # (the loss's own backward after it may not be seen: a model guard sends no event for a backward without
             # a model call of its own since the last one)
