@@ -40,6 +40,7 @@ EVERY = 5
 RUN = 4
 RATIO = 1e-5
 MIN_LAYERS = 4
+SHALLOW_EVERY = 25  # the sampling period for nets under MIN_LAYERS (a cut is told after RUN such samples)
 
 
 class VanishingGradients(Check):
@@ -120,6 +121,8 @@ class VanishingGradients(Check):
     def on_step_pre(self, optimizer):
         if self._done or not self.g.sampling or not self.g.is_primary(optimizer) or self.g.step % EVERY:
             return
+        if self._pair is not None and self._pair[4] < MIN_LAYERS and self.g.step % SHALLOW_EVERY:
+            return  # a shallow net is looked at for a lasting cut only: rarer samples (a tiny model's step is short)
         if self._pair is None:
             if self._tried_at >= 0 and self.g.step < self._tried_at + 10 * EVERY:
                 return
