@@ -1352,3 +1352,41 @@ def test_a_straight_through_round_without_detach_in_a_three_layer_net_is_a_cut(d
     else:
         [f] = found
         assert f.where == "0" and f.details["cut"] is True and f.details["layers"] == 3 and f.step == 0
+
+
+class _Wrapper(nn.Module):
+    """A DDP-like wrapper: the trained model is its `.module`."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.module = inner
+
+    def forward(self, x):
+        return self.module(x)
+
+
+@pytest.mark.parametrize("back_to_train", [False, True])
+def test_a_wrapped_model_left_in_eval_mode_by_module_eval_is_trained_in_eval_mode(back_to_train):
+    """DDP's idiom `model.module.eval()` for validation leaves the wrapper in training mode and the model in eval
+    mode: training goes on with Dropout off (silent until stop 41: only the wrapper's mode was read)."""
+    torch.manual_seed(0)
+    model = _Wrapper(nn.Sequential(nn.Linear(5, 32), nn.Dropout(0.3), nn.ReLU(), nn.Linear(32, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(64, 5)
+    y = (x[:, 0] > 0).long()
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            if back_to_train:
+                model.module.train()
+            for i in range(0, 64, 16):
+                opt.zero_grad()
+                F.cross_entropy(model(x[i:i + 16]), y[i:i + 16]).backward()
+                opt.step()
+            model.module.eval()
+            with torch.no_grad():
+                model.module(x)
+    if back_to_train:
+        assert g.findings == []
+    else:
+        [f] = g.findings
+        assert (f.kind, f.where, f.step) == ("train-in-eval-mode", "module", 4) and "1 (Dropout)" in f.message

@@ -96,7 +96,16 @@ class TrainInEvalMode(Check):
         if not torch.is_grad_enabled():
             return
         if module.training:
-            if id(module) in self._eval_calls.data:
+            inner = module._modules.get("module")
+            if inner is not None and not inner.training:
+                # a wrapper in training mode around a model in eval mode (DDP's `model.module.eval()` for rank 0's
+                # validation, and no train() after it): the wrapped model is what trains in eval mode
+                module = inner
+                if module in self._reported:
+                    self._again[module] = self.g.path_of(module)
+                else:
+                    self._eval_calls[module] = self.g.root_source
+            elif id(module) in self._eval_calls.data:
                 self._eval_calls.pop(module)
         elif module not in self._reported:
             self._eval_calls[module] = self.g.root_source
