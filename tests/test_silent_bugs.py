@@ -1390,3 +1390,33 @@ def test_a_wrapped_model_left_in_eval_mode_by_module_eval_is_trained_in_eval_mod
     else:
         [f] = g.findings
         assert (f.kind, f.where, f.step) == ("train-in-eval-mode", "module", 4) and "1 (Dropout)" in f.message
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_label_sorted_dataset_behind_a_distributed_sampler_without_shuffle_is_unshuffled(shuffle):
+    """`DistributedSampler(ds, shuffle=False)` (the validation sampler's setting copied into training) is a strided
+    SequentialSampler: each rank's batches of a label-sorted dataset hold one class (silent until stop 41)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    torch.manual_seed(0)
+    y = torch.arange(4).repeat_interleave(80)
+    x = torch.randn(320, 6) + 2 * F.one_hot(y, 6).float()
+    ds = TensorDataset(x, y)
+    model = nn.Linear(6, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=shuffle)
+    loader = DataLoader(ds, batch_size=16, sampler=sampler)
+    with guard(model, opt, live=False) as g:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for xb, yb in loader:
+                loss = F.cross_entropy(model(xb), yb)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    if shuffle:
+        assert g.findings == []
+    else:
+        [f] = g.findings
+        assert f.kind == "unshuffled-labels" and f.where == "loader" and f.details["sampler"] == "DistributedSampler"
+        assert "DistributedSampler(dataset, shuffle=True)" in f.hint and "set_epoch" in f.hint

@@ -6,7 +6,7 @@ saw and the loss curve looks like a saw. Observed through declared patches of
 ``DataLoader.__iter__`` (shared with the ``batchnorm`` check) and of the loader
 iterator's ``__next__``. Only loaders that iterate in dataset order are
 followed: a ``SequentialSampler`` (``shuffle=False``, no sampler given) inside
-torch's own ``BatchSampler`` with ``batch_size >= 2``; shuffled loaders, custom
+torch's own ``BatchSampler`` with ``batch_size >= 2`` (or a ``DistributedSampler(shuffle=False)``, a strided one); shuffled loaders, custom
 samplers and batch samplers, and iterable-style datasets are never looked at.
 
 Per batch of such a loader, the labels are the second element of an ``(x, y, ...)``
@@ -41,6 +41,7 @@ from typing import Any, List, Optional
 
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler, WeightedRandomSampler
+from torch.utils.data.distributed import DistributedSampler
 
 from .._frames import frame_locals, user_frame
 from .base import Check
@@ -145,7 +146,11 @@ class UnshuffledLabels(Check):
             bs = getattr(loader, "batch_sampler", None)
             if type(bs) is BatchSampler and type(bs.sampler) is WeightedRandomSampler:
                 self._weighted(loader, bs.sampler)
-            if (type(bs) is not BatchSampler or type(bs.sampler) is not SequentialSampler
+            sampler = getattr(bs, "sampler", None)
+            # a DistributedSampler(shuffle=False) is a strided SequentialSampler: the validation sampler's setting
+            # copied into training (the rank's share of a sorted dataset is sorted too)
+            dist = type(sampler) is DistributedSampler and not sampler.shuffle
+            if (type(bs) is not BatchSampler or (type(sampler) is not SequentialSampler and not dist)
                     or not isinstance(bs.batch_size, int) or bs.batch_size < 2
                     or isinstance(getattr(loader, "dataset", None), IterableDataset)):
                 return
@@ -154,7 +159,9 @@ class UnshuffledLabels(Check):
                 size = f" of {len(ds)}"
             except Exception:
                 size = ""
-            desc = f"shuffle=False: SequentialSampler over {type(ds).__name__}{size}, batch_size={bs.batch_size}"
+            desc = (f"DistributedSampler(shuffle=False) over {type(ds).__name__}{size}, batch_size={bs.batch_size}"
+                    if dist else
+                    f"shuffle=False: SequentialSampler over {type(ds).__name__}{size}, batch_size={bs.batch_size}")
             # The loader's variable name is looked up only when reporting: reading a frame's f_locals keeps a
             # snapshot of its variables alive (Python < 3.13), which would hold the user's model and optimizer.
             st = self._loaders[loader] = _Loader(None, self.g.source(), desc)
@@ -274,12 +281,16 @@ class UnshuffledLabels(Check):
                   f"{filled} each fill whole batches; shuffled, {_expected(q * st.counted)} would), with "
                   f"{st.desc}: the dataset is sorted by label, so each step "
                   f"trains on one class and the model follows the last class it saw",
-                  "Shuffle the training data: DataLoader(dataset, batch_size=..., shuffle=True) (or a RandomSampler; "
-                  "DistributedSampler(shuffle=True) under DDP). Keep shuffle=False for validation only.",
+                  ("Shuffle the training data: DistributedSampler(dataset, shuffle=True) (its default), with "
+                   "sampler.set_epoch(epoch) at every epoch. Keep shuffle=False for validation only."
+                   if st.desc.startswith("Distributed") else
+                   "Shuffle the training data: DataLoader(dataset, batch_size=..., shuffle=True) (or a RandomSampler; "
+                   "DistributedSampler(shuffle=True) under DDP). Keep shuffle=False for validation only."),
                   step=st.since, seen=self.g.step, source=st.source,
                   details={"loader": st.name, "single_class_batches": st.single, "batches": st.counted,
                            "classes_filling_batches": st.classes[:20], "label_range": [st.lo, st.hi],
-                           "sampler": "SequentialSampler", "chance_single_class": q})
+                           "sampler": "DistributedSampler" if st.desc.startswith("Distributed") else "SequentialSampler",
+                           "chance_single_class": q})
 
 
 def _expected(n: float) -> str:
