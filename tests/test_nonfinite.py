@@ -1935,3 +1935,31 @@ def test_a_time_argument_at_zero_is_no_temperature():
         opt.step()
     f = only(g, "nonfinite-output")
     assert "zero_arguments" not in f.details and "tau" not in f.hint
+
+
+def test_frozen_pretrained_vectors_with_nan_rows_are_named_at_the_embedding_with_the_repair_fix():
+    """`Embedding.from_pretrained(vec, freeze=True)` where vec has unfilled (NaN) rows: the root was named, with "an
+    earlier overflow: lower the learning rate" (until stop 41). The embedding is named, as NaN before any update."""
+    vec = torch.randn(10, 4)
+    vec[3] = float("nan")
+
+    class Clf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding.from_pretrained(vec, freeze=True)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(self.emb(x).mean(1))
+
+    model = Clf()
+    opt = torch.optim.Adam(model.fc.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            loss = F.cross_entropy(model(torch.tensor([[1, 3], [2, 4]])), torch.tensor([0, 1]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "nonfinite-output")
+    assert (f.where, f.step) == ("emb", 0) and f.details["before_any_update"] is True
+    assert "before any optimizer update" in f.message and "from_pretrained" in f.hint and "learning rate is not" in f.hint

@@ -901,12 +901,14 @@ class NonFinite(Check):
             # their consequence, and standard layers with such weights passed their input's flag on.
             return True
         bad_params: List[str] = []
+        born_bad = True  # every NaN/Inf weight was so before any update, or is frozen (none an update made)
         if module is not None and not after:
             for n, p in module.named_parameters():
                 if screenable(p) and not bool(torch.isfinite(p.detach()).all()) and self._born.get(p) != "inf":
                     if self.g.param_name(p) in self._bad_param_names:
                         return True  # a consequence of an already reported nonfinite-param
                     bad_params.append(n)
+                    born_bad = born_bad and (self._born.get(p) == "nan" or not p.requires_grad)
         out_counts, in_stats, out_stats = {}, {}, {}
         for name, i in call.outputs:
             t = refs.get(i, lambda: None)()
@@ -954,6 +956,21 @@ class NonFinite(Check):
                     "softmax (scores.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)); zeroing or dropping the NaN rows after "
                     "it is not enough: their backward still makes NaN gradients (0 * NaN). " + MASK_HINT)
         where, what = call.path, f"{call.path} ({call.type})"
+        if bad_params and born_bad and module is not None and not all(
+                n.rsplit(".", 1)[-1].startswith("original") for n in bad_params):  # (a parametrization: its hint above)
+            # weights NaN/Inf from the start (pretrained vectors whose out-of-vocabulary rows were never filled, a bad
+            # checkpoint) or frozen: no update made them; named at the submodule holding them
+            owner = bad_params[0].rpartition(".")[0]
+            if owner and all(n.rpartition(".")[0] == owner for n in bad_params):
+                sub = module.get_submodule(owner)
+                where, what = (self.g.path_of(sub) or owner), f"{owner} ({type(sub).__name__})"
+            why = (f"its parameters {', '.join(bad_params[:5])} are NaN/Inf and were so before any optimizer update"
+                   + (" (frozen: no update touches them)" if all(
+                       not p.requires_grad for n, p in module.named_parameters() if n in bad_params) else ""))
+            hint = ("Repair the weights where they are made: pretrained vectors with unfilled rows (words missing "
+                    "from the embedding file) need those rows filled (w[torch.isnan(w).any(1)] = 0, or small random "
+                    "vectors) before Embedding.from_pretrained; a checkpoint holding NaN needs an earlier one. "
+                    "The learning rate is not the cause.")
         if masked and not bad_params:
             # a forward that writes no mask: an underflow to 0 before a log (probabilities multiplied in linear space)
             no_mask = module is not None and not _masks_in(type(module))
@@ -1036,7 +1053,8 @@ class NonFinite(Check):
                            **({"fully_masked_rows": int(rows.sum())} if rows is not None else {}),
                            **({"huge_weights": {n: v for n, v, _ in huge[:20]}} if huge else {}),
                            **({"nonfinite_buffers": inf_buffers[:20]} if inf_buffers else {}),
-                           **({"zero_arguments": call.zeros} if call.zeros and not bad_params else {})})
+                           **({"zero_arguments": call.zeros} if call.zeros and not bad_params else {}),
+                           **({"before_any_update": True} if bad_params and born_bad else {})})
         return True
 
     def _report_inner_loss(self, call: _Call, counts: Dict[str, Any]) -> None:
