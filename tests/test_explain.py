@@ -1553,3 +1553,38 @@ def test_autograd_grad_inside_a_function_decorated_no_grad_is_told_at_the_decora
     (f,) = _explained(g)
     assert f.where == "torch.autograd.grad" and f.details["grad_enabled"] is False
     assert "@torch.no_grad()" in f.hint and "torch.enable_grad()" in _notes(ei.value)
+
+
+def test_autograd_grad_of_a_non_scalar_model_output_gets_grad_outputs_not_mean():
+    """`torch.autograd.grad(H(x), x)` with H(x) of shape [N, 1]: the derivative of each sample's output. The fix was
+    the unreduced-loss one, `.mean()`, which divides every derivative by N (until stop 41)."""
+    energy = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.randn(64, 2, requires_grad=True)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(energy, live=False) as g:
+            torch.autograd.grad(energy(x), x, create_graph=True)
+    (f,) = _explained(g)
+    assert f.where == "torch.autograd.grad" and "grad_outputs=torch.ones_like(out)" in f.hint
+    assert "not out.mean()" in _notes(ei.value)
+
+
+def test_a_custom_function_returning_too_few_gradients_is_named_with_the_none_fix():
+    """A gradient reversal Function whose backward returns only the input's gradient, not None for its lambda:
+    "function RevBackward returned an incorrect number of gradients (expected 2, got 1)"."""
+    class Rev(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, lam):
+            ctx.lam = lam
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return -ctx.lam * g
+
+    model = nn.Linear(4, 2)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, live=False) as g:
+            Rev.apply(model(torch.randn(3, 4)), 0.5).sum().backward()
+    (f,) = _explained(g)
+    assert f.where == "Rev" and f.details == {**f.details, "expected": 2, "returned": 1}
+    assert "return grad_x, None" in f.hint and "Rev" in _notes(ei.value)

@@ -134,6 +134,20 @@ def _one_hot_like(t: torch.Tensor) -> bool:
         return True
 
 
+def _through(exc: BaseException, torch_fn: str) -> bool:
+    """Whether the exception passed through torch's own function `torch_fn` (``grad``: torch.autograd.grad)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == torch_fn and is_skipped(code.co_filename) and "autograd" in code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_WRONG_GRADS_RE = re.compile(r"function (\w+) returned an incorrect number of gradients \(expected (\d+), got (\d+)\)")
+
+
 def _dtype_part(type_name: str) -> str:
     """``torch.cuda.FloatTensor`` and ``float`` -> ``float``: the dtype in a legacy type name."""
     return type_name.lower().replace("torch.", "").replace("cuda.", "").replace("tensor", "")
@@ -696,6 +710,17 @@ class ExplainErrors(Check):
                    "@torch.no_grad()), as optimizers do: with torch.no_grad(): p.div_(norms). Do it after "
                    "optimizer.step(), not between the forward and backward() that need the old values.")
             return "parameter", cause, fix, {}
+        if isinstance(exc, RuntimeError) and "grad can be implicitly created only for scalar outputs" in text \
+                and _through(exc, "grad"):
+            # torch.autograd.grad(H(x), x): a derivative of a model's output per sample (dH/dx, forces, u_x), whose
+            # .mean() fix would divide every derivative by the batch size
+            cause = ("torch.autograd.grad was given a non-scalar output without grad_outputs: for the derivative of "
+                     "each sample's output with respect to its own input (dH/dx, a force, u_x in a PINN) the output's "
+                     "gradient must be given")
+            fix = ("Pass grad_outputs=torch.ones_like(out) (or differentiate out.sum(), the same thing: each sample's "
+                   "output depends on its own input only); not out.mean(), which divides every derivative by the "
+                   "batch size.")
+            return "torch.autograd.grad", cause, fix, {"autograd_grad": True}
         if isinstance(exc, RuntimeError) and "grad can be implicitly created only for scalar outputs" in text:
             cause = ("backward() was called on a tensor with more than one element: a loss left unreduced "
                      "(reduction='none', a per-sample or per-element loss) has no implicit gradient")
@@ -703,6 +728,15 @@ class ExplainErrors(Check):
                    "gradients with the batch size; for per-sample weights (loss * w).sum() / w.sum()). To "
                    "back-propagate a non-scalar on purpose, pass its gradient: out.backward(torch.ones_like(out)).")
             return "loss", cause, fix, {}
+        m = _WRONG_GRADS_RE.search(text) if isinstance(exc, RuntimeError) else None
+        if m:
+            node, want, got = m.group(1), int(m.group(2)), int(m.group(3))
+            fn = node[:-len("Backward")] if node.endswith("Backward") else node
+            cause = (f"the backward of the custom autograd.Function `{fn}` returned {got} gradient(s), but its forward "
+                     f"took {want} input(s): backward must return exactly one value per forward argument after ctx")
+            fix = (f"Return one gradient per input of {fn}.forward, in order, with None for the arguments that need "
+                   f"none (non-tensors, constants, lambda of a gradient reversal): return grad_x, None.")
+            return fn, cause, fix, {"function": fn, "expected": want, "returned": got}
         if isinstance(exc, RuntimeError) and "backward through the graph a second time" in text:
             return self._second_backward(exc)
         typed = _TYPE_RE.search(text)
