@@ -1963,3 +1963,32 @@ def test_frozen_pretrained_vectors_with_nan_rows_are_named_at_the_embedding_with
     f = only(g, "nonfinite-output")
     assert (f.where, f.step) == ("emb", 0) and f.details["before_any_update"] is True
     assert "before any optimizer update" in f.message and "from_pretrained" in f.hint and "learning rate is not" in f.hint
+
+
+def test_a_nan_loss_through_a_parameter_holding_minus_inf_names_the_parameter():
+    """A CRF-like transition matrix with a forbidden column at -inf (on the wrong axis: every gold path goes
+    through it): the gold score is -inf and the loss -inf - (-inf) = NaN. It was the generic clamp hint until stop 41."""
+    class CRFish(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.trans = nn.Parameter(torch.zeros(3, 3))
+            with torch.no_grad():
+                self.trans[:, 0] = float("-inf")
+
+        def forward(self, x):
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = CRFish()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with guard(model, opt, live=False) as g:
+        em = model(torch.randn(8, 4))
+        tags = torch.zeros(8, dtype=torch.long)
+        log_z = torch.logsumexp(em.unsqueeze(1) + model.trans, dim=(1, 2))
+        loss = (log_z - (em[:, 0] + model.trans[tags, tags])).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-loss")
+    assert f.step == 0 and f.details["inf_parameters"] == ["trans"] and "-1e4" in f.hint

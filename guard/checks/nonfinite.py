@@ -462,6 +462,18 @@ class NonFinite(Check):
                             lambda values, group=group: self._note_born(group, values)))
         self.g.stage_batch(lambda: out)
 
+    def _inf_params(self) -> List[str]:
+        """Names of the watched parameters holding +-inf and no NaN (looked at on the error path only): held so by
+        design since before any update (forbidden CRF transitions), or `_born` says so."""
+        out = []
+        for name, p in list(self.g.named_parameters())[:256]:
+            if not screenable(p) or self._born.get(p) == "nan":
+                continue
+            d = p.detach()
+            if bool(torch.isinf(d).any()) and not bool(torch.isnan(d).any()):
+                out.append(name)
+        return out
+
     def _note_born(self, params: List[torch.Tensor], values: List[float]) -> None:
         for p, v in zip(params, values):
             if v != v:
@@ -746,6 +758,19 @@ class NonFinite(Check):
                                   f"use the built-in loss that takes logits: F.binary_cross_entropy_with_logits, "
                                   f"F.cross_entropy; for a mixture, torch.distributions.MixtureSameFamily's log_prob).",
                                   step=step, source=source, details={"log_of": inner, "stable": stable})
+                    elif (held := self._inf_params()):
+                        # parameters holding +-inf by design since before any update (forbidden CRF transitions):
+                        # a path through one gives -inf, and -inf - (-inf) or 0 * -inf is NaN
+                        self.emit("nonfinite-loss", "loss",
+                                  f"the loss passed to backward() is NaN/Inf although the model's outputs were finite; "
+                                  f"{', '.join(f'`{n}`' for n in held[:3])} holds -inf/inf (a hard "
+                                  f"constraint written into a parameter), and a score through it is -inf, whose "
+                                  f"difference with another -inf (the gold path's score minus the partition "
+                                  f"function) or product with 0 is NaN",
+                                  "Use a large finite value for forbidden entries (-1e4, not -inf), and check that the "
+                                  "gold sequences respect the constraint (the right axis of the transition matrix: "
+                                  "trans[from, to]); a parameter at -inf also gets NaN gradients.",
+                                  step=step, source=source, details={"inf_parameters": held[:20]})
                     else:
                         ops = _domain_ops(window[5].get(flag))
                         said = "; ".join(_DOMAIN_HINTS[o] for o in ops)
@@ -1286,7 +1311,7 @@ def _only_neg_inf(t: torch.Tensor) -> bool:
 
 
 # Ops with a restricted domain, by autograd node, as the hint names them (in this order)
-_DOMAIN_OPS = {"AcosBackward0": "acos", "AsinBackward0": "asin", "AtanhBackward0": "atanh", "LogBackward0": "log",
+_DOMAIN_OPS = {"ExpBackward0": "exp", "AcosBackward0": "acos", "AsinBackward0": "asin", "AtanhBackward0": "atanh", "LogBackward0": "log",
                "Log2Backward0": "log", "Log10Backward0": "log", "Log1pBackward0": "log1p", "SqrtBackward0": "sqrt",
                "RsqrtBackward0": "rsqrt", "PowBackward0": "pow", "PowBackward1": "pow", "DivBackward0": "division"}
 _DOMAIN_HINTS = {
@@ -1304,6 +1329,8 @@ _DOMAIN_HINTS = {
     "rsqrt": "rsqrt of 0 is Inf and of a negative value NaN: add an eps, (v + 1e-5).rsqrt()",
     "pow": "a fractional power of a negative value is NaN and a negative power of 0 Inf",
     "division": "a division by 0 is Inf (0/0 NaN): add an eps to the denominator or clamp it",
+    "exp": "exp of a value above 88 overflows float32 to Inf (an unconstrained model output exponentiated, a "
+           "density or rate: use softplus, or clamp before exp), and Inf times 0 is NaN",
 }
 
 
@@ -1329,8 +1356,9 @@ def _domain_ops(fn: Any, budget: int = 64) -> List[str]:
         except Exception:
             continue
     order = list(_DOMAIN_HINTS)
-    if len(found) > 1 and "division" in found:
-        found.remove("division")  # everywhere (a mean, F.normalize): named only when nothing else is there
+    for common in ("division", "exp"):  # everywhere (a mean, F.normalize, a softmax by hand): named only alone
+        if len(found) > 1 and common in found:
+            found.remove(common)
     return sorted(found, key=order.index)
 
 
