@@ -1992,3 +1992,33 @@ def test_a_nan_loss_through_a_parameter_holding_minus_inf_names_the_parameter():
         opt.step()
     f = only(g, "nonfinite-loss")
     assert f.step == 0 and f.details["inf_parameters"] == ["trans"] and "-1e4" in f.hint
+
+
+def test_nan_from_a_forward_that_fills_minus_inf_itself_gets_the_fully_masked_row_fix():
+    """Attention pooling written by hand, `masked_fill(x == PAD, float('-inf'))` then softmax: a document of padding
+    only is a row masked whole, NaN. The hint said to lower the learning rate or clip gradients until stop 41."""
+    class AttnPool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8, padding_idx=0)
+            self.score = nn.Linear(8, 1)
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x):
+            e = self.emb(x)
+            s = self.score(e).squeeze(-1).masked_fill(x == 0, float("-inf"))
+            return self.fc((F.softmax(s, dim=1).unsqueeze(-1) * e).sum(1))
+
+    torch.manual_seed(0)
+    model = AttnPool()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randint(1, 10, (4, 5))
+    x[2] = 0  # an empty document
+    with guard(model, opt, live=False) as g:
+        loss = F.cross_entropy(model(x), torch.tensor([0, 1, 0, 1]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-output")
+    assert f.where == "AttnPool" and f.step == 0 and "masked whole" in f.message
+    assert "torch.finfo(x.dtype).min" in f.hint and "learning rate" not in f.hint

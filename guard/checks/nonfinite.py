@@ -976,6 +976,16 @@ class NonFinite(Check):
                     "its right_inverse on the layer's weight (log(W) of a weight with negative entries, a division "
                     "by a zero norm). Make right_inverse defined on that weight (log(W.abs() + eps)), or "
                     "initialise the layer into its domain before registering.")
+        if not bad_params and not mask_in and not taken and not call.zeros and module is not None \
+                and not (type(module).__module__ or "").startswith("torch.") and _writes_neg_inf(type(module)):
+            # a forward of the user's that fills -inf itself (masked_fill(pad, float('-inf')) before a softmax): a row
+            # masked whole (an empty document, a sequence of padding only) has nothing to normalise, and is NaN
+            why += ("; its forward fills -inf itself (masked_fill before a softmax), and a row masked whole, all "
+                    "padding, gives softmax 0/0 = NaN")
+            hint = ("Keep at least one entry per row unmasked (drop empty sequences in the data, or unmask one "
+                    "position: mask[:, 0] = False), or fill with torch.finfo(x.dtype).min instead of -inf, which gives "
+                    "a uniform row instead of NaN; zeroing the NaN rows after the softmax is not enough: their "
+                    "backward still makes NaN gradients.")
         if mask_in and not bad_params:
             hint = ("Leave at least one entry per row unmasked, or give fully masked rows a finite score before the "
                     "softmax (scores.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)); zeroing or dropping the NaN rows after "
@@ -1302,6 +1312,18 @@ def _masks_in(cls: type) -> bool:
         return bool(_MASK_WORDS.search(inspect.getsource(fwd)))
     except (OSError, TypeError):
         return True
+
+
+_NEG_INF_FILL = re.compile(r"""(float\(\s*['"]-inf['"]\s*\)|-\s*(math|torch|np|numpy)\.inf\b|-float\(\s*['"]inf['"]\s*\))""")
+
+
+def _writes_neg_inf(cls: type) -> bool:
+    """Whether `cls`'s forward (source read on the error path) writes -inf itself: `masked_fill(..., float('-inf'))`."""
+    fwd = getattr(cls, "forward", None)
+    try:
+        return fwd is not None and bool(_NEG_INF_FILL.search(inspect.getsource(fwd)))
+    except (OSError, TypeError):
+        return False
 
 
 def _only_neg_inf(t: torch.Tensor) -> bool:
