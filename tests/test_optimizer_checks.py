@@ -2620,3 +2620,29 @@ def test_a_generator_loss_left_in_the_discriminator_after_its_zero_grad_is_told(
         # comes after opt_g's, the step counter's, second step)
         assert f.where == "Adam[1]" and f.details["leaked_from"].startswith("Adam") and f.step in (1, 2)
         assert "toggle_optimizer" in f.hint and "opt_d.zero_grad(); d_loss.backward()" in f.hint
+
+
+@pytest.mark.parametrize("cleared", [False, True])
+def test_a_hand_written_update_with_an_input_that_requires_grad_still_finds_uncleared_gradients(cleared):
+    """A PINN/HNN-style loop with no optimizer: each step's input requires grad (for d/dx), and the update by hand
+    never clears .grad. The previous step's input, gone by the next backward, blocked the finding until stop 41."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.randn(256, 2)
+    y = x.sum(1, keepdim=True)
+    with guard(net, live=False) as g:
+        for _ in range(6):
+            xb = x.clone().requires_grad_(True)
+            loss = (net(xb) - y).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 1e-2 * p.grad
+                    if cleared:
+                        p.grad = None
+    found = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    if cleared:
+        assert g.findings == []
+    else:
+        [f] = found
+        assert f.where == "parameters (no optimizer)" and f.step == 1

@@ -357,9 +357,13 @@ class MissingZeroGrad(Check):
         while those gradients stayed as they were? Then the update used them and nothing cleared them."""
         kept, self._manual = self._manual, []
         stale, moved, snaps = [], False, []
+        judged = 0
         for pref, gref, gv, pv, first in kept:
             p = pref()
-            g = p.grad if p is not None else None
+            if p is None:
+                continue  # gone: a per-step input that required grad (a PINN's collocation batch), nothing to judge
+            judged += 1
+            g = p.grad
             if g is None or g is not gref():
                 continue  # cleared (None, a new tensor) since: this parameter is fine
             # changed in place since (zero_(), or clip_grad_norm_/clip_grad_value_/clamp_ before the update): its
@@ -369,7 +373,7 @@ class MissingZeroGrad(Check):
                 moved = True
             else:
                 snaps.append((p, first))
-        if stale and len(stale) == len(kept):
+        if stale and len(stale) == judged:
             # Zeroed through `.data` (`p.grad.data.zero_()`) keeps the version: only non-zero gradients count, and
             # updates through `.data` keep the parameter's version: then its first values tell. Both are computed
             # now, before this backward adds to the gradients, and read with the step's other values.
