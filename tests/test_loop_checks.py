@@ -2957,3 +2957,29 @@ def test_a_teacher_queried_with_detach_in_train_mode_is_told_its_dropout_runs_bu
         assert ".eval()" in f.hint and "torch.no_grad()" in f.hint
     else:
         assert found and all("train_mode_modules" not in f.details for f in found)
+
+
+HOOK_HIST: list = []
+
+
+def test_a_statistic_appended_by_a_forward_hook_gets_its_own_expression_in_the_fix():
+    """A forward hook keeps `o.abs().mean()` (an activation statistic with its graph) in a list: the fix said
+    `hist.append(loss.item())` until stop 41; it is the appended expression's `.item()`."""
+    torch.manual_seed(0)
+    HOOK_HIST.clear()
+    model = nn.Sequential(nn.Linear(30, 64), nn.ReLU(), nn.Linear(64, 2))
+    handle = model[1].register_forward_hook(lambda m, i, o: HOOK_HIST.append(o.abs().mean()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        with guard(model, opt, live=False) as g:
+            for _ in range(40):
+                x = torch.randn(50, 30)
+                loss = F.cross_entropy(model(x), (x[:, 0] > 0).long())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    finally:
+        handle.remove()
+        HOOK_HIST.clear()
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
+    assert f.where == "HOOK_HIST" and "`HOOK_HIST.append(o.abs().mean().item())`" in f.hint

@@ -251,6 +251,19 @@ def _update_source(name: str, frame: Any, parent: Any) -> Optional[str]:
     return f"{short_path(code.co_filename)}:{frame.f_lineno}"
 
 
+def _appended(line: str) -> Optional[Tuple[str, str]]:
+    """(receiver, argument) of the first `x.append(expr)` on `line`, the argument read to its closing parenthesis."""
+    m = re.search(r"([A-Za-z_][\w.]*(?:\[[^\]]*\])*)\.append\(", line)
+    if m is None:
+        return None
+    depth, i = 1, m.end()
+    while i < len(line) and depth:
+        depth += {"(": 1, ")": -1}.get(line[i], 0)
+        i += 1
+    arg = line[m.end():i - 1].strip()
+    return (m.group(1), arg) if depth == 0 and arg and "," not in arg else None
+
+
 def _line_has(source: str, text: str) -> bool:
     """Whether the line at `source` (``file:line``, the path as shown) holds `text`."""
     path, _, no = source.rpartition(":")
@@ -740,7 +753,10 @@ class LossGraph(Check):
             if rows:
                 fix = f"`row.append(loss.item())` for the rows of `{said}`"
             elif name.endswith("[...]"):
-                fix = f"`{said}.append(loss.item())`"
+                # the appended expression as the line writes it (`hist[name].append(out.abs().mean())` in a forward
+                # hook: an activation statistic, not a loss), else `loss`
+                app = _appended(_line_at(src)) if src else None
+                fix = f"`{app[0]}.append({app[1]}.item())`" if app else f"`{said}.append(loss.item())`"
             else:
                 fix = f"`{said} += loss.item()`"
             # one step's graph held ("graphs of 1 steps (since step 0" read as a typo)
