@@ -1420,3 +1420,26 @@ def test_a_label_sorted_dataset_behind_a_distributed_sampler_without_shuffle_is_
         [f] = g.findings
         assert f.kind == "unshuffled-labels" and f.where == "loader" and f.details["sampler"] == "DistributedSampler"
         assert "DistributedSampler(dataset, shuffle=True)" in f.hint and "set_epoch" in f.hint
+
+
+def test_all_zero_gradients_under_gradient_hooks_name_the_hooks():
+    """Clipping by parameter hook, `torch.clamp(g, -c, c)` with c = 0 from a config: every gradient is 0. The hint
+    blamed detach/argmax in the loss path until stop 41; the hooks are named."""
+    torch.manual_seed(0)
+    clip_value = 0.0
+    model = nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 3))
+    handles = [p.register_hook(lambda g: torch.clamp(g, -clip_value, clip_value)) for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    try:
+        with guard(model, opt, live=False) as g:
+            for _ in range(8):
+                x = torch.randn(50, 12)
+                loss = F.cross_entropy(model(x), x[:, :3].argmax(1))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    f = [f for f in g.findings if f.kind == "grads-all-zero"][0]
+    assert f.details["cause"] == "gradient_hooks" and "register_hook" in f.message and "torch.clamp" in f.hint

@@ -226,6 +226,15 @@ class GradsAllZero(Check):
                 "The loss no longer depends on the parameters: look for detach()/.item()/argmax/round in the "
                 "loss path, a loss multiplied by 0 or a constant, cross_entropy over a single class, dead ReLUs "
                 "or saturated outputs.")
+        hooked = _hooked(opt) if cause is None and clip is None and not tiny else 0
+        if hooked:
+            # tensor hooks on the parameters rewrite their gradients (clipping by hook, torch.clamp(g, -c, c) with c
+            # read as 0 from a config): the path is not cut, the hooks return zeros
+            because = (f" while {hooked} of them carry gradient hooks (p.register_hook), which rewrite each gradient "
+                       f"as it is computed")
+            hint = ("Look at what the hooks return: a clamp to a limit of 0 (torch.clamp(g, -c, c) with c = 0 from a "
+                    "config meaning 'no clipping'), a mask or scale of 0. Register the hook only when clipping is on, "
+                    "or use torch.nn.utils.clip_grad_norm_ after backward() with the limit you meant.")
         if clip is not None:
             because = f" because {clip[0]}({clip[1]}=0) at {clip[2]} scales every gradient to 0 after backward()"
             hint = (f"{clip[1]}=0 does not mean \"no clipping\": it clips every gradient to 0. Skip the call when "
@@ -240,9 +249,15 @@ class GradsAllZero(Check):
                   (cause.hint if cause is not None else hint),
                   step=run.since, seen=self.g.step, source=run.source,
                   details={"optimizer": type(opt).__name__, "steps": run.count, "parameters": n,
-                           "cause": cause.kind if cause is not None else ("clip_to_zero" if clip is not None else None),
+                           "cause": cause.kind if cause is not None else ("clip_to_zero" if clip is not None else
+                                                                          "gradient_hooks" if hooked else None),
                            "cause_source": cause.source if cause is not None else (clip[2] if clip is not None else None),
                            **({"underflow": True} if tiny else {}), **({"beside_training": True} if to_end else {})})
+
+
+def _hooked(opt) -> int:
+    """How many of `opt`'s parameters carry tensor gradient hooks (read when reporting)."""
+    return sum(1 for grp in opt.param_groups for p in grp["params"] if getattr(p, "_backward_hooks", None))
 
 
 def _nonzero(opt) -> bool:
