@@ -1443,3 +1443,62 @@ def test_all_zero_gradients_under_gradient_hooks_name_the_hooks():
             h.remove()
     f = [f for f in g.findings if f.kind == "grads-all-zero"][0]
     assert f.details["cause"] == "gradient_hooks" and "register_hook" in f.message and "torch.clamp" in f.hint
+
+
+class _NoWeightGrad(torch.autograd.Function):
+    """A linear layer by hand whose backward returns None for the weight."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return g @ w, None, g.sum(0)
+
+
+class _HandLinear(nn.Linear):
+    def forward(self, x):
+        return _NoWeightGrad.apply(x, self.weight, self.bias)
+
+
+def test_a_first_weight_without_gradient_beside_a_learning_bias_is_no_cut_between_layers():
+    """A custom Function returning None for the weight: the bias of the same layer learns, so the path is not cut
+    (it was told as a round/argmax between the layers until stop 41)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_HandLinear(10, 32), nn.ReLU(), _HandLinear(32, 32), nn.ReLU(), _HandLinear(32, 32), nn.ReLU(),
+                        nn.Linear(32, 3))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    with guard(net, opt, live=False) as g:
+        for _ in range(25):
+            x = torch.randn(32, 10)
+            loss = F.cross_entropy(net(x), x[:, :3].argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = [f for f in g.findings if f.kind == "vanishing-gradients"]
+    assert f.where == "0" and "while the same layer's bias does" in f.message and "autograd.Function" in f.hint
+
+
+def test_gradient_hooks_registered_again_every_epoch_are_named_in_a_vanishing_finding():
+    """`p.register_hook(lambda g: g * 0.1)` at every epoch, handles dropped: the backbone's gradients shrink by 10x
+    per epoch. The ReLU net got the sigmoid/init hint only until stop 41; the piled-up hooks are named."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+    model = nn.Sequential(backbone, nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(640, 20)
+    y = (x @ torch.randn(20, 4)).argmax(1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(12):
+            for p in backbone.parameters():
+                p.register_hook(lambda grad: grad * 0.1)
+            for k in range(0, 640, 32):
+                loss = F.cross_entropy(model(x[k:k + 32]), y[k:k + 32])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    [f] = [f for f in g.findings if f.kind == "vanishing-gradients"]
+    assert f.details["gradient_hooks"] >= 5 and "Register gradient hooks once" in f.hint

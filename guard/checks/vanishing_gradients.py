@@ -96,6 +96,17 @@ class VanishingGradients(Check):
         self._second = weakref.ref(best[1][1])
         return fp, weakref.ref(fw), lp, weakref.ref(lw), len(best)
 
+    def _learning_siblings(self, first: str) -> List[str]:
+        """Names of the parameters of the layer at path `first`, beside its weight, that have a gradient now."""
+        for root in self.g.roots:
+            try:
+                layer = root.get_submodule(first) if first != type(root).__name__ else root
+            except AttributeError:
+                continue
+            return [n for n, p in layer.named_parameters(recurse=False)
+                    if p.grad is not None and p.dim() < 2 and p.requires_grad]
+        return []
+
     def _reentrant_site(self, first: str) -> Optional[str]:
         """``file:line`` of a ``checkpoint(...)`` call that is not ``use_reentrant=False`` in the forward of a module
         that holds the layer at path `first` (asked only when a first layer's gradient stayed None)."""
@@ -200,6 +211,15 @@ class VanishingGradients(Check):
                 hint = ("Pass use_reentrant=False to checkpoint: it gives the parameters inside their gradients whatever "
                         "the input; or make the checkpoint's input require grad (x.requires_grad_() after a frozen "
                         "embedding; Hugging Face's model.enable_input_require_grads()).")
+            elif worst == 0.0 and self._none and (siblings := self._learning_siblings(fp)):
+                # the weight alone without a gradient while its own layer's bias gets one: no cut between the layers,
+                # the weight leaves the graph inside the layer (a custom autograd.Function returning None for it)
+                message = (f"the weight of the first layer {fp} gets no gradient (None) at {self._run} sampled steps "
+                           f"since step {self._since}, while the same layer's {', '.join(siblings)} does: the path "
+                           f"to the layer is not cut, its weight leaves the graph inside it, so it never learns")
+                hint = ("Look at how the layer uses its weight: a custom torch.autograd.Function whose backward "
+                        "returns None for the weight (return grad_input, grad_weight, grad_bias: compute "
+                        "grad_output.t() @ input), or a weight used through .detach()/.data in its forward.")
             elif worst == 0.0:
                 # Not shrinking but cut: nothing reaches the first layer at all (a round/argmax between them)
                 what = "None (backward never reaches it)" if self._none else "exactly 0"
@@ -212,15 +232,26 @@ class VanishingGradients(Check):
                         "(the same for sign), a relaxed choice (softmax or F.gumbel_softmax(logits, hard=True) "
                         "instead of argmax); for dead ReLUs, a smaller learning rate, LeakyReLU or a better init.")
             else:
+                fw = self._pair[1]()
+                hooks = len(getattr(fw, "_backward_hooks", None) or ()) if fw is not None else 0
                 message = (f"the gradients of the first layer {fp} are {worst:.1e}x those of the last layer {lp} "
                            f"(per-element RMS, under {RATIO:g} at {self._run} sampled steps since step {self._since}, "
                            f"{n} layers): the first layers barely learn")
                 hint = ("Gradients shrink through each saturating layer: use ReLU/GELU instead of sigmoid/tanh in "
                         "deep stacks, add normalization (nn.LayerNorm/nn.BatchNorm1d) or residual connections "
                         "(x = x + f(x)), and a suitable init (nn.init.kaiming_normal_ / xavier_uniform_).")
+                if hooks >= 2:
+                    # tensor hooks piling up on the weight (registered again every epoch, the handles dropped): each
+                    # scales the gradient once more
+                    message += (f"; its weight carries {hooks} gradient hooks (p.register_hook), each applied to the "
+                                f"gradient in turn")
+                    hint = ("Register gradient hooks once, before the loop, and keep their handles (h = "
+                            "p.register_hook(fn); h.remove() when done): registered again every epoch, they pile up and "
+                            "a scaling hook shrinks the gradient geometrically. " + hint)
             self.emit("vanishing-gradients", fp, message, hint,
                       step=self._since, seen=self.g.step, source=self._source,
                       details={"first": fp, "last": lp, "ratio": worst, "ratios": self._ratios,
                                "layers": n, "sampled_every": EVERY, "threshold": RATIO, "cut": worst == 0.0,
                                **({"no_gradient": True} if self._none else {}),
-                               **({"reentrant_checkpoint": site} if site else {})})
+                               **({"reentrant_checkpoint": site} if site else {}),
+                               **({"gradient_hooks": hooks} if worst != 0.0 and hooks >= 2 else {})})
