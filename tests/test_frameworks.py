@@ -413,3 +413,32 @@ def test_a_finding_of_a_lightning_backward_names_the_training_step_not_the_fit_l
     with open(__file__) as fh:
         line = next(i for i, text in enumerate(fh, 1) if "# the model call guard names" in text)
     assert f.source == f"{HERE}:{line}" and f.step == 0
+
+
+class LitKeepsLosses(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.step_losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.net(batch["x"]), batch["labels"])
+        self.step_losses.append(loss)  # the holder guard names
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_graph_held_by_the_lightning_module_around_the_watched_net_is_named_under_a_global_guard():
+    """TORCH_GUARD=1 on `trainer.fit(Lit(), ...)`: training_step is no module call, so the watched model is the
+    LightningModule's `self.net`, and the list holding the losses is an attribute of its parent (named since stop 41:
+    "guard could not find which variable" before)."""
+    L.seed_everything(0, verbose=False)
+    with guard(live=False) as g:
+        trainer([], max_steps=40).fit(LitKeepsLosses(), loader(None))
+    f = next(f for f in g.findings if f.kind == "loss-graph-retained")
+    with open(__file__) as fh:
+        line = next(i for i, text in enumerate(fh, 1) if "# the holder guard names" in text)
+    assert f.where == "LitKeepsLosses.step_losses" and f.source == f"{HERE}:{line}"
+    assert "`self.step_losses.append(loss.item())`" in f.hint

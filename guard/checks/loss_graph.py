@@ -251,6 +251,23 @@ def _update_source(name: str, frame: Any, parent: Any) -> Optional[str]:
     return f"{short_path(code.co_filename)}:{frame.f_lineno}"
 
 
+def _parent_modules(roots: List[Any]) -> Dict[str, Any]:
+    """{class name: module} of the modules that hold one of `roots` as a submodule (found through the garbage
+    collector's referrers of each root and of the `_modules` dict holding it: on the reporting path only)."""
+    out: Dict[str, Any] = {}
+    for r in roots:
+        for mods in gc.get_referrers(r):  # the parent's `_modules` dict
+            if type(mods) is not dict:
+                continue
+            for attrs in gc.get_referrers(mods):  # the parent's instance `__dict__`
+                if type(attrs) is not dict or attrs.get("_modules") is not mods:
+                    continue
+                for owner in gc.get_referrers(attrs):
+                    if isinstance(owner, torch.nn.Module) and owner is not r and getattr(owner, "__dict__", None) is attrs:
+                        out.setdefault(type(owner).__name__, owner)
+    return out
+
+
 def _appended(line: str) -> Optional[Tuple[str, str]]:
     """(receiver, argument) of the first `x.append(expr)` on `line`, the argument read to its closing parenthesis."""
     m = re.search(r"([A-Za-z_][\w.]*(?:\[[^\]]*\])*)\.append\(", line)
@@ -668,8 +685,9 @@ class LossGraph(Check):
                     return (m.group(1) if m else "the input"), src
         return None
 
-    def _holders(self, before: int, prune: bool = True):
-        """(name, frame, steps reached, tensors) for graph holders in the user's frames, best first."""
+    def _holders(self, before: int, prune: bool = True, parents: bool = False):
+        """(name, frame, steps reached, tensors) for graph holders in the user's frames, best first; with `parents`,
+        also the attributes of the modules that hold the watched models (read through the garbage collector)."""
         walker = _Walker(before, self._key, prune)
         found = []
         scopes, frames = _user_scopes()
@@ -677,6 +695,10 @@ class LossGraph(Check):
             # the watched models' own attributes, when no variable of the user's names them (a LightningModule
             # built inside `trainer.fit(Classifier(), ...)` keeps `self.running_loss`)
             scopes.append((frames[-1], {self.g.path_of(m): m for m in self.g.roots}))
+            if parents:
+                # under a global guard the watched model is the LightningModule's `self.net` (its training_step is no
+                # module call): the holder is an attribute of that parent (`self.step_losses.append(loss)`)
+                scopes.append((frames[-1], _parent_modules(self.g.roots)))
         seen_objs: Set[int] = set()
         for fr, scope in scopes:
             for name, value in list(scope.items()):
@@ -720,6 +742,8 @@ class LossGraph(Check):
         if not holders:
             holders = [h for h in self._holders(step, prune=False) if len(h[2]) >= 2]
             carried = bool(holders)
+        if not holders:
+            holders = self._holders(step, parents=True)
         scan_ms = (time.perf_counter() - t0) * 1e3
         details: Dict[str, Any] = {"steps_alive": len(old), "since_step": since, "detected_at_step": step,
                                    "scan_ms": round(scan_ms, 2)}
