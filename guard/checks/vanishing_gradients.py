@@ -171,12 +171,33 @@ class VanishingGradients(Check):
                 or gl.layout != torch.strided:
             return
         self._none = False
+        if n < MIN_LAYERS and self._shallow(optimizer, first, last):
+            return
         with torch.no_grad():
             rf = torch.linalg.vector_norm(as_float(gf)) / math.sqrt(gf.numel())
             rl = torch.linalg.vector_norm(as_float(gl)).to(rf.device) / math.sqrt(gl.numel())
             ratio = rf / rl
         step, source = self.g.step, self.g.source()
         self.g.stage(ratio, lambda v: self._seen(v, step, source))
+
+    def _shallow(self, optimizer, first: torch.Tensor, last: torch.Tensor) -> bool:
+        """A shallow net is looked at for an exact cut only: the two layers' norms are read from the shared
+        per-parameter norms of the step (no reduction of its own). False when they are not there."""
+        gn = self.g.grad_norms(optimizer)
+        if len(gn.stacked) != 1:
+            return False
+        (stack, ids), = gn.stacked.values()
+        try:
+            i = ids.index(next(k for k, p in enumerate(gn.params) if p is first))
+            j = ids.index(next(k for k, p in enumerate(gn.params) if p is last))
+        except (StopIteration, ValueError):
+            return False
+        step, source = self.g.step, self.g.source()
+
+        def seen(values: List[float]) -> None:
+            self._seen(0.0 if values[i] == 0.0 and values[j] > 0.0 else 1.0, step, source)
+        self.g.stage_batch(lambda: [(stack, seen)])
+        return True
 
     def _seen(self, v: float, step: int, source: Optional[str]) -> None:
         if not (v < RATIO) or self._pair is None or (v != 0.0 and self._pair[4] < MIN_LAYERS):
