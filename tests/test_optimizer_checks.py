@@ -2646,3 +2646,27 @@ def test_a_hand_written_update_with_an_input_that_requires_grad_still_finds_uncl
     else:
         [f] = found
         assert f.where == "parameters (no optimizer)" and f.step == 1
+
+
+@pytest.mark.parametrize("lr,told", [(1e-5, True), (1e-3, False)])
+def test_bf16_weights_whose_adam_updates_mostly_round_away_are_told(lr, told):
+    """Pure-bf16 weights under AdamW: at lr 1e-5 only a few percent of the elements with a gradient move (the rest of
+    the updates round away; told since stop 41, the bar was 1% of all sampled elements); at 1e-3 they move. Rows an
+    embedding does not look up have no gradient and are not counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Flatten(), nn.Linear(32 * 8, 64), nn.ReLU(),
+                          nn.Linear(64, 4)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    with guard(model, opt, live=False) as g:
+        for _ in range(70):
+            x = torch.randint(0, 100, (16, 8))
+            loss = F.cross_entropy(model(x).float(), x[:, 0] % 4)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [f for f in g.findings if f.kind == "params-not-updating"]
+    if told:
+        [f] = found
+        assert f.details["rounded_away"] is True and "10%" in f.message
+    else:
+        assert g.findings == []
