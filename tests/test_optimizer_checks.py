@@ -2670,3 +2670,32 @@ def test_bf16_weights_whose_adam_updates_mostly_round_away_are_told(lr, told):
         assert f.details["rounded_away"] is True and "10%" in f.message
     else:
         assert g.findings == []
+
+
+@pytest.mark.parametrize("bug", [None, "delta_grad_kept"])
+def test_pgd_through_backward_with_zero_grad_before_the_training_backward_is_clean(bug):
+    """PGD adversarial training whose attack takes the input gradient with loss.backward() (filling the weights'
+    .grad, cleared by opt.zero_grad() right before the training backward), under a global guard that knows the
+    optimizer only from its first step: the attack's changed delta beside unchanged weights was told as a SAM
+    perturbation until stop 41. A delta whose own .grad is never cleared is told at `delta`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(live=False) as g:
+        for _ in range(6):
+            x, y = torch.rand(32, 10), torch.randint(0, 3, (32,))
+            delta = torch.zeros_like(x, requires_grad=True)
+            for _ in range(2):
+                F.cross_entropy(model(x + delta), y).backward()
+                with torch.no_grad():
+                    delta += 0.03 * delta.grad.sign()
+                if bug is None:
+                    delta.grad.zero_()
+            opt.zero_grad()
+            F.cross_entropy(model((x + delta).detach()), y).backward()
+            opt.step()
+    if bug is None:
+        assert g.findings == []
+    else:
+        [f] = g.findings
+        assert (f.kind, f.where) == ("missing-zero-grad", "delta") and "delta.grad = None" in f.hint

@@ -140,6 +140,7 @@ class MissingZeroGrad(Check):
         self._closure_done = False
         # hand-written updates (no optimizer): [(param ref, grad ref, grad version, param version, first values)]
         self._manual: List[tuple] = []
+        self._manual_step = 0  # the step the hand-written update's state was noted at
         self._manual_told = False
         # backward() for an input's gradient (an attack's or a sampler's) since the last zero_grad(): the latest
         # model call's leaf input that requires grad, the leaves back-propagated into, the first such line, and
@@ -356,7 +357,7 @@ class MissingZeroGrad(Check):
         """A backward with no optimizer seen: did the parameters change since the last one left their gradients,
         while those gradients stayed as they were? Then the update used them and nothing cleared them."""
         kept, self._manual = self._manual, []
-        stale, moved, snaps = [], False, []
+        stale, moved, snaps = [], set(), []
         judged = 0
         for pref, gref, gv, pv, first in kept:
             p = pref()
@@ -370,7 +371,7 @@ class MissingZeroGrad(Check):
             # norm, read below, tells a cleared gradient (0) from one scaled and kept
             stale.append(p)
             if p._version != pv:
-                moved = True
+                moved.add(id(p))
             else:
                 snaps.append((p, first))
         if stale and len(stale) == judged:
@@ -380,14 +381,17 @@ class MissingZeroGrad(Check):
             step, src = self.g.step, self.g.source()
             with torch.no_grad():
                 values = [n.reshape(()).float() for n in fused_norms([p.grad.detach() for p in stale])[0]]
-                if not moved:
-                    values += [(p.detach().reshape(-1)[:first.numel()] != first).any().float() for p, first in snaps]
+                values += [(p.detach().reshape(-1)[:first.numel()] != first).any().float() for p, first in snaps]
                 staged = torch.stack(values)
             n = len(stale)
 
             def verdict(vals: List[float]) -> None:
-                left = [p for p, v in zip(stale, vals[:n]) if v != 0.0]
-                if left and (moved or any(vals[n:])):
+                # only a tensor both changed and still holding its gradient counts: an attack's delta, changed in
+                # place with its gradient zeroed, beside weights that kept theirs but did not change (PGD through
+                # backward(), zero_grad() before the training backward), is no hand-written update
+                now = moved | {id(p) for (p, _), v in zip(snaps, vals[n:]) if v}
+                left = [p for p, v in zip(stale, vals[:n]) if v != 0.0 and id(p) in now]
+                if left:
                     self._manual_emit(left, step, src)
             self.g.stage_batch(lambda: [(staged, verdict)])
         if kept and self.following and not self.g.costly_step:
@@ -426,6 +430,7 @@ class MissingZeroGrad(Check):
             if len(out) == 4:
                 break
         self._manual = out
+        self._manual_step = self.g.step
         if out and self.g.meter.period > 1:
             self.follow(True)  # sampled by a budget: see the next backward too, to compare with this one
         return []
