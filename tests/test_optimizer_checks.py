@@ -2699,3 +2699,27 @@ def test_pgd_through_backward_with_zero_grad_before_the_training_backward_is_cle
     else:
         [f] = g.findings
         assert (f.kind, f.where) == ("missing-zero-grad", "delta") and "delta.grad = None" in f.hint
+
+
+def test_the_first_batch_of_a_new_task_after_a_task_learned_to_zero_loss_is_no_explosion():
+    """Class-incremental learning: task 0 learned down to a loss near 0, then task 1's classes. The first batch's
+    norm is 5x the run's first norms (over the 2x bar) but its loss is back near the run's first loss and far above
+    the recent ones: a model meeting data it has not learned (told as an explosion until stop 41)."""
+    torch.manual_seed(0)
+    means = torch.randn(4, 20) * 2
+
+    def task(cls):
+        y = torch.tensor(cls)[torch.randint(2, (300,))]
+        return means[y] + torch.randn(300, 20), y
+
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with guard(model, opt, live=False) as g:
+        for x, y in [task([0, 1]), task([2, 3])]:
+            for _ in range(10):
+                for i in range(0, 300, 32):
+                    loss = F.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+    assert [f for f in g.findings if f.kind == "grad-explosion"] == []

@@ -46,6 +46,12 @@ LOG_HIGH = math.log(HIGH)
 # few hard batches): its next largest is often twice the last, so a jump must be HIGH_HEAVY x the largest there.
 SPREAD = 5.0
 HIGH_HEAVY = 4.0
+# the first batch of a new task: a loss back within NEW_DATA_LOSS x the run's first, and NEW_DATA_RISE x above the
+# window's median loss, allows norms up to NEW_DATA_HIGH x the run's first ones
+NEW_DATA_LOSS = 20.0
+NEW_DATA_RISE = 10.0
+NEW_DATA_HIGH = 10.0
+LOG_NEW_DATA_HIGH = math.log(NEW_DATA_HIGH)
 
 
 DIVERGE = 1000.0  # a total this many times the window's median, after a steady climb, is a divergence
@@ -68,7 +74,7 @@ RAMP_MIN = 1.02  # the least growth factor per step of such a test (fastai and t
 
 
 class _State:
-    __slots__ = ("window", "top", "where", "burst", "highs", "diverged", "early", "pushed", "losses")
+    __slots__ = ("window", "top", "where", "burst", "highs", "diverged", "early", "pushed", "losses", "first_loss")
 
     def __init__(self) -> None:
         self.window: deque = deque(maxlen=WINDOW)  # log norms
@@ -80,6 +86,7 @@ class _State:
         self.early = -math.inf  # the largest of the run's first WARMUP totals (an untrained model's gradients)
         self.pushed = 0
         self.losses: deque = deque(maxlen=WINDOW)  # the steps' positive losses, beside their norms
+        self.first_loss: Optional[float] = None  # the run's first positive loss
 
     def push(self, lv: float) -> None:
         if self.pushed < WARMUP:
@@ -204,7 +211,7 @@ class GradExplosion(Check):
         if len(st.window) >= WARMUP:
             # A total no larger than HIGH x the run's first ones is the gradient of a model meeting what it has not
             # learned yet (the next task of a continual-learning run, a new data source), not an explosion.
-            if lv > LOG_HIGH + st.top and lv > LOG_HIGH + st.early:
+            if lv > LOG_HIGH + st.top and lv > self._early_bar(st) + st.early:
                 med, ratio = _bar(st.window)
                 if v > ratio * med:
                     heavier = self._heavier(st, v / med)
@@ -237,6 +244,19 @@ class GradExplosion(Check):
             self._note_loss(st)
         st.push(lv)
 
+    def _early_bar(self, st: _State) -> float:
+        """Log of how far above the run's first norms a total must be. A model meeting data it has not learned (the
+        first batch of the next task in class-incremental learning, the old task learned down to a loss near 0) has
+        gradients a few times its untrained ones: while the step's loss is back within NEW_DATA_LOSS x the run's
+        first loss and well above the window's median loss, the bar is NEW_DATA_HIGH x those norms."""
+        loss = self.g.step_loss
+        first = st.first_loss
+        if loss is None or first is None or not math.isfinite(loss) or not st.losses:
+            return LOG_HIGH
+        if loss <= NEW_DATA_LOSS * first and loss >= NEW_DATA_RISE * median(st.losses):
+            return LOG_NEW_DATA_HIGH
+        return LOG_HIGH
+
     def _loss_blew(self, st: _State) -> bool:
         """Whether this step's loss is at least 100x the run's first one (diverging, not a loss on a new scale). A
         first loss near 0 (a consistency loss between a student and its just-copied teacher) sets no scale."""
@@ -250,6 +270,8 @@ class GradExplosion(Check):
         loss = self.g.step_loss
         if loss is not None and loss > 0.0 and math.isfinite(loss):
             st.losses.append(loss)
+            if st.first_loss is None:
+                st.first_loss = loss
 
     def _heavier(self, st: _State, norm_ratio: float) -> float:
         """The ratio of this step's loss to the run's median loss when it rose with the norm (a heavier batch:
