@@ -5,6 +5,8 @@ log 2 at every step, and the objective has lost its anchor. A reference deep-cop
 loss sitting on a round value stay silent."""
 import copy
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -324,3 +326,29 @@ def test_a_full_batch_binary_network_on_a_plateau_is_no_constant_loss():
         runs.append(runs[-1] + 1 if a == b else 1)
     assert max(runs) >= 8 and losses[-1] < losses[0]  # the precondition: a plateau of 8 steps or more, then learning
     assert not [f for f in g.findings if f.kind == "loss-constant"], g.findings
+
+
+@pytest.mark.parametrize("cloned", [False, True])
+def test_an_ewc_penalty_written_by_hand_against_an_anchor_aliasing_the_parameters_is_told(cloned):
+    """`anchor = {n: p for n, p in model.named_parameters()}` (no .detach().clone()) makes a hand-written EWC
+    penalty `(F * (p - anchor[n]) ** 2).sum()` identically 0: silent until stop 41 (only F.mse_loss(p, anchor) was
+    seen)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    fisher = {n: torch.rand_like(p) for n, p in model.named_parameters()}
+    anchor = {n: (p.detach().clone() if cloned else p) for n, p in model.named_parameters()}
+    with guard(model, opt, live=False) as g:
+        for _ in range(5):
+            x, y = torch.randn(32, 20), torch.randint(4, (32,))
+            pen = sum((fisher[n] * (p - anchor[n]) ** 2).sum() for n, p in model.named_parameters())
+            loss = F.cross_entropy(model(x), y) + pen
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if cloned:
+        assert g.findings == []
+    else:
+        [f] = g.findings
+        assert f.kind == "loss-constant" and f.details["anchor"] is True and f.step == 0
+        assert "p.detach().clone()" in f.hint

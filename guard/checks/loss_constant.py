@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any, Optional
 
 import torch
 
@@ -86,6 +87,20 @@ class LossConstant(Check):
 
     def watches(self, module) -> bool:
         return False  # the model calls' outputs only (root calls): no layer keeps a hook for this check
+
+    def on_backward(self, tensors, kwargs):
+        step = self.g.step
+        if self._done or (step > 1 and step & (step - 1)) or step > 64:
+            return  # graphs are looked at on steps 0, 1, 2, 4, ..., 64 (one comparison at the others)
+        for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors or ()):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                leaf = _self_difference(t.grad_fn)
+                if leaf is not None:
+                    self._done = True
+                    self._anchor("hand-written", leaf, list(leaf.shape),
+                                 "a hand-written penalty computes `p - anchor` with the anchor being the parameter "
+                                 "itself (the same tensor on both sides of the subtraction)")
+                    return
 
     def on_forward(self, module, path, args, kwargs, output, is_root):
         if self._same < 2 or self._same_done or not is_root:
@@ -242,10 +257,32 @@ class LossConstant(Check):
                   "Take the reference as a copy before training changes the weights: "
                   "`ref = [p.detach().clone() for p in global_model.parameters()]` (the server's or pretrained weights, "
                   "not `list(model.parameters())`, which holds the very parameters being trained), then "
-                  f"F.{fn}(p, r) over zip(model.parameters(), ref).",
+                  + (f"F.{fn}(p, r)" if fn.isidentifier() else "((p - r) ** 2).sum()")
+                  + " over zip(model.parameters(), ref).",
                   source=self.g.source(),
                   details={"loss": fn, "input_shape": shape, "parameter": name, "anchor": True,
                            "why": f"{fn} of a parameter and itself"})
+
+
+def _self_difference(root: Any, budget: int = 512) -> Optional[torch.Tensor]:
+    """The parameter of a `p - p` in the graph behind `root` (both operands of a subtraction are the same leaf: an
+    EWC or FedProx anchor `{n: p for n, p in model.named_parameters()}` taken without .detach().clone())."""
+    stack, seen = [root], set()
+    while stack and budget > 0:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        budget -= 1
+        try:
+            nxt = node.next_functions
+        except Exception:
+            continue
+        if type(node).__name__ == "SubBackward0" and len(nxt) == 2 and nxt[0][0] is not None \
+                and nxt[0][0] is nxt[1][0] and type(nxt[0][0]).__name__ == "AccumulateGrad":
+            return nxt[0][0].variable
+        stack.extend(n for n, _ in nxt if n is not None and type(n).__name__ != "AccumulateGrad")
+    return None
 
 
 add_call_handlers(LossConstant, "shape_", _DISTANCES, "_itself")
