@@ -96,7 +96,8 @@ class TrainInEvalMode(Check):
         if not torch.is_grad_enabled():
             return
         if module.training:
-            inner = module._modules.get("module")
+            mods = module._modules
+            inner = mods.get("module") if type(mods) is dict else None  # (a ScriptModule's is no dict)
             if inner is not None and not inner.training:
                 # a wrapper in training mode around a model in eval mode (DDP's `model.module.eval()` for rank 0's
                 # validation, and no train() after it): the wrapped model is what trains in eval mode
