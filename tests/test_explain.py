@@ -1588,3 +1588,17 @@ def test_a_custom_function_returning_too_few_gradients_is_named_with_the_none_fi
     (f,) = _explained(g)
     assert f.where == "Rev" and f.details == {**f.details, "expected": 2, "returned": 1}
     assert "return grad_x, None" in f.hint and "Rev" in _notes(ei.value)
+
+
+@pytest.mark.parametrize("layer", [nn.Embedding, nn.EmbeddingBag])
+def test_hashed_ids_far_past_an_embedding_table_get_the_modulo_fix(layer):
+    """Hashed ids with no `% num_embeddings`: the EmbeddingBag's own errors ("... not in the valid range [0, 4096)",
+    "Expected i < index_size") got no note until stop 41, and a table of 31M rows was the fix for both."""
+    torch.manual_seed(0)
+    emb = layer(4096, 1) if layer is nn.Embedding else layer(4096, 1, mode="sum")
+    ids = (torch.randint(0, 10 ** 6, (24,)) * 31).view(8, 3)
+    with pytest.raises((IndexError, RuntimeError)) as ei:
+        with guard(emb, live=False) as g:
+            emb(ids).sum().backward()
+    (f,) = _explained(g)
+    assert f.details["hashed_ids"] is True and "`ids % 4096`" in f.hint and "ids % 4096" in _notes(ei.value)

@@ -804,7 +804,9 @@ class ExplainErrors(Check):
             else:
                 return None
             return "DataLoader", cause, fix, {"worker_signals": sigs}
-        if isinstance(exc, IndexError) and "index out of range in self" in text:
+        if (isinstance(exc, IndexError) and "index out of range in self" in text) or (
+                isinstance(exc, RuntimeError) and ("which is not in the valid range [0," in text
+                                                   or "Expected i < index_size" in text)):  # EmbeddingBag's two
             return self._embedding_index(exc, module)
         m = _INVALID_GRAD_RE.search(text)
         if isinstance(exc, RuntimeError) and m:
@@ -880,8 +882,15 @@ class ExplainErrors(Check):
         fix = (f"Make num_embeddings cover every index (the vocabulary size, or the longest sequence for positions: "
                f"at least {hi + 1}), or truncate/clip the inputs to it (x[:, :{n}] for positions); for padding, use "
                f"an id inside the table with padding_idx=... .")
+        hashed = bad >= 10 * n
+        if hashed:
+            # ids far past the table (raw hashes, user or item ids of the whole catalogue): the hashing trick's modulo
+            cause += (f"; the indices reach {hi / n:,.0f}x the table's size, which looks like raw hashed or "
+                      f"catalogue-wide ids")
+            fix = (f"Map the ids into the table: hashed features need `ids % {n}` (the hashing trick), catalogue ids a "
+                   f"vocabulary lookup to 0..N-1; a table of {hi + 1:,} rows is rarely what was meant.")
         return path or "embedding", cause, fix, {"num_embeddings": n, "index_min": lo, "index_max": hi,
-                                                  "index_shape": shape}
+                                                  "index_shape": shape, **({"hashed_ids": True} if hashed else {})}
 
     def _dtype_mismatch(self, exc: BaseException, text: str, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """Float and Double met in one op: name the odd parameters of the failing module, or its input."""
