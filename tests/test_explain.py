@@ -1602,3 +1602,17 @@ def test_hashed_ids_far_past_an_embedding_table_get_the_modulo_fix(layer):
             emb(ids).sum().backward()
     (f,) = _explained(g)
     assert f.details["hashed_ids"] is True and "`ids % 4096`" in f.hint and "ids % 4096" in _notes(ei.value)
+
+
+@pytest.mark.parametrize("arg", ["pos_weight", "weight"])
+def test_a_bce_weight_of_the_wrong_shape_is_named(arg):
+    """`pos_weight` (or `weight`) shaped [N, 1] for [N] logits: "output with shape [8] doesn't match the broadcast
+    shape [8, 8]" names neither; no note until stop 41."""
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,)).float()
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, live=False) as g:
+            F.binary_cross_entropy_with_logits(model(x).squeeze(1), y, **{arg: torch.full((8, 1), 3.0)})
+    (f,) = _explained(g)
+    assert f.where == "loss" and f.details["argument"] == arg and f.details["argument_shape"] == [8, 1]
+    assert f"{arg}.view(-1)" in f.hint and arg in _notes(ei.value)

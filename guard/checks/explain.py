@@ -148,6 +148,40 @@ def _through(exc: BaseException, torch_fn: str) -> bool:
 _WRONG_GRADS_RE = re.compile(r"function (\w+) returned an incorrect number of gradients \(expected (\d+), got (\d+)\)")
 
 
+def _loss_weight_shape(exc: BaseException) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+    """A BCE loss's `pos_weight` or `weight` whose shape makes the result broadcast past the input's ("output with
+    shape [8] doesn't match the broadcast shape [8, 8]"): named, with the shape it must have."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in ("binary_cross_entropy_with_logits", "binary_cross_entropy") and is_skipped(code.co_filename):
+            found = (code.co_name, tb.tb_frame.f_locals)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    fn, local = found
+    x = local.get("input")
+    for arg in ("pos_weight", "weight"):
+        w = local.get(arg)
+        if isinstance(w, torch.Tensor) and isinstance(x, torch.Tensor):
+            try:
+                torch.broadcast_shapes(tuple(w.shape), tuple(x.shape))
+                grows = tuple(torch.broadcast_shapes(tuple(w.shape), tuple(x.shape))) != tuple(x.shape)
+            except RuntimeError:
+                grows = True
+            if grows:
+                xs, ws = list(x.shape), list(w.shape)
+                want = ("[1] (one weight for the positives), or [C] for C labels per sample" if arg == "pos_weight"
+                        else f"the input's shape {xs} (one weight per element), or one that broadcasts to it")
+                cause = (f"{fn}'s `{arg}` has shape {ws} while its input is {xs}: broadcast against the input it would "
+                         f"give a larger result, so the loss cannot be computed (a per-sample weight kept [N, 1] for "
+                         f"[N] logits, or the other way round)")
+                fix = (f"Give `{arg}` the shape {want}: {arg}.view(-1) for [N] logits, or {arg}.view_as(input); a "
+                       f"pos_weight is per label, not per sample (use weight= for per-sample weights).")
+                return "loss", cause, fix, {"loss": fn, "argument": arg, "argument_shape": ws, "input_shape": xs}
+    return None
+
+
 def _dtype_part(type_name: str) -> str:
     """``torch.cuda.FloatTensor`` and ``float`` -> ``float``: the dtype in a legacy type name."""
     return type_name.lower().replace("torch.", "").replace("cuda.", "").replace("tensor", "")
@@ -846,6 +880,10 @@ class ExplainErrors(Check):
         hit = self._beginner_loss(exc, text)
         if hit is not None:
             return hit
+        if isinstance(exc, RuntimeError) and "doesn't match the broadcast shape" in text:
+            hit = _loss_weight_shape(exc)
+            if hit is not None:
+                return hit
         if isinstance(exc, (RuntimeError, ValueError)):
             hit = (self._dtype_mismatch(exc, text, module) or self._channels(text, module)
                    or self._stale_state(exc, text) or self._loss_sizes(exc, text))
