@@ -2723,3 +2723,28 @@ def test_the_first_batch_of_a_new_task_after_a_task_learned_to_zero_loss_is_no_e
                     loss.backward()
                     opt.step()
     assert [f for f in g.findings if f.kind == "grad-explosion"] == []
+
+
+def test_a_parameter_created_in_forward_is_told_to_be_created_once_in_init():
+    """`self.pos_embed = nn.Parameter(...)` in forward: no optimizer ever held one. It was told as a weight
+    re-bound to renormalise it, whose first version the optimizer holds, with the spectral-norm fix, until stop 41."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            self.pos_embed = nn.Parameter(torch.randn(1, 4, 8) * 0.02)
+            return self.fc((x + self.pos_embed).mean(1))
+
+    torch.manual_seed(0)
+    model = M()
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    with guard(model, opt, live=False) as g:
+        for _ in range(12):
+            loss = F.cross_entropy(model(torch.randn(16, 4, 8)), torch.randint(0, 3, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f.where == "pos_embed" and f.details["created_in_forward"] is True and "in __init__" in f.hint

@@ -137,6 +137,7 @@ class OptimizerParams(Check):
         # parameters that replaced one at least the second time (re-bound per call or per step) -> first step
         self._rebound = WeakIdMap()
         self._registered = WeakIdMap()  # every nn.Parameter registered in a module while guard runs (ties reuse one)
+        self._made_in_call: set = set()  # (id(module), name) re-bound whose first replaced parameter no optimizer held
         # a parameter that replaced another (the first time at that name) -> (step, line, weak reference to the old)
         self._replaced = WeakIdMap()
         self._held_step = 0  # the step of that look
@@ -522,7 +523,13 @@ class OptimizerParams(Check):
             key = (id(args[0]), args[1])
             n, first = self._rebinds.get(key, (0, self.g.step))
             if n == 0:  # the first time: which one it replaced, when and where
-                self._replaced[args[2]] = (self.g.step, self.g.source(), weakref.ref(args[0]._parameters[args[1]]))
+                old = args[0]._parameters[args[1]]
+                self._replaced[args[2]] = (self.g.step, self.g.source(), weakref.ref(old))
+                # whether an optimizer held the one replaced: none did when the parameter is made in forward (never
+                # there when the optimizer was built: `self.pos_embed = nn.Parameter(...)` in forward)
+                opts = self.g.optimizers  # (none known yet under a global guard before the first step: no verdict)
+                if opts and not any(q is old for o in opts for grp in o.param_groups for q in grp["params"]):
+                    self._made_in_call.add(key)
             self._rebinds[key] = (n + 1, first)
             if n + 1 >= 2:
                 self._rebound[args[2]] = first  # the step of the first re-binding
@@ -530,6 +537,16 @@ class OptimizerParams(Check):
                 self._rebinds.clear()
         if len(args) >= 3 and isinstance(args[2], nn.Parameter):
             self._registered[args[2]] = True
+
+    def _owner_of(self, name: str) -> Optional[nn.Module]:
+        """The watched module holding the parameter named `name` (a qualified name)."""
+        path = name.rpartition(".")[0]
+        for root in self.g.roots:
+            try:
+                return root.get_submodule(path) if path else root
+            except AttributeError:
+                continue
+        return None
 
     def _told_disconnected(self, missing: List[str]) -> Optional[int]:
         """The step of a `loss-disconnected` finding that named these parameters as the only ones the loss reaches,
@@ -587,7 +604,20 @@ class OptimizerParams(Check):
         gone = set(missing)
         rebound = [self._rebound.data[id(p)] for n, p in named if n in gone and id(p) in self._rebound.data]
         replaced = [self._old_held(p) for n, p in named if n in gone]
-        if rebound:
+        made = rebound and all((id(mod), attr) in self._made_in_call for n in gone if (
+            mod := self._owner_of(n)) is not None and (attr := n.rpartition(".")[2]))
+        if rebound and made:
+            # made anew at every call and never held by an optimizer (built before the first forward): a parameter
+            # created in forward, not one renormalised by re-binding
+            step = min(rebound)
+            message = (f"{len(missing)} trainable parameter(s) get gradients but are in no optimizer ({opts}): "
+                       f"{_listing(shown, more)}; each is created anew as an nn.Parameter at every call (in forward), "
+                       f"so none was there when the optimizer was built, and each new one starts from scratch: it "
+                       f"never trains")
+            hint = ("Create the parameter once, in __init__ (`self.pos_embed = nn.Parameter(torch.zeros(1, n, d))`), "
+                    "and only use it in forward; build the optimizer after the model is complete.")
+            later, extra = False, {"rebound_per_call": True, "created_in_forward": True}
+        elif rebound:
             # re-bound again and again (in forward, or after each step): the optimizer holds the first one; before
             # the `later` cases, which would take the new ones for a layer unfrozen mid-run
             step = min(rebound)
