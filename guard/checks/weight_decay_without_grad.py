@@ -422,11 +422,15 @@ class WeightDecayWithoutGrad(Check):
                 what += (" (backward reaches them, but their gradients are computed as exactly 0 while their layers' "
                          "biases learn: the weights reach the output only through an op whose derivative is 0, "
                          "round() or sign() in a fake-quantiser whose straight-through estimator detaches the wrong "
-                         "term, or their layers' inputs are exactly 0)")
+                         "term; or what they produce is masked out after them, attention keys all masked by a "
+                         "key_padding_mask written with True meaning keep (PyTorch's True means ignore); or their "
+                         "layers' inputs are exactly 0)")
                 hint = (f"These weights never learn and weight decay shrinks them. For a straight-through "
                         f"estimator keep the weight itself in the graph: w_q = w + (quant(w) - w).detach() (not "
                         f"w.detach() + (quant(w) - w.detach())), and look for round/sign/argmax applied to the weights "
-                        f"without one; if their inputs are 0, look at the layer before them.")
+                        f"without one; for an attention mask, key_padding_mask must be True at the padding "
+                        f"(~attention_mask when 1 means a real token); if their inputs are 0, look at the layer before "
+                        f"them.")
             elif all(t.in_graph for t in ts) and all(id(t.ref()) in self._zeroed for t in ts):
                 what += (" (backward computes non-zero gradients for them, but they are 0 at optimizer.step(): they "
                          "are zeroed in place after backward, `p.grad.zero_()` or `p.grad.fill_(0)` to freeze them, "
