@@ -2022,3 +2022,20 @@ def test_nan_from_a_forward_that_fills_minus_inf_itself_gets_the_fully_masked_ro
     f = only(g, "nonfinite-output")
     assert f.where == "AttnPool" and f.step == 0 and "masked whole" in f.message
     assert "torch.finfo(x.dtype).min" in f.hint and "learning rate" not in f.hint
+
+
+def test_nan_from_a_kldivloss_given_log_probabilities_as_its_target_names_the_argument_order():
+    """TRADES with the arguments swapped, `crit(softmax(adv), log_softmax(clean))`: the target holds negative values
+    and target * log(target) is NaN. The hint said to lower the learning rate until stop 41."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    crit = nn.KLDivLoss(reduction="batchmean")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(live=False) as g:
+        x = torch.randn(16, 8)
+        loss = crit(F.softmax(model(x + 0.01), 1), F.log_softmax(model(x), 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-output")
+    assert f.details["module"] == "KLDivLoss" and "log_target=True" in f.hint and "learning rate" not in f.hint

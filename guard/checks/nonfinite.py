@@ -969,6 +969,14 @@ class NonFinite(Check):
                     "(tau = max(tau, 0.1)); the weights are not the cause, so lowering the learning rate will not help.")
         if call.type == "CTCLoss" and call.step in self._ctc_steps and not bad_params:
             hint = CTC_HINT  # a loss module called on its own (a global guard's outermost call)
+        if call.type == "KLDivLoss" and not bad_params and module is not None and not getattr(module, "log_target", True):
+            # its target is taken as probabilities: log-probabilities there (negative) make target * log(target) NaN
+            why += ("; KLDivLoss takes log-probabilities as its input and probabilities as its target "
+                    "(log_target=False): a target holding log-probabilities (negative values) gives NaN")
+            hint = ("Pass kl(F.log_softmax(student, -1), F.softmax(teacher, -1)) (input first, as log-probabilities; "
+                    "target second, as probabilities), or keep both as log-probabilities with "
+                    "nn.KLDivLoss(log_target=True); in TRADES the adversarial logits are the input, the clean ones "
+                    "the target.")
         if bad_params and call.step == 0 and all(n.rsplit(".", 1)[-1].startswith("original") for n in bad_params) \
                 and (call.type == "ParametrizationList" or all(".parametrizations." in n for n in bad_params)):
             # made when the parametrization was registered: its right_inverse maps the weight to the stored one
