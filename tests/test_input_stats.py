@@ -3,6 +3,7 @@ import pytest
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from demos import unnormalized_input
@@ -178,3 +179,24 @@ def test_an_inf_marking_no_return_in_a_range_image_says_nothing_of_its_scale():
     assert train(RangeNet(), [x, x], checks=["input-stats"]).findings == []
     assert [f.kind for f in train(RangeNet(), [x.nan_to_num(posinf=300.0)], checks=["input-stats"]).findings] == [
         "input-not-normalized"]  # the same scale check on a finite input
+
+
+def test_a_parameter_free_norm_module_before_the_first_conv_normalizes_the_input():
+    """Robustness code keeps the attack in [0, 1] pixel space and normalizes inside the model with a parameter-free
+    `Norm()` first: told as "the model starts with a convolution" until stop 41."""
+    class Norm(nn.Module):
+        def forward(self, x):
+            return (x - 0.5) / 0.3
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Norm(), nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            x = torch.rand(16, 1, 12, 12)
+            loss = F.cross_entropy(model(x), torch.randint(0, 3, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == []

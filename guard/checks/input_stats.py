@@ -49,7 +49,10 @@ def _first_layer(model: nn.Module) -> str:
         if _per_channel(name, b):
             return "norm"  # e.g. register_buffer("mean", ...) and (x - mean) / std inside forward
     for m in model.modules():
-        if isinstance(m, _NORMS) or "normaliz" in type(m).__name__.lower():
+        low = type(m).__name__.lower()
+        if isinstance(m, _NORMS) or "normaliz" in low or (
+                m is not model and "norm" in low and not any(True for _ in m.parameters())):
+            # (a parameter-free `Norm()`/`InputNorm()` before the first conv: `(x - mean) / std` in its forward)
             return "norm"
         # plain tensor attributes (the PyTorch style-transfer tutorial's Normalization keeps mean and std so)
         if any(_per_channel(k, v) for k, v in vars(m).items()):
