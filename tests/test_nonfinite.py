@@ -2039,3 +2039,25 @@ def test_nan_from_a_kldivloss_given_log_probabilities_as_its_target_names_the_ar
         opt.step()
     f = only(g, "nonfinite-output")
     assert f.details["module"] == "KLDivLoss" and "log_target=True" in f.hint and "learning rate" not in f.hint
+
+
+def test_left_padded_histories_under_a_causal_mask_get_the_right_padding_fix_not_dropping_samples():
+    """SASRec-style: left-padded item histories, a causal attn_mask and a key_padding_mask. No sample is empty, but the
+    leading pad queries see only pad keys. The fix was to drop empty samples until stop 41."""
+    torch.manual_seed(0)
+    seq = 6
+    att = nn.MultiheadAttention(8, 2, batch_first=True)
+    emb = nn.Embedding(20, 8, padding_idx=0)
+    model = nn.ModuleDict({"att": att, "emb": emb})
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.tensor([[0, 0, 3, 4, 5, 6], [0, 7, 8, 9, 1, 2]])
+    with guard(live=False) as g:
+        h = emb(x)
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
+        a, _ = att(h, h, h, attn_mask=causal, key_padding_mask=(x == 0))
+        loss = (a * (x != 0).unsqueeze(-1)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-output")
+    assert f.where == "MultiheadAttention" and "left-padded" in f.message and "Pad on the right" in f.hint

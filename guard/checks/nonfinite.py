@@ -1073,6 +1073,14 @@ class NonFinite(Check):
                     "Check the mask's convention too: torch's key_padding_mask and boolean attn_mask are True where "
                     "a key is IGNORED, the opposite of a Hugging Face attention_mask (1 = keep): pass "
                     "`key_padding_mask=~attention_mask.bool()`.")
+            if not samples and module_masks[2] is not None and module_masks[1] is not None:
+                # no sample without keys: queries whose causal window holds only padding (left-padded histories,
+                # SASRec): the leading pad positions see nothing but pad keys
+                why += ("; no sample is empty: with the causal attn_mask, the leading positions of left-padded "
+                        "sequences see only padding keys")
+                hint = ("Pad on the right (the causal window of every real position then starts at a real key), or let "
+                        "each padding query attend to itself (unmask the diagonal of the combined mask) and mask their "
+                        "outputs and loss afterwards; dropping such samples would drop every left-padded sequence.")
         if huge:
             # The standard layers inside are not screened one by one: their weights say which one overflowed.
             owners = list(dict.fromkeys(owner for _, _, owner in huge))
