@@ -2061,3 +2061,85 @@ def test_left_padded_histories_under_a_causal_mask_get_the_right_padding_fix_not
         opt.step()
     f = only(g, "nonfinite-output")
     assert f.where == "MultiheadAttention" and "left-padded" in f.message and "Pad on the right" in f.hint
+
+
+class _NaiveLogSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(20, 5)
+
+    def forward(self, x):
+        z = self.f(x)
+        return z - torch.log(torch.exp(z).sum(-1, keepdim=True))
+
+
+class _OnePassNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        mu = x.mean(0)
+        var = (x * x).mean(0) - mu * mu
+        return (x - mu) / torch.sqrt(var + 1e-5) * self.g
+
+
+class _UnscaledAttention(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.q, self.k = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return (self.q(x) @ self.k(x).transpose(-2, -1)).softmax(-1) @ x
+
+
+@pytest.mark.parametrize("case", ["exp_overflow", "one_pass_variance", "fp16_overflow", "grad_rescaled_by_zero"])
+def test_numerical_hints_name_what_overflowed_and_a_fix_that_works(case):
+    """A numerics sweep's cases, each told with the generic clamp/epsilon/lower-the-learning-rate hint until stop 41:
+    exp overflow inside a log by hand, a one-pass variance that cancels below 0, float16 attention scores above
+    65504, and gradients rescaled by hand by a norm that is 0."""
+    torch.manual_seed(0)
+    if case == "exp_overflow":
+        model = _NaiveLogSoftmax()
+        batch = lambda: torch.randn(64, 20) * 300  # noqa: E731
+        loss_of = lambda out: -out[:, 0].mean()  # noqa: E731
+    elif case == "one_pass_variance":
+        model = nn.Sequential(_OnePassNorm(2), nn.Linear(2, 1))
+        batch = lambda: torch.cat([1.7e9 + torch.rand(64, 1) * 3600, torch.randn(64, 1)], 1)  # noqa: E731
+        loss_of = lambda out: out.pow(2).mean()  # noqa: E731
+    elif case == "fp16_overflow":
+        model = nn.Sequential(nn.Linear(8, 64), _UnscaledAttention(), nn.Linear(64, 1))
+        batch = lambda: torch.randn(16, 10, 8) * 200  # noqa: E731
+        loss_of = lambda out: out.float().pow(2).mean()  # noqa: E731
+    else:
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        batch = lambda: torch.randn(16, 4)  # noqa: E731
+        loss_of = lambda out: torch.relu(out - 1e6).mean()  # noqa: E731  (0: every gradient exactly 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            if case == "fp16_overflow":
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(batch())
+            else:
+                out = model(batch())
+            loss = loss_of(out)
+            opt.zero_grad()
+            loss.backward()
+            if case == "grad_rescaled_by_zero":
+                total = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
+                for p in model.parameters():
+                    p.grad.mul_(1.0 / total)
+            opt.step()
+    if case == "grad_rescaled_by_zero":
+        f = only(g, "nonfinite-grad")
+        assert "changed in place after backward()" in f.hint and "clamp_min(1e-6)" in f.hint
+        return
+    f = only(g, "nonfinite-output")
+    assert f.step == 0 and "learning rate" not in f.hint.split(";")[0]
+    if case == "exp_overflow":
+        assert "torch.logsumexp" in f.hint.split(";")[0] and "overflowed" in f.message
+    elif case == "one_pass_variance":
+        assert "two passes" in f.hint and "sqrt" in f.message
+    else:
+        assert "65504" in f.hint and "1/sqrt(d)" in f.hint

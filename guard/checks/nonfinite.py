@@ -40,7 +40,7 @@ class _Call:
     """One module call's screened inputs and outputs, by flag index."""
 
     __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module", "graded", "padded",
-                 "evaluating", "masks", "made", "zeros")
+                 "evaluating", "masks", "made", "zeros", "fn", "half")
 
     def __init__(self, path: str, mtype: str, is_root: bool, source: Optional[str], step: int, module: Any,
                  inputs: List[Tuple[str, int]], outputs: List[Tuple[str, int]]):
@@ -53,6 +53,8 @@ class _Call:
         self.masks: Optional[tuple] = None  # an attention's (query, key_padding_mask, attn_mask), read if it made NaN
         self.made = False  # a root call whose first input has autograd history (made by a model: a GAN's fakes)
         self.zeros: Optional[List[str]] = None  # its number arguments equal to 0 (a temperature annealed to 0)
+        self.fn: Any = None  # its output's grad_fn (the node structure outlives backward): walked only if it made NaN
+        self.half = False  # its output is float16 (65504 overflows)
 
 
 # Modules whose output cannot become NaN/Inf from finite inputs (and parameter-free containers):
@@ -307,6 +309,8 @@ class NonFinite(Check):
             if outputs is None:
                 return
         call = _Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module, inputs, outputs)
+        if type(output) is torch.Tensor:
+            call.fn, call.half = output.grad_fn, output.dtype is torch.float16
         if (len(args) > 1 or kwargs) and outputs:
             # float arguments at 0 (an int 0 is an index: Lightning's batch_idx); named when reporting, if the
             # forward's signature calls them a temperature or scale (a time t = 0.0 of an ODE is no divisor)
@@ -753,7 +757,8 @@ class NonFinite(Check):
                         inner, stable = unstable
                         self.emit("nonfinite-loss", "loss",
                                   f"the loss passed to backward() is NaN/Inf although the model's outputs were finite: "
-                                  f"it takes the log of a {inner}, which underflows to 0 (log gives -inf)",
+                                  f"it takes the log of a {inner}, which underflows to 0 or overflows to inf (log "
+                                  f"gives -inf or inf)",
                                   f"Compute it in log space: {stable} is exact where the log of the value underflows (or "
                                   f"use the built-in loss that takes logits: F.binary_cross_entropy_with_logits, "
                                   f"F.cross_entropy; for a mixture, torch.distributions.MixtureSameFamily's log_prob).",
@@ -960,6 +965,9 @@ class NonFinite(Check):
             why += ("; it made NaN/Inf on earlier steps too, which were handled after it (the loss and gradients "
                     "stayed finite), but on this step they reached the loss or the gradients")
         hint = _output_hint(call.type, bool(bad_params))
+        ops = _graph_ops(call.fn) if not bad_params and call.fn is not None else set()
+        if not ops and not bad_params and module is not None and not (type(module).__module__ or "").startswith("torch."):
+            ops = _source_ops(type(module))  # computed from tensors without autograd history: no node to walk
         call.zeros = _divisor_names(module, call.zeros) if call.zeros and module is not None else None
         if call.zeros and not bad_params and not taken and not mask_in:
             why += (f"; it was called with {', '.join(call.zeros[:3])} equal to 0 (a temperature or scale annealed "
@@ -984,6 +992,21 @@ class NonFinite(Check):
                     "its right_inverse on the layer's weight (log(W) of a weight with negative entries, a division "
                     "by a zero norm). Make right_inverse defined on that weight (log(W.abs() + eps)), or "
                     "initialise the layer into its domain before registering.")
+        user_module = module is not None and not (type(module).__module__ or "").startswith("torch.")
+        if not bad_params and not mask_in and not taken and not call.zeros and (call.half or (ops and user_module)):
+            if call.half:
+                why += "; its output is float16, whose largest value is 65504"
+                hint = ("Float16 overflows above 65504: scale attention scores by 1/sqrt(d) before the softmax, keep "
+                        "large products out of half precision (autocast in bfloat16, or the op in float32), or "
+                        "normalise the inputs; the learning rate is not the cause of a forward that overflows at once.")
+            elif {"exp", "log"} <= ops:
+                why += "; its forward takes the log of exponentials, which overflow float32 above 88"
+                hint = ("Use the stable built-ins: F.softplus(x) for log(1 + exp(x)), torch.logsumexp(z, dim) for "
+                        "log(sum(exp(z))), F.log_softmax for log(softmax).")
+            elif ops & set(_DOMAIN_HINTS):
+                named = [o for o in _DOMAIN_HINTS if o in ops and o != "division"] or [o for o in _DOMAIN_HINTS if o in ops]
+                why += f"; its forward computes {', '.join(named[:4])}, NaN/Inf outside its domain"
+                hint = "Look at those ops' inputs: " + "; ".join(_DOMAIN_HINTS[o] for o in named[:4]) + "."
         if not bad_params and not mask_in and not taken and not call.zeros and module is not None \
                 and not (type(module).__module__ or "").startswith("torch.") and _writes_neg_inf(type(module)):
             # a forward of the user's that fills -inf itself (masked_fill(pad, float('-inf')) before a softmax): a row
@@ -1017,14 +1040,21 @@ class NonFinite(Check):
         if masked and not bad_params:
             # a forward that writes no mask: an underflow to 0 before a log (probabilities multiplied in linear space)
             no_mask = module is not None and not _masks_in(type(module))
+            exp_log = {"exp", "log"} <= ops
             self.emit("nonfinite-output", where,
                       f"{what} produced -inf (and no NaN or +inf) from finite inputs, and NaN/Inf followed in the "
                       f"loss or the gradients: " + (
-                          "its forward masks nothing, so the -inf is log(0): of a quantity that is 0 (a silent "
-                          "frame's power, a zero count) or of a probability that underflowed to 0" if no_mask else
+                          ("its forward masks nothing and takes the log of exponentials: a sum of exp that "
+                           "underflowed to 0 (log 0 = -inf) or overflowed to inf above 88 (z - log(inf) = -inf)"
+                           if exp_log else
+                           "its forward masks nothing, so the -inf is log(0): of a quantity that is 0 (a silent "
+                           "frame's power, a zero count) or of a probability that underflowed to 0") if no_mask else
                           "if the -inf is a mask (masked_fill(~mask, float('-inf'))), what is computed from it made "
                           "the NaN"),
-                      ("A quantity that can be 0: add an epsilon inside the log (torch.log(x + 1e-6), "
+                      ("Compute in log space with the stable built-ins, which subtract the maximum first: "
+                       "torch.logsumexp(z, dim), F.log_softmax(z, dim), F.softplus(x); an epsilon inside the log does "
+                       "not fix an overflow and only hides an underflow." if exp_log and no_mask else
+                       "A quantity that can be 0: add an epsilon inside the log (torch.log(x + 1e-6), "
                        "x.clamp_min(1e-10).log()). A probability or product computed in linear space that underflowed "
                        "(a mixture's log(sum(pi * exp(logp))), an HMM's forward recursion over many steps): compute in "
                        "log space, logsumexp(log(pi) + logp), log_softmax instead of log(softmax), or scale each step; "
@@ -1168,6 +1198,16 @@ class NonFinite(Check):
             hint = ("The backward pass overflowed (e.g. sqrt/log/pow at 0, division by a tiny value, or an exploding "
                     "loss): clip with torch.nn.utils.clip_grad_norm_, lower the learning rate, or use AMP's GradScaler "
                     "which skips such steps.")
+        if nan and taken_input is None:
+            bad = [p for p, n in zip(gn.params, gn.names) if n in names]
+            if any(p.grad is not None and p.grad._version > 0 for p in bad):
+                # written in place since backward made them (or added to by several backwards): code that edits .grad
+                # between backward() and step(), a rescale by a norm that is 0, makes 0 * inf there
+                hint = ("Their gradients were changed in place after backward() made them (their version counters "
+                        "moved): look first at code that edits .grad before step(), a rescale by a norm that can be 0 "
+                        "(p.grad.mul_(1 / total_norm) when every gradient is 0, a hinge or margin already met): use "
+                        "torch.nn.utils.clip_grad_norm_ (it adds an eps) or divide by total_norm.clamp_min(1e-6). "
+                        "Otherwise: " + hint)
         if masked:
             # the forward was finite apart from -inf masks: the backward of an expression over them made the NaN
             hint = ("The model's outputs held -inf (a mask) and the loss was finite: a torch.where(mask, f(x), 0) "
@@ -1359,17 +1399,55 @@ _DOMAIN_HINTS = {
     "atanh": "atanh of +-1 is Inf and outside (-1, 1) NaN: clamp it to [-1 + 1e-6, 1 - 1e-6]",
     "log": "log of 0 is -Inf and of a negative value NaN: a value the model predicts and that must be positive "
            "(a standard deviation, a rate) needs a positive parameterisation, F.softplus(raw) + 1e-6 or raw.exp() "
-           "(clamping a negative one leaves it stuck with no gradient); a probability needs p.clamp_min(1e-8) or "
-           "the computation in log space",
+           "(clamping a negative one leaves it stuck with no gradient); a probability needs an epsilon "
+           "(p.clamp_min(1e-8), log(1 - tanh(u)^2 + 1e-6)) or the computation in log space",
     "log1p": "log1p of a value <= -1 is -Inf or NaN",
-    "sqrt": "sqrt of a negative value is NaN (a variance computed as E[x^2] - E[x]^2 rounds below 0: clamp_min(0), "
-            "or use x.var())",
+    "sqrt": "sqrt of a negative value is NaN (a variance computed as E[x^2] - E[x]^2 cancels below 0 for data far "
+            "from 0: compute it in two passes, ((x - mu) ** 2).mean(), or x.var(unbiased=False), in float32)",
     "rsqrt": "rsqrt of 0 is Inf and of a negative value NaN: add an eps, (v + 1e-5).rsqrt()",
     "pow": "a fractional power of a negative value is NaN and a negative power of 0 Inf",
     "division": "a division by 0 is Inf (0/0 NaN): add an eps to the denominator or clamp it",
     "exp": "exp of a value above 88 overflows float32 to Inf (an unconstrained model output exponentiated, a "
            "density or rate: use softplus, or clamp before exp), and Inf times 0 is NaN",
 }
+
+
+_SOURCE_OPS = (("sqrt", re.compile(r"(?<!r)sqrt\(")), ("rsqrt", re.compile(r"rsqrt\(")),
+               ("log", re.compile(r"\blog\(|\.log\(\)")), ("exp", re.compile(r"\bexp\(|\.exp\(\)")),
+               ("acos", re.compile(r"acos\(")), ("asin", re.compile(r"asin\(")))
+
+
+def _source_ops(cls: type) -> set:
+    """The restricted-domain ops a user module's forward names in its source (read on the error path only)."""
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return set()
+    return {op for op, pattern in _SOURCE_OPS if pattern.search(src)}
+
+
+def _graph_ops(fn: Any, budget: int = 64) -> set:
+    """The restricted-domain ops (`_DOMAIN_OPS` names) in the graph behind `fn`, a few dozen nodes deep (a module's
+    output: its own ops first); exp and division kept."""
+    found, stack, seen = set(), [fn], set()
+    while stack and budget > 0:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        budget -= 1
+        op = _DOMAIN_OPS.get(type(node).__name__)
+        if op == "pow":
+            e = getattr(node, "_saved_exponent", None)
+            if isinstance(e, (int, float)) and float(e).is_integer() and e >= 0:
+                op = None
+        if op is not None:
+            found.add(op)
+        try:
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+        except Exception:
+            continue
+    return found
 
 
 def _domain_ops(fn: Any, budget: int = 64) -> List[str]:
