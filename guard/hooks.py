@@ -46,11 +46,18 @@ _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: F
 _tracing = getattr(torch._C, "_get_tracing_state", lambda: None)
 
 
+def _fx_tracing() -> bool:
+    """Whether torch.fx.symbolic_trace runs (the module calls see Proxy objects, not tensors)."""
+    fx = sys.modules.get("torch.fx._symbolic_trace")
+    return fx is not None and fx._is_fx_tracing_flag
+
+
 def _eager_only(fn: Callable) -> Callable:
-    """`fn` as a hook that does nothing inside code torch.compile traces, nor while torch.jit.trace runs."""
+    """`fn` as a hook that does nothing inside code torch.compile traces, nor while torch.jit.trace or
+    torch.fx.symbolic_trace runs."""
 
     def hook(*args: Any, **kwargs: Any) -> Any:
-        if _compiling() or _tracing() is not None:
+        if _compiling() or _tracing() is not None or _fx_tracing():
             return None
         return fn(*args, **kwargs)
 

@@ -1298,3 +1298,33 @@ def test_per_sample_gradients_by_expanded_weights_leave_guard_working(scope):
             opt.zero_grad()
     assert g.internal_errors == [] and g.findings == []
     assert len(g.timeline) == 20
+
+
+class _SeparableConv(nn.Module):
+    def __init__(self, c, o):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.pw = nn.Conv2d(c, o, 1)
+
+    def forward(self, x):
+        return self.pw(torch.nn.functional.relu6(self.dw(x)))
+
+
+def test_fx_symbolic_trace_under_a_global_guard_leaves_the_checks_on():
+    """torch.fx.symbolic_trace calls a custom submodule with Proxy objects: the NaN check's look at them raised and
+    switched the check off (an internal error, and a later NaN input went unreported) until stop 41."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_SeparableConv(3, 8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    with guard(live=False) as g:
+        gm = torch.fx.symbolic_trace(net)
+        opt = torch.optim.SGD(gm.parameters(), 0.1)
+        for step in range(4):
+            x = torch.randn(4, 3, 8, 8)
+            if step == 2:
+                x[0, 0, 0, 0] = float("nan")
+            loss = torch.nn.functional.cross_entropy(gm(x), torch.randint(0, 2, (4,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.internal_errors == []
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-input", 2)]
