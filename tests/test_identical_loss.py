@@ -352,3 +352,22 @@ def test_an_ewc_penalty_written_by_hand_against_an_anchor_aliasing_the_parameter
         [f] = g.findings
         assert f.kind == "loss-constant" and f.details["anchor"] is True and f.step == 0
         assert "p.detach().clone()" in f.hint
+
+
+def test_a_loss_frozen_by_a_learning_rate_schedule_run_to_zero_is_told_once_as_lr_zero():
+    """A LambdaLR that reaches 0 at step 50 of 200 (a resumed run outliving its schedule): params-not-updating names
+    lr=0; the identical loss from then on was a second ERROR with a `step()` re-binding hint until stop 41."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    y = x.sum(1, keepdim=True)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: max(0.0, 1 - k / 50))
+    with guard(model, opt, live=False) as g:
+        for _ in range(200):
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    assert [(f.kind, f.step) for f in g.findings] == [("params-not-updating", 50)]

@@ -150,6 +150,9 @@ class LossConstant(Check):
             if any(f.kind == "missing-zero-grad" for f in g.findings):
                 self._same_done = True
                 return  # the "non-zero gradients" are old ones piling up (no zero_grad()): that finding is the cause
+            if any(f.kind == "params-not-updating" for f in g.findings):
+                self._same_done = True
+                return  # a learning rate of 0 (a schedule run past its end): that finding says why nothing moves
             if self._outputs_moved():
                 self._same_done = True
                 self._emit_same(loss)
