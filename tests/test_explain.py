@@ -1616,3 +1616,35 @@ def test_a_bce_weight_of_the_wrong_shape_is_named(arg):
     (f,) = _explained(g)
     assert f.where == "loss" and f.details["argument"] == arg and f.details["argument_shape"] == [8, 1]
     assert f"{arg}.view(-1)" in f.hint and arg in _notes(ei.value)
+
+
+def test_a_tied_weight_in_two_param_groups_is_named_with_both_names():
+    """`head.weight = emb.weight`, then one group for emb's parameters and one for head's: PyTorch's ValueError
+    "some parameters appear in more than one parameter group" names none; no note until stop 41."""
+    emb = nn.Embedding(50, 16)
+    head = nn.Linear(16, 50, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    with pytest.raises(ValueError) as ei:
+        with guard(model, live=False) as g:
+            torch.optim.AdamW([{"params": emb.parameters(), "weight_decay": 0.0},
+                               {"params": head.parameters(), "lr": 1e-2}])
+    (f,) = _explained(g)
+    assert f.where == "optimizer" and f.details["tied"] is True and f.details["shared"] == ["0.weight = 1.weight"]
+    assert "one tied weight" in _notes(ei.value)
+
+
+@pytest.mark.parametrize("case", ["classes_last", "mask_with_channel"])
+def test_dense_cross_entropy_target_errors_name_the_layout(case):
+    """"Expected target size [8, 5], got [8, 30]" (logits with the classes moved last) and "only batches of spatial
+    targets supported (3D tensors)" (a mask kept (N, 1, H, W)) got no note until stop 41."""
+    model = nn.Conv1d(4, 5, 1) if case == "classes_last" else nn.Conv2d(3, 2, 1)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, live=False) as g:
+            if case == "classes_last":
+                F.cross_entropy(model(torch.randn(8, 4, 30)).permute(0, 2, 1), torch.randint(0, 5, (8, 30)))
+            else:
+                F.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 2, (4, 1, 8, 8)))
+    (f,) = _explained(g)
+    assert f.where == "loss"
+    assert ("permute(0, 2, 1)" if case == "classes_last" else "mask.squeeze(1).long()") in _notes(ei.value)

@@ -148,6 +148,32 @@ def _through(exc: BaseException, torch_fn: str) -> bool:
 _WRONG_GRADS_RE = re.compile(r"function (\w+) returned an incorrect number of gradients \(expected (\d+), got (\d+)\)")
 
 
+_CE_SIZE_RE = re.compile(r"Expected target size \[([\d, ]+)\], got \[([\d, ]+)\]")
+
+
+def _ce_target_layout(exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+    """cross_entropy's target-shape errors for dense predictions: the class dimension not in dim 1, a mask kept
+    (N, 1, H, W)."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    m = _CE_SIZE_RE.search(text)
+    if m:
+        want, got = m.group(1), m.group(2)
+        cause = (f"cross_entropy takes the classes in dim 1 of the input, (N, C, d1, ...) against targets (N, d1, ...): "
+                 f"it expected targets [{want}] from the input's shape but got [{got}], so the input's class "
+                 f"dimension is not dim 1 (logits kept channels-last, (N, L, C), or permuted for another layer)")
+        fix = ("Move the classes to dim 1, F.cross_entropy(logits.permute(0, 2, 1), y) for (N, L, C) logits (or "
+               "permute(0, 3, 1, 2) for NHWC), or flatten both: F.cross_entropy(logits.reshape(-1, C), y.reshape(-1)).")
+        return "loss", cause, fix, {"expected_target": want, "target": got}
+    if "only batches of spatial targets supported" in text:
+        cause = ("cross_entropy's dense target must be class indices of shape (N, H, W); this one has 4 dimensions, a "
+                 "mask kept with its channel dimension, (N, 1, H, W)")
+        fix = ("Drop the channel dimension of the mask: F.cross_entropy(logits, mask.squeeze(1).long()) (for a "
+               "one-hot (N, C, H, W) target, mask.argmax(1), or pass it as float probabilities of the input's shape).")
+        return "loss", cause, fix, {"target_dims": 4}
+    return None
+
+
 def _loss_weight_shape(exc: BaseException) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
     """A BCE loss's `pos_weight` or `weight` whose shape makes the result broadcast past the input's ("output with
     shape [8] doesn't match the broadcast shape [8, 8]"): named, with the shape it must have."""
@@ -683,6 +709,8 @@ class ExplainErrors(Check):
         low = text.lower()
         if isinstance(exc, RuntimeError) and "does not require grad and does not have a grad_fn" in text:
             return self._no_graph(exc)
+        if isinstance(exc, ValueError) and "some parameters appear in more than one parameter group" in text:
+            return self._shared_param_groups(exc)
         if isinstance(exc, ValueError):
             m = _DIST_RE.search(text)
             if m:
@@ -880,6 +908,9 @@ class ExplainErrors(Check):
         hit = self._beginner_loss(exc, text)
         if hit is not None:
             return hit
+        hit = _ce_target_layout(exc, text)
+        if hit is not None:
+            return hit
         if isinstance(exc, RuntimeError) and "doesn't match the broadcast shape" in text:
             hit = _loss_weight_shape(exc)
             if hit is not None:
@@ -900,6 +931,33 @@ class ExplainErrors(Check):
                        f"to state_dict() keys, which gain a 'module.' prefix.")
                 return wrapper, cause, fix, {"attribute": name, "found_on_module": known}
         return None
+
+    def _shared_param_groups(self, exc: BaseException) -> Tuple[str, str, str, Dict[str, Any]]:
+        """A parameter in two param groups: which one (a tied weight is one parameter under two names)."""
+        shared: List[str] = []
+        tb = exc.__traceback__
+        while tb is not None:
+            local = tb.tb_frame.f_locals
+            if tb.tb_frame.f_code.co_name == "add_param_group" and isinstance(local.get("param_group"), dict):
+                new = {id(p) for p in local["param_group"].get("params", ())}
+                groups = getattr(local.get("self"), "param_groups", None) or []
+                before = {id(p) for g in groups for p in g["params"]}
+                ids = new & before
+                for root in self.g.roots or self.g.models:
+                    names: Dict[int, List[str]] = {}
+                    for n, p in root.named_parameters(remove_duplicate=False):
+                        names.setdefault(id(p), []).append(n)
+                    shared += [" = ".join(names[i]) for i in ids if i in names]
+            tb = tb.tb_next
+        tied = any(" = " in n for n in shared)
+        cause = ("a parameter was given to two param groups of one optimizer"
+                 + (f": {', '.join(shared[:3])}" if shared else "")
+                 + (" (one tied weight under two names: the same Parameter reached through both modules)" if tied else ""))
+        fix = ("Put each parameter in one group: build the groups from one de-duplicated list (model.named_parameters() "
+               "lists a tied weight once), e.g. seen = set(); group_b = [p for p in b.parameters() if id(p) not in seen]"
+               + ("; a tied weight belongs to the group of whichever module should set its lr and decay" if tied else "")
+               + ".")
+        return "optimizer", cause, fix, {"shared": shared[:10], "tied": tied}
 
     def _embedding_index(self, exc: BaseException, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """An Embedding given an index >= num_embeddings (or < 0): which layer, the index and the table's size."""
