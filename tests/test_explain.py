@@ -1648,3 +1648,24 @@ def test_dense_cross_entropy_target_errors_name_the_layout(case):
     (f,) = _explained(g)
     assert f.where == "loss"
     assert ("permute(0, 2, 1)" if case == "classes_last" else "mask.squeeze(1).long()") in _notes(ei.value)
+
+
+def test_optimizer_state_loaded_from_a_model_of_other_sizes_says_so_beside_resizing():
+    """AdamW state saved for a Linear(8, 32) loaded into one over a Linear(8, 16): the explanation said only that rows
+    were pruned or added after the optimizer made its state (until stop 41); a loaded checkpoint is named too, with
+    loading the matching state or a fresh optimizer as the first fix."""
+    a = nn.Linear(8, 32)
+    oa = torch.optim.AdamW(a.parameters(), amsgrad=True)
+    a(torch.randn(4, 8)).sum().backward()
+    oa.step()
+    b = nn.Linear(8, 16)
+    ob = torch.optim.AdamW(b.parameters(), amsgrad=True)
+    ob.load_state_dict(oa.state_dict())
+    with pytest.raises(RuntimeError):
+        with guard(b, ob, live=False) as g:
+            ob.zero_grad()
+            b(torch.randn(4, 8)).sum().backward()
+            ob.step()
+    (f,) = _explained(g)
+    assert f.details["rows_changed"] is True and "loaded from the checkpoint" in f.message
+    assert f.hint.startswith("If the state was loaded, load the optimizer state saved with this model")

@@ -1297,9 +1297,12 @@ class ExplainErrors(Check):
                         # vocabulary grown) with the moments left as they were
                         cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) no longer matches the "
                                  f"parameter ({list(p.shape)}): its rows were pruned or added after {oname} made its "
-                                 f"state (points densified or pruned, model.resize_token_embeddings(...)), and the "
-                                 f"moments were not")
-                        fix = (f"Resize before building the optimizer, or build a new one after resizing; to keep "
+                                 f"state (points densified or pruned, model.resize_token_embeddings(...)) and the "
+                                 f"moments were not changed with them, or the state was loaded from the checkpoint "
+                                 f"of a model of other sizes ({oname.lower()}.load_state_dict of another run)")
+                        fix = (f"If the state was loaded, load the optimizer state saved with this model (or start "
+                               f"the optimizer fresh). Otherwise resize before building the optimizer, or build a new "
+                               f"one after resizing; to keep "
                                f"the moments, change their rows with the parameter's: for each state tensor of "
                                f"`{name}`, state[k] = state[k][keep] when pruning, torch.cat([state[k], "
                                f"torch.zeros_like(new_rows)]) when adding rows, under the new parameter (or del "
@@ -1309,9 +1312,12 @@ class ExplainErrors(Check):
                         # columns added or removed (a sparse autoencoder's dictionary grown, a layer widened)
                         cause = (f"{oname}'s state for `{name}` ({key}: {list(v.shape)}) no longer matches the "
                                  f"parameter ({list(p.shape)}): its columns were added or removed after {oname} "
-                                 f"made its state (a dictionary grown, a layer widened, its .data replaced), and "
-                                 f"the moments were not")
-                        fix = (f"Build a new optimizer after resizing, or change the moments with the parameter: for "
+                                 f"made its state (a dictionary grown, a layer widened, its .data replaced) and "
+                                 f"the moments were not changed with them, or the state was loaded from the "
+                                 f"checkpoint of a model of other sizes")
+                        fix = (f"If the state was loaded, load the optimizer state saved with this model (or start "
+                               f"the optimizer fresh). Otherwise build a new optimizer after resizing, or change the "
+                               f"moments with the parameter: for "
                                f"each state tensor of `{name}`, torch.cat([state[k], torch.zeros_like(new_columns)], "
                                f"dim=1) when adding columns (state[k][:, keep] when removing them), or del "
                                f"optimizer.state[param] to restart its moments.")
