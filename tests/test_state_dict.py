@@ -456,3 +456,33 @@ def test_averaging_snapshots_taken_without_a_copy_is_found(copied):
     assert (f.kind, f.where, f.step) == ("state-dict-mismatch", "Sequential", 15)
     assert f.details["averaged_snapshots"] == 3 and f.details["snapshot_steps"] == [9, 12, 15]
     assert "an average of them" in f.message and "copy.deepcopy(model.state_dict())" in f.hint
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+@pytest.mark.parametrize("case", ["lightning_prefix", "whole_into_part", "part_into_whole"])
+def test_a_checkpoint_keyed_under_another_prefix_gets_the_prefix_fix(case):
+    """A Lightning checkpoint's `model.` keys into the bare model, a whole model's checkpoint into its submodule, and a
+    submodule's into the whole model, all with strict=False: told as "a different architecture" or as a rename of
+    `head` to `0` until stop 41."""
+    src, net = _Net(), _Net()
+    with guard(net, live=False) as g:
+        if case == "lightning_prefix":
+            net.encoder.load_state_dict({"model." + k: v for k, v in src.encoder.state_dict().items()}, strict=False)
+        elif case == "whole_into_part":
+            net.encoder.load_state_dict(src.state_dict(), strict=False)
+        else:
+            net.load_state_dict(src.encoder.state_dict(), strict=False)
+    [f] = g.findings
+    assert f.kind == "state-dict-mismatch" and "renamed" not in f.hint and "different architecture" not in f.hint
+    want = {"lightning_prefix": "k.removeprefix('model.')", "whole_into_part": "if k.startswith('encoder.')",
+            "part_into_whole": "model.encoder.load_state_dict(state_dict)"}[case]
+    assert want in f.hint

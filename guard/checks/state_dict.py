@@ -148,6 +148,48 @@ def _running_stats(model: nn.Module, missing: List[str], unexpected: List[str], 
     return [k for k in missing if k not in done], [k for k in unexpected if k not in done]
 
 
+def _fits(keys: set, exp: set) -> bool:
+    return bool(keys & exp) and all(k in exp or k.endswith(_NBT) for k in keys)
+
+
+def _other_prefix(exp: set, got: set, details: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """A prefix other than the wrappers' that maps one side's keys onto the other's: a Lightning checkpoint's `model.`
+    (its LightningModule's attribute), a whole model's checkpoint loaded into its submodule, or the reverse."""
+    tops = {k.split(".", 1)[0] for k in got if "." in k}
+    for top in sorted(tops):
+        p = top + "."
+        sub = {k[len(p):] for k in got if k.startswith(p)}
+        if not _fits(sub, exp) or not exp <= sub | {k for k in exp if k.endswith(_NBT)}:
+            continue
+        details.update(prefix=p, direction="checkpoint")
+        if all(k.startswith(p) for k in got):
+            return {"message": (f"every checkpoint key starts with {p!r}, and stripped of it they are the model's "
+                                f"keys: the checkpoint was saved from a module holding this model as `{top}` (a "
+                                f"LightningModule's `self.{top}`, a wrapper of your own)"),
+                    "hint": (f"Strip the prefix: model.load_state_dict({{k.removeprefix({p!r}): v for k, v in "
+                             f"state_dict.items()}}); strict=False only hides that nothing is loaded."),
+                    "details": details}
+        details["other_keys"] = len(got) - len(sub)
+        return {"message": (f"the checkpoint is of a larger model: its keys under {p!r} are this module's keys, and "
+                            f"{len(got) - len(sub)} other key(s) belong to the rest of that model"),
+                "hint": (f"Load the part for this module: module.load_state_dict({{k.removeprefix({p!r}): v for k, v "
+                         f"in state_dict.items() if k.startswith({p!r})}}), or load the whole checkpoint into the "
+                         f"whole model."),
+                "details": details}
+    tops = {k.split(".", 1)[0] for k in exp if "." in k}
+    for top in sorted(tops):
+        p = top + "."
+        sub = {k[len(p):] for k in exp if k.startswith(p)}
+        if got <= sub | {k for k in got if k.endswith(_NBT)} and got & sub and not any(k.startswith(p) for k in got):
+            details.update(prefix=p, direction="model")
+            return {"message": (f"the checkpoint's keys are those of this model's `{top}` without its prefix {p!r}: "
+                                f"it was saved from that submodule alone, and is loaded into the whole model"),
+                    "hint": (f"Load it into the submodule: model.{top}.load_state_dict(state_dict) (or add the "
+                             f"prefix: {{{p!r} + k: v for k, v in state_dict.items()}} with strict=False)."),
+                    "details": details}
+    return None
+
+
 def analyse(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Optional[Dict[str, Any]]:
     """``{"message", "hint", "details"}`` explaining how `state_dict` differs from `model`, or None if it fits."""
     if not isinstance(state_dict, Mapping):
@@ -191,6 +233,9 @@ def analyse(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
                              "Load into the original model: model._orig_mod.load_state_dict(state_dict)"),
                     "details": details,
                 }
+    found = _other_prefix(exp, got, details) if exp != got and exp and got else None
+    if found is not None:
+        return found
     missing, unexpected = sorted(exp - got), sorted(got - exp)
     shapes = []
     for k in sorted(exp & got):
