@@ -486,3 +486,31 @@ def test_a_checkpoint_keyed_under_another_prefix_gets_the_prefix_fix(case):
     want = {"lightning_prefix": "k.removeprefix('model.')", "whole_into_part": "if k.startswith('encoder.')",
             "part_into_whole": "model.encoder.load_state_dict(state_dict)"}[case]
     assert want in f.hint
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_best_state_dict_kept_without_a_copy_and_saved_after_training_is_told(copied, tmp_path):
+    """`best_state = model.state_dict()` at the best epoch, `torch.save(best_state, ...)` after the run: the file
+    holds the last weights (silent until stop 41: only load_state_dict of such a snapshot was looked at)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    y = x.sum(1, keepdim=True)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    best, best_state = 1e9, None
+    with guard(model, opt, live=False) as g:
+        for epoch in range(20):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if loss.item() < best and epoch < 5:
+                best = loss.item()
+                best_state = copy.deepcopy(model.state_dict()) if copied else model.state_dict()
+        torch.save(best_state, tmp_path / "best.pt")
+    if copied:
+        assert g.findings == []
+    else:
+        [f] = g.findings
+        assert f.kind == "state-dict-mismatch" and f.where == "torch.save" and f.details["saved"] is True
+        assert "copy.deepcopy(model.state_dict())" in f.hint

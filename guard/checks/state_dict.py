@@ -428,7 +428,7 @@ class StateDictMismatch(Check):
     description = ("explains load_state_dict key/shape mismatches and GPU checkpoints loaded without a GPU; a "
                    "state_dict snapshot taken without a copy, restored after training changed it")
     patches = {"load_state_dict": "torch.nn.Module.load_state_dict", "torch_load": "torch.load",
-               "state_dict": "torch.nn.Module.state_dict"}
+               "state_dict": "torch.nn.Module.state_dict", "torch_save": "torch.save"}
     MAX_SNAPSHOTS = 8
 
     def __init__(self, guard):
@@ -437,6 +437,7 @@ class StateDictMismatch(Check):
         # loaded back before anything changed it (the best epoch was the last) restores what it should
         self._snaps: Dict[int, Tuple[weakref.ref, Dict[str, int], int]] = {}  # ... and the step it was taken at
         self._loaded: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules a state_dict was loaded into
+        self._told_save = False
 
     def on_state_dict_done(self, args, kwargs, result):
         if len(args) > 1 or kwargs.get("destination") is not None or not isinstance(result, Mapping):
@@ -450,6 +451,33 @@ class StateDictMismatch(Check):
             self._snaps.pop(next(iter(self._snaps)))
         self._snaps[id(result)] = (ref, {k: v._version for k, v in result.items() if isinstance(v, torch.Tensor)},
                                    self.g.step)
+
+    def on_torch_save(self, args, kwargs):
+        """torch.save of a state_dict snapshot taken earlier without a copy, whose tensors training has changed since
+        (`best_state = model.state_dict()`, saved after the run): the file gets the latest weights."""
+        obj = args[0] if args else kwargs.get("obj")
+        if not self._snaps or self._told_save:
+            return
+        dicts = [obj] + ([v for v in obj.values() if isinstance(v, Mapping)] if isinstance(obj, Mapping) else [])
+        for d in dicts:
+            snap = self._snaps.get(id(d))
+            if snap is None or snap[0]() is not d or snap[2] < 1:
+                continue  # (one taken before training, kept as a live view of the weights, is saved as such)
+            moved = [k for k, v in d.items() if isinstance(v, torch.Tensor) and k in snap[1] and v._version != snap[1][k]]
+            if not moved:
+                continue
+            self._told_save = True
+            shown = ", ".join(moved[:3]) + (", ..." if len(moved) > 3 else "")
+            self.emit(KIND, "torch.save",
+                      f"torch.save() writes a state_dict snapshot taken at step {snap[2]} without a copy: "
+                      f"state_dict() returns references to the model's own tensors, and {len(moved)} of them changed "
+                      f"in place since ({shown}), so the file holds the weights of now, not the snapshot's (the best "
+                      f"epoch's)",
+                      "Copy when taking the snapshot: best_state = copy.deepcopy(model.state_dict()) (or {k: "
+                      "v.detach().clone() for k, v in model.state_dict().items()}), or torch.save() it at once.",
+                      source=self.g.source(), details={"aliased": True, "snapshot_step": snap[2],
+                                                       "changed": moved[:20], "saved": True})
+            return
 
     @staticmethod
     def _args(args: tuple, kwargs: dict) -> Tuple[Any, Any, bool]:
