@@ -1669,3 +1669,25 @@ def test_optimizer_state_loaded_from_a_model_of_other_sizes_says_so_beside_resiz
     (f,) = _explained(g)
     assert f.details["rows_changed"] is True and "loaded from the checkpoint" in f.message
     assert f.hint.startswith("If the state was loaded, load the optimizer state saved with this model")
+
+
+def test_a_fully_convolutional_net_whose_batch_doubles_is_told_to_concatenate_on_the_channels():
+    """A UNet skip joined on the batch dimension (`torch.cat([up, skip], 0)`): "8 predictions for 4 targets" was told
+    as a reshape before a Linear (the model has none) until stop 41."""
+    class U(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Conv2d(1, 8, 3, padding=1)
+            self.o = nn.Conv2d(8, 2, 1)
+
+        def forward(self, x):
+            e = self.e(x)
+            u = F.interpolate(F.max_pool2d(e, 2), scale_factor=2.0)
+            return self.o(torch.cat([u, e], 0))
+
+    model = U()
+    with pytest.raises(ValueError) as ei:
+        with guard(model, live=False) as g:
+            F.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.randint(0, 2, (4, 8, 8))).backward()
+    (f,) = _explained(g)
+    assert "torch.cat([up, skip], dim=1)" in f.hint and "no Linear" in _notes(ei.value)

@@ -1396,8 +1396,7 @@ class ExplainErrors(Check):
             fix = "Give input and target the same shape (target.view_as(input) when they hold as many values)."
         return "loss", cause, fix, details
 
-    @staticmethod
-    def _beginner_loss(exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+    def _beginner_loss(self, exc: BaseException, text: str) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """Three errors of a classification loss misused, whose PyTorch messages name neither cause nor fix."""
         if isinstance(exc, RuntimeError) and "all elements of input should be between 0 and 1" in text:
             cause = ("binary_cross_entropy (nn.BCELoss) got values outside [0, 1]: it takes probabilities, and "
@@ -1433,7 +1432,15 @@ class ExplainErrors(Check):
         if isinstance(exc, ValueError) and m:
             n_in, n_t = int(m.group(1)), int(m.group(2))
             cause = f"the loss got {n_in} predictions for {n_t} targets"
-            if n_t and n_in % n_t == 0 and n_in > n_t:
+            linear = any(isinstance(m, nn.Linear) for r in self.g.roots for m in r.modules())
+            if n_t and n_in % n_t == 0 and n_in > n_t and not linear:
+                # no Linear to flatten for (a UNet, a fully convolutional net): the batch grew inside the forward
+                cause += (f": the model's output holds {n_in // n_t}x its input's samples, and it has no Linear whose "
+                          f"input a reshape could have merged: something in its forward joins tensors along the "
+                          f"batch dimension (torch.cat([up, skip], 0) for a skip connection, torch.stack then view)")
+                fix = ("Concatenate skip connections along the channels: torch.cat([up, skip], dim=1) (dim 0 is the "
+                       "batch); check every torch.cat/stack in forward for its dim.")
+            elif n_t and n_in % n_t == 0 and n_in > n_t:
                 cause += (f": {n_in // n_t} rows per sample, a reshape that merged the batch dimension with another "
                           f"(x.view(-1, k) with the wrong k before a Linear, or logits of a sequence model not "
                           f"flattened like their targets)")
