@@ -1691,3 +1691,17 @@ def test_a_fully_convolutional_net_whose_batch_doubles_is_told_to_concatenate_on
             F.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.randint(0, 2, (4, 8, 8))).backward()
     (f,) = _explained(g)
     assert "torch.cat([up, skip], dim=1)" in f.hint and "no Linear" in _notes(ei.value)
+
+
+@pytest.mark.parametrize("shape,unbatched", [((16, 28, 28), True), ((1, 3, 28, 28), False)])
+def test_a_grayscale_batch_without_its_channel_dimension_is_told_to_unsqueeze(shape, unbatched):
+    """`Conv2d(1, ...)` given [16, 28, 28]: torch reads it as one unbatched image of 16 channels and reports the
+    input as [1, 16, 28, 28]. Told as in_channels or grayscale vs RGB until stop 41; a real batch of one RGB image
+    keeps that explanation."""
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, live=False) as g:
+            model(torch.randn(*shape))
+    (f,) = _explained(g)
+    assert f.where == "0" and bool(f.details.get("unbatched")) is unbatched
+    assert ("x.unsqueeze(1)" in _notes(ei.value)) is unbatched

@@ -916,7 +916,7 @@ class ExplainErrors(Check):
             if hit is not None:
                 return hit
         if isinstance(exc, (RuntimeError, ValueError)):
-            hit = (self._dtype_mismatch(exc, text, module) or self._channels(text, module)
+            hit = (self._dtype_mismatch(exc, text, module) or self._channels(text, module, exc)
                    or self._stale_state(exc, text) or self._loss_sizes(exc, text))
             if hit is not None:
                 return hit
@@ -1458,7 +1458,8 @@ class ExplainErrors(Check):
             return "loss", cause, fix, {"input_batch": n_in, "target_batch": n_t}
         return None
 
-    def _channels(self, text: str, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+    def _channels(self, text: str, module: Optional[str], exc: Optional[BaseException] = None
+                  ) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """A convolution got another number of channels than it has: often an (H, W, C) image."""
         m = _CHANNELS_RE.search(text)
         if not m:
@@ -1474,6 +1475,18 @@ class ExplainErrors(Check):
             fix = ("Move the channels to dim 1: x = x.permute(0, 3, 1, 2) for a batch (N, H, W, C); for one image "
                    "torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0) (or torchvision's ToTensor(), which does it).")
             return where, cause, fix, dict(details, channels_last=True)
+        args = self._innermost(exc)[2] if exc is not None else ()
+        given_dim = args[0].dim() if args and isinstance(args[0], torch.Tensor) else None
+        if shape and shape[0] == 1 and len(shape) in (4, 5) and given_dim == len(shape) - 1:
+            # torch's own unsqueeze of an unbatched input: the user's tensor had one dimension less, its batch taken
+            # for the channels (a grayscale batch [N, H, W] into Conv2d(1, ...))
+            given = shape[1:]
+            cause = (f"{name} has {want} input channel(s) but got a {len(given)}-D input {given}, which a convolution "
+                     f"takes as one unbatched sample: its first dimension ({got}) was read as the channels, so the "
+                     f"batch of {got} samples is missing its channel dimension (a grayscale batch [N, H, W])")
+            fix = ("Add the channel dimension: x.unsqueeze(1) for a batch of single-channel images ([N, H, W] -> "
+                   "[N, 1, H, W]; [N, D, H, W] -> [N, 1, D, H, W] for Conv3d), usually in the Dataset or collate.")
+            return where, cause, fix, dict(details, channels_last=False, unbatched=True)
         cause = f"{name} has {want} input channels but its input {shape} has {got} in dim 1"
         fix = ("Make in_channels match what reaches the layer (the previous layer's out_channels), or fix the "
                "input: grayscale vs RGB (x.repeat(1, 3, 1, 1), img.convert('RGB')), or a missing/extra dimension.")
