@@ -371,3 +371,22 @@ def test_a_loss_frozen_by_a_learning_rate_schedule_run_to_zero_is_told_once_as_l
             opt.step()
             sched.step()
     assert [(f.kind, f.step) for f in g.findings] == [("params-not-updating", 50)]
+
+
+def test_a_distance_between_two_copies_of_one_selection_is_a_tensor_compared_with_itself():
+    """`F.l1_loss(po[mask], po[mask])` (a typo for the offsets' target): two indexing results with equal data in
+    different storage, identically 0; silent until stop 41."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    opt = torch.optim.Adam(net.parameters(), 1e-3)
+    with guard(net, opt, live=False) as g:
+        for _ in range(3):
+            x = torch.randn(4, 1, 8, 8)
+            mask = torch.rand(4, 8, 8) > 0.9
+            po = net(x).permute(0, 2, 3, 1)
+            loss = F.l1_loss(po[mask], po[mask])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = g.findings
+    assert f.kind == "loss-constant" and f.step == 0 and "the same selection of one tensor twice" in f.message

@@ -232,11 +232,13 @@ class LossConstant(Check):
         if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor) or not x.requires_grad or x.numel() == 0:
             return  # (two empty selections share a data pointer: a mean over nothing is NaN, nonfinite's business)
         if t is not x and (x.is_meta or x.dtype != t.dtype or x.shape != t.shape or x.stride() != t.stride()
-                           or x.device != t.device or x.data_ptr() != t.data_ptr()):
+                           or x.device != t.device or x.data_ptr() != t.data_ptr()) and not _same_selection(x, t):
             return
         self._done = True
         shape = list(x.shape)
-        same = "the same tensor" if t is x else "a view of the same data (the input's .detach() or a copy-free view)"
+        same = ("the same tensor" if t is x else
+                "the same selection of one tensor twice (`po[mask]` and `po[mask]`)" if x.data_ptr() != t.data_ptr() else
+                "a view of the same data (the input's .detach() or a copy-free view)")
         why = f"{fn}(input, target) was given {same} as input and target"
         if x.grad_fn is None:  # a leaf: a parameter pulled toward an anchor that is itself
             self._anchor(fn, x, shape, why)
@@ -265,6 +267,21 @@ class LossConstant(Check):
                   source=self.g.source(),
                   details={"loss": fn, "input_shape": shape, "parameter": name, "anchor": True,
                            "why": f"{fn} of a parameter and itself"})
+
+
+def _same_selection(x: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether `x` and `t` are the same tensor indexed the same way twice (`po[mask]` and `po[mask]`: two copies of
+    one selection, a typo for the target's)."""
+    a, b = x.grad_fn, t.grad_fn
+    if a is None or b is None or type(a) is not type(b) or type(a).__name__ != "IndexBackward0":
+        return False
+    try:
+        same_input = [n for n, _ in a.next_functions] == [n for n, _ in b.next_functions]
+        ia, ib = a._saved_indices, b._saved_indices
+    except Exception:  # saved tensors freed, or another torch's layout
+        return False
+    return same_input and len(ia) == len(ib) and all(i is j or (i is not None and j is not None and i.data_ptr() == j.data_ptr())
+                                                    for i, j in zip(ia, ib))
 
 
 def _self_difference(root: Any, budget: int = 512) -> Optional[torch.Tensor]:
