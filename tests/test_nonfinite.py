@@ -2143,3 +2143,22 @@ def test_numerical_hints_name_what_overflowed_and_a_fix_that_works(case):
         assert "two passes" in f.hint and "sqrt" in f.message
     else:
         assert "65504" in f.hint and "1/sqrt(d)" in f.hint
+
+
+def test_a_log_of_a_clamped_input_is_not_named_and_the_division_by_zero_is():
+    """CenterNet's focal loss divided by `num_pos` = 0: the log's input comes from a clamp and cannot be 0, so the
+    division is named (the log was, alone, until stop 41)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 1, 1))
+    opt = torch.optim.Adam(net.parameters(), 1e-3)
+    with guard(net, opt, live=False) as g:
+        x = torch.randn(2, 1, 8, 8)
+        gt = torch.rand(2, 1, 8, 8) * 0.9
+        p = net(x).sigmoid().clamp(1e-4, 1 - 1e-4)
+        pos = gt.eq(1).float()
+        loss = -(torch.log(1 - p) * p ** 2 * (1 - pos)).sum() / pos.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-loss")
+    assert f.details["ops"] == ["division"] and "add an eps to the denominator" in f.hint

@@ -1400,7 +1400,9 @@ _DOMAIN_HINTS = {
     "log": "log of 0 is -Inf and of a negative value NaN: a value the model predicts and that must be positive "
            "(a standard deviation, a rate) needs a positive parameterisation, F.softplus(raw) + 1e-6 or raw.exp() "
            "(clamping a negative one leaves it stuck with no gradient); a probability needs an epsilon "
-           "(p.clamp_min(1e-8), log(1 - tanh(u)^2 + 1e-6)) or the computation in log space",
+           "(p.clamp_min(1e-8), log(1 - tanh(u)^2 + 1e-6)) or the computation in log space; the log of data with "
+           "no gradient (ground-truth depths of 0 at invalid pixels, counts of 0) is not in the graph but gives -inf "
+           "too: mask those entries before the log",
     "log1p": "log1p of a value <= -1 is -Inf or NaN",
     "sqrt": "sqrt of a negative value is NaN (a variance computed as E[x^2] - E[x]^2 cancels below 0 for data far "
             "from 0: compute it in two passes, ((x - mu) ** 2).mean(), or x.var(unbiased=False), in float32)",
@@ -1424,6 +1426,26 @@ def _source_ops(cls: type) -> set:
     except (OSError, TypeError, AttributeError):
         return set()
     return {op for op, pattern in _SOURCE_OPS if pattern.search(src)}
+
+
+def _clamped_below(node: Any, depth: int = 3) -> bool:
+    """Whether a clamp lies within `depth` nodes under `node` through elementwise arithmetic (log(1 - p.clamp(...)))."""
+    frontier = [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            try:
+                kids = [k for k, _ in n.next_functions if k is not None]
+            except Exception:
+                continue
+            for k in kids:
+                name = type(k).__name__
+                if name.startswith("Clamp"):
+                    return True
+                if name.startswith(("Rsub", "Sub", "Add", "Neg", "Mul", "Div")):
+                    nxt.append(k)
+        frontier = nxt
+    return False
 
 
 def _graph_ops(fn: Any, budget: int = 64) -> set:
@@ -1465,6 +1487,8 @@ def _domain_ops(fn: Any, budget: int = 64) -> List[str]:
             e = getattr(node, "_saved_exponent", None)  # a scalar exponent outlives backward; a whole one is fine
             if isinstance(e, (int, float)) and float(e).is_integer() and e >= 0:
                 op = None
+        elif op in ("log", "sqrt", "rsqrt") and _clamped_below(node):
+            op = None  # its input comes from a clamp (p.clamp(1e-4, 1 - 1e-4)): not what made the NaN
         if op is not None and op not in found:
             found.append(op)
         try:
