@@ -1705,3 +1705,28 @@ def test_a_grayscale_batch_without_its_channel_dimension_is_told_to_unsqueeze(sh
     (f,) = _explained(g)
     assert f.where == "0" and bool(f.details.get("unbatched")) is unbatched
     assert ("x.unsqueeze(1)" in _notes(ei.value)) is unbatched
+
+
+def test_a_one_cycle_schedule_built_once_before_the_folds_is_told_to_be_built_per_fold():
+    """OneCycleLR made before a k-fold loop that builds a new model and optimizer per fold: it schedules an optimizer
+    that never steps and runs out at the second fold. "Size it from the loop" (already done) was the fix until stop
+    41."""
+    torch.manual_seed(0)
+    x = torch.randn(40, 4)
+    y = x.argmax(1)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=2, steps_per_epoch=5)
+    with pytest.raises(ValueError) as ei:
+        with guard(live=False) as g:
+            for _fold in range(2):
+                model = nn.Linear(4, 4)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                for _epoch in range(2):
+                    for b in torch.randperm(40).split(8):
+                        opt.zero_grad()
+                        F.cross_entropy(model(x[b]), y[b]).backward()
+                        opt.step()
+                        sched.step()
+    (f,) = _explained(g)
+    assert f.details["stale_optimizer"] is True and "inside the loop" in _notes(ei.value)

@@ -717,7 +717,21 @@ class ExplainErrors(Check):
                 return _distribution_args(text, *m.groups())
             m = _ONECYCLE_RE.search(text)
             if m:
-                return _one_cycle_overrun(exc, int(m.group(1)), int(m.group(2)))
+                found = _one_cycle_overrun(exc, int(m.group(1)), int(m.group(2)))
+                sched = _traceback_self(exc, "OneCycleLR")
+                stepping = self.g.watched.stepping_optimizers()
+                if sched is not None and stepping and not any(getattr(sched, "optimizer", None) is o for o in stepping):
+                    # built once before a loop that makes a new optimizer per fold or run: it drives an optimizer
+                    # that never steps, and runs out after the first fold
+                    where, _, _, details = found
+                    cause = (f"OneCycleLR was stepped {m.group(1)} times, past its total_steps={m.group(2)}, and the "
+                             f"optimizer it schedules is not one that steps: it was built once, over an optimizer "
+                             f"replaced since (a new model and optimizer per fold of a cross-validation), so it runs "
+                             f"out after the first fold and never set the new optimizers' learning rate")
+                    fix = ("Build the scheduler inside the loop, right after each fold's optimizer: sched = "
+                           "OneCycleLR(opt, max_lr=..., epochs=EPOCHS, steps_per_epoch=len(train_loader)).")
+                    return where, cause, fix, {**details, "stale_optimizer": True}
+                return found
         if isinstance(exc, RuntimeError) and "modified by an inplace operation" in text:
             info, self._inplace = self._inplace, None
             path = (info or {}).get("module")
