@@ -40,7 +40,7 @@ class _Call:
     """One module call's screened inputs and outputs, by flag index."""
 
     __slots__ = ("path", "type", "is_root", "inputs", "outputs", "source", "step", "module", "graded", "padded",
-                 "evaluating", "masks", "made", "zeros", "fn", "half")
+                 "evaluating", "masks", "made", "zeros", "half")
 
     def __init__(self, path: str, mtype: str, is_root: bool, source: Optional[str], step: int, module: Any,
                  inputs: List[Tuple[str, int]], outputs: List[Tuple[str, int]]):
@@ -53,7 +53,6 @@ class _Call:
         self.masks: Optional[tuple] = None  # an attention's (query, key_padding_mask, attn_mask), read if it made NaN
         self.made = False  # a root call whose first input has autograd history (made by a model: a GAN's fakes)
         self.zeros: Optional[List[str]] = None  # its number arguments equal to 0 (a temperature annealed to 0)
-        self.fn: Any = None  # its output's grad_fn (the node structure outlives backward): walked only if it made NaN
         self.half = False  # its output is float16 (65504 overflows)
 
 
@@ -309,8 +308,8 @@ class NonFinite(Check):
             if outputs is None:
                 return
         call = _Call(path, cls.__name__, is_root, self.g.root_source, self.g.step, module, inputs, outputs)
-        if type(output) is torch.Tensor:
-            call.fn, call.half = output.grad_fn, output.dtype is torch.float16
+        if type(output) is torch.Tensor and output.dtype is torch.float16:
+            call.half = True
         if (len(args) > 1 or kwargs) and outputs:
             # float arguments at 0 (an int 0 is an index: Lightning's batch_idx); named when reporting, if the
             # forward's signature calls them a temperature or scale (a time t = 0.0 of an ODE is no divisor)
@@ -965,7 +964,10 @@ class NonFinite(Check):
             why += ("; it made NaN/Inf on earlier steps too, which were handled after it (the loss and gradients "
                     "stayed finite), but on this step they reached the loss or the gradients")
         hint = _output_hint(call.type, bool(bad_params))
-        ops = _graph_ops(call.fn) if not bad_params and call.fn is not None else set()
+        # (the output's own graph when the tensor is still alive: keeping its grad_fn per call would keep each step's
+        # graph alive, which other checks read; else the ops its forward's source names)
+        alive = next((t for name, i in call.outputs if i in bad and (t := refs.get(i, lambda: None)()) is not None), None)
+        ops = _graph_ops(alive.grad_fn) if not bad_params and alive is not None and alive.grad_fn is not None else set()
         if not ops and not bad_params and module is not None and not (type(module).__module__ or "").startswith("torch."):
             ops = _source_ops(type(module))  # computed from tensors without autograd history: no node to walk
         call.zeros = _divisor_names(module, call.zeros) if call.zeros and module is not None else None
@@ -1397,7 +1399,7 @@ _DOMAIN_HINTS = {
             "clamp it first, cos.clamp(-1 + 1e-7, 1 - 1e-7)",
     "asin": "asin of a value outside [-1, 1] is NaN: clamp it to [-1 + 1e-7, 1 - 1e-7] first",
     "atanh": "atanh of +-1 is Inf and outside (-1, 1) NaN: clamp it to [-1 + 1e-6, 1 - 1e-6]",
-    "log": "log of 0 is -Inf and of a negative value NaN: a value the model predicts and that must be positive "
+    "log": "log(0) is -Inf and log of a negative value NaN: a value the model predicts and that must be positive "
            "(a standard deviation, a rate) needs a positive parameterisation, F.softplus(raw) + 1e-6 or raw.exp() "
            "(clamping a negative one leaves it stuck with no gradient); a probability needs an epsilon "
            "(p.clamp_min(1e-8), log(1 - tanh(u)^2 + 1e-6)) or the computation in log space; the log of data with "
