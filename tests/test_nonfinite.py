@@ -2162,3 +2162,21 @@ def test_a_log_of_a_clamped_input_is_not_named_and_the_division_by_zero_is():
         opt.step()
     f = only(g, "nonfinite-loss")
     assert f.details["ops"] == ["division"] and "add an eps to the denominator" in f.hint
+
+
+def test_an_entropy_of_a_softmax_over_masked_logits_gets_the_xlogy_fix_not_log_softmax():
+    """Invalid actions masked with -inf, entropy written as -(p * p.log()).sum(): 0 * -inf = NaN. The log_softmax fix
+    given until stop 41 leaves it NaN; Categorical(logits).entropy() or xlogy does not."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    mask = torch.tensor([True, True, False])
+    with guard(net, opt, live=False) as g:
+        logits = net(torch.randn(8, 4)).masked_fill(~mask, float("-inf"))
+        p = logits.softmax(-1)
+        loss = (p * p.log()).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-loss")
+    assert f.details["masked"] is True and "Categorical(logits=logits)" in f.hint and "xlogy" in f.hint

@@ -752,6 +752,19 @@ class NonFinite(Check):
                                   step=step, source=source, details={"derivative_source": at})
                     elif self._dirty_target(step, source, window[4]):
                         pass
+                    elif (unstable := _log_of(window[5].get(flag))) is not None and unstable[0] == "softmax" \
+                            and _masked_below(window[5].get(flag)):
+                        # log(softmax) of logits masked with -inf: p * log p is 0 * -inf at the masked entries,
+                        # with log_softmax too
+                        self.emit("nonfinite-loss", "loss",
+                                  "the loss passed to backward() is NaN/Inf although the model's outputs were finite: "
+                                  "it takes the log of a softmax of logits masked with -inf (masked_fill), and a masked "
+                                  "entry's p * log p is 0 * -inf = NaN, with F.log_softmax too",
+                                  "Compute the entropy from the logits, torch.distributions.Categorical(logits=logits)"
+                                  ".entropy(), or torch.special.xlogy(p, p) (0 where p is 0), or zero the masked entries "
+                                  "before the product (log_p.masked_fill(~mask, 0)); or mask with "
+                                  "torch.finfo(logits.dtype).min instead of -inf.",
+                                  step=step, source=source, details={"log_of": "softmax", "masked": True})
                     elif (unstable := _log_of(window[5].get(flag))) is not None:
                         inner, stable = unstable
                         self.emit("nonfinite-loss", "loss",
@@ -1529,6 +1542,24 @@ def _log_of(fn: Any, budget: int = 64) -> Optional[Tuple[str, str]]:
                             "torch.logsumexp(log_weights + log_densities, dim)")
         stack.extend(nxt)
     return None
+
+
+def _masked_below(fn: Any, budget: int = 64) -> bool:
+    """Whether a masked_fill lies in the loss graph behind `fn` (a few dozen nodes): logits masked with -inf."""
+    stack, seen = [fn] if fn is not None else [], set()
+    while stack and budget > 0:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        budget -= 1
+        if type(node).__name__.startswith("MaskedFill"):
+            return True
+        try:
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+        except Exception:
+            continue
+    return False
 
 
 def _exp_below(node: Any, depth: int) -> bool:
