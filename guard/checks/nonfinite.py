@@ -1404,10 +1404,14 @@ def _only_neg_inf(t: torch.Tensor) -> bool:
 
 
 # Ops with a restricted domain, by autograd node, as the hint names them (in this order)
-_DOMAIN_OPS = {"ExpBackward0": "exp", "AcosBackward0": "acos", "AsinBackward0": "asin", "AtanhBackward0": "atanh", "LogBackward0": "log",
+_DOMAIN_OPS = {"StdBackward0": "std", "VarBackward0": "std", "StdMeanBackward0": "std", "VarMeanBackward0": "std",
+               "ExpBackward0": "exp", "AcosBackward0": "acos", "AsinBackward0": "asin", "AtanhBackward0": "atanh", "LogBackward0": "log",
                "Log2Backward0": "log", "Log10Backward0": "log", "Log1pBackward0": "log1p", "SqrtBackward0": "sqrt",
                "RsqrtBackward0": "rsqrt", "PowBackward0": "pow", "PowBackward1": "pow", "DivBackward0": "division"}
 _DOMAIN_HINTS = {
+    "std": "std() and var() of one element are NaN (the unbiased estimate divides by n - 1 = 0): a last minibatch of "
+           "one sample when advantages or features are normalised per minibatch; use drop_last, or "
+           "x.std(unbiased=False), or normalise over the whole rollout",
     "acos": "acos/asin of a value outside [-1, 1] is NaN, and a cosine of normalised vectors rounds to 1.0000001: "
             "clamp it first, cos.clamp(-1 + 1e-7, 1 - 1e-7)",
     "asin": "asin of a value outside [-1, 1] is NaN: clamp it to [-1 + 1e-7, 1 - 1e-7] first",
@@ -1425,7 +1429,9 @@ _DOMAIN_HINTS = {
     "pow": "a fractional power of a negative value is NaN and a negative power of 0 Inf",
     "division": "a division by 0 is Inf (0/0 NaN): add an eps to the denominator or clamp it",
     "exp": "exp of a value above 88 overflows float32 to Inf (an unconstrained model output exponentiated, a "
-           "density or rate: use softplus, or clamp before exp), and Inf times 0 is NaN",
+           "density or rate: use softplus, or clamp before exp), and Inf times 0 is NaN; when its input is bounded "
+           "(a PPO ratio exp(logp - old_logp)), look at the values without gradient the loss multiplies by, which "
+           "are not in the graph (advantages normalised by the std() of a minibatch of one sample: NaN)",
 }
 
 
