@@ -2983,3 +2983,35 @@ def test_a_statistic_appended_by_a_forward_hook_gets_its_own_expression_in_the_f
         HOOK_HIST.clear()
     f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
     assert f.where == "HOOK_HIST" and "`HOOK_HIST.append(o.abs().mean().item())`" in f.hint
+
+
+class _Priorities:
+    """A prioritized replay's priorities, written row by row."""
+
+    def __init__(self):
+        self.prio = [1.0] * 64
+
+    def update(self, idx, td):
+        for i, e in zip(idx, td.abs() + 1e-3):
+            self.prio[i] = e
+
+
+def test_a_list_row_written_with_a_live_tensor_gets_the_row_write_fix():
+    """`self.prio[i] = e` keeps each step's graph in a prioritized replay's list: the fix said
+    `self.prio.append(loss.item())` until stop 41; it is the row write's own `.item()`."""
+    torch.manual_seed(0)
+    q = nn.Linear(4, 1)
+    opt = torch.optim.SGD(q.parameters(), lr=0.01)
+    rb = _Priorities()
+    x, y = torch.randn(64, 4), torch.randn(64)
+    with guard(q, opt, live=False) as g:
+        for _ in range(40):
+            idx = torch.randint(0, 64, (8,)).tolist()
+            td = y[idx] - q(x[idx]).squeeze(1)
+            loss = (td ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rb.update(idx, td)
+    f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
+    assert f.where == "rb.prio" and "`self.prio[i] = e.item()`" in f.hint

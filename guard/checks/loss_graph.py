@@ -780,7 +780,13 @@ class LossGraph(Check):
                 # the appended expression as the line writes it (`hist[name].append(out.abs().mean())` in a forward
                 # hook: an activation statistic, not a loss), else `loss`
                 app = _appended(_line_at(src)) if src else None
-                fix = f"`{app[0]}.append({app[1]}.item())`" if app else f"`{said}.append(loss.item())`"
+                row = re.search(re.escape(said_bare.rsplit(".", 1)[-1]) + r"\s*\[([^\]]*)\]\s*=(?!=)\s*([A-Za-z_][\w.]*)",
+                                _line_at(src)) if src else None
+                if row is not None:
+                    # a row written in place (`self.prio[i] = e`, a replay buffer's priorities): its value detached
+                    fix = f"`{said_bare}[{row.group(1).strip()}] = {row.group(2)}.item()`"
+                else:
+                    fix = f"`{app[0]}.append({app[1]}.item())`" if app else f"`{said}.append(loss.item())`"
             else:
                 fix = f"`{said} += loss.item()`"
             # one step's graph held ("graphs of 1 steps (since step 0" read as a typo)
