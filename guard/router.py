@@ -84,7 +84,8 @@ class Router:
         handlers: Dict[str, List[Handler]] = {}
         for check in self.checks:
             for ev in check.events():
-                handlers.setdefault(ev, []).append((check, getattr(check, "on_" + ev)))
+                if ev not in check.muted:
+                    handlers.setdefault(ev, []).append((check, getattr(check, "on_" + ev)))
         light = {}
         for ev, hs in handlers.items():
             kept = [h for h in hs if not h[0].costly or h[0].following] if _sleeps(ev) else hs

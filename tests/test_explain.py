@@ -1730,3 +1730,32 @@ def test_a_one_cycle_schedule_built_once_before_the_folds_is_told_to_be_built_pe
                         sched.step()
     (f,) = _explained(g)
     assert f.details["stale_optimizer"] is True and "inside the loop" in _notes(ei.value)
+
+
+@pytest.mark.parametrize("bug", ["optimizer_step_directly", "zero_grad_before_scaler_step"])
+def test_grad_scaler_assertions_name_the_missing_or_misplaced_call(bug):
+    """"No inf checks were recorded prior to update" (optimizer.step() called directly, scaled gradients applied) and
+    "No inf checks were recorded for this optimizer" (zero_grad() between backward and scaler.step) got no note until
+    stop 41."""
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(AssertionError) as ei:
+        with guard(model, opt, live=False, checks=["explain"]) as g:
+            for _ in range(3):
+                x = torch.randn(16, 8)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.mse_loss(model(x).float(), x[:, :1])
+                scaler.scale(loss).backward()
+                if bug == "optimizer_step_directly":
+                    opt.step()
+                    scaler.update()
+                    opt.zero_grad()
+                else:
+                    opt.zero_grad()
+                    scaler.step(opt)
+                    scaler.update()
+    (f,) = _explained(g)
+    assert f.where == "GradScaler" and "scaler.step(optimizer)" in _notes(ei.value)
+    assert f.details == {**f.details, ("missing_scaler_step" if bug == "optimizer_step_directly"
+                                       else "no_gradients_at_step"): True}

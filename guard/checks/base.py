@@ -246,6 +246,16 @@ class Check:
         g = self.g
         return self.following or (g.sampling and (g.costly_step or not self.costly))
 
+    #: events this check has stopped listening to (`mute`): the router leaves its handlers for them out
+    muted: frozenset = frozenset()
+
+    def mute(self, event: str) -> None:
+        """Stop receiving `event` for good (a look that runs on the first steps only: one rebuild of the handler
+        tables, and no handler call per step after it)."""
+        if event not in self.muted:
+            self.muted = self.muted | {event}
+            self.g.follow(self, self.following)  # the tables are rebuilt from the checks' handlers
+
     def follow(self, on: bool) -> None:
         """Run on every step while `on`, although ``every=N`` or a budget samples this check.
 

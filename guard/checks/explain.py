@@ -709,6 +709,23 @@ class ExplainErrors(Check):
         low = text.lower()
         if isinstance(exc, RuntimeError) and "does not require grad and does not have a grad_fn" in text:
             return self._no_graph(exc)
+        if isinstance(exc, AssertionError) and "No inf checks were recorded" in text:
+            # GradScaler.step/update found no record of an unscale for the optimizer: its gradients were not scaled
+            # by this scaler's backward, or were wiped before step; update() after a direct optimizer.step()
+            if "prior to update" in text:
+                cause = ("scaler.update() ran, but scaler.step(optimizer) never did this iteration: optimizer.step() was "
+                         "called directly, so it applied the gradients still multiplied by the loss scale (65536 at "
+                         "the start), and the scaler never checked them for inf/NaN")
+                fix = ("Step through the scaler: scaler.scale(loss).backward(); scaler.step(optimizer); "
+                       "scaler.update() (scaler.step unscales, skips a step with inf/NaN gradients, and calls "
+                       "optimizer.step()).")
+                return "GradScaler", cause, fix, {"missing_scaler_step": True}
+            cause = ("scaler.step(optimizer) found no gradients to unscale for this optimizer: none of its parameters "
+                     "has a gradient, because optimizer.zero_grad() ran between scaler.scale(loss).backward() and "
+                     "scaler.step(optimizer) (or the loss scaled does not reach this optimizer's parameters)")
+            fix = ("Zero the gradients before the backward: optimizer.zero_grad(); scaler.scale(loss).backward(); "
+                   "scaler.step(optimizer); scaler.update().")
+            return "GradScaler", cause, fix, {"no_gradients_at_step": True}
         if isinstance(exc, ValueError) and "some parameters appear in more than one parameter group" in text:
             return self._shared_param_groups(exc)
         if isinstance(exc, ValueError):

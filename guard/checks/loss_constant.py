@@ -90,8 +90,11 @@ class LossConstant(Check):
 
     def on_backward(self, tensors, kwargs):
         step = self.g.step
-        if self._done or (step > 1 and step & (step - 1)) or step > 64:
-            return  # graphs are looked at on steps 0, 1, 2, 4, ..., 64 (one comparison at the others)
+        if self._done or step > 64:
+            self.mute("backward")  # looked at on steps 0, 1, 2, 4, ..., 64 only: no handler call after them
+            return
+        if step > 1 and step & (step - 1):
+            return
         for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors or ()):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 leaf = _self_difference(t.grad_fn)

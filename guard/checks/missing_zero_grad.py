@@ -168,7 +168,8 @@ class MissingZeroGrad(Check):
         self._zeroed_opts: Dict[int, Tuple[int, weakref.ref]] = {}
         self._leaked: Dict[int, Tuple[int, str, Optional[str]]] = {}
         self._leak_told = False
-        self._zeroers: set = set()  # ids of the first two optimizers seen zeroing
+        self._first_zeroer: Optional[int] = None  # id of the first optimizer seen zeroing
+        self._many = False  # a second one zeroed since: leaks between them are looked for
 
     # ------------------------------------------------------------------ input gradients taken with backward()
     def watches(self, module) -> bool:
@@ -255,7 +256,8 @@ class MissingZeroGrad(Check):
     # ------------------------------------------------------------------ zero_grad observed
     def on_opt_zero_grad_done(self, args, kwargs, result):
         self._forget_inputs()
-        if args and isinstance(args[0], torch.optim.Optimizer) and not self._leak_told:
+        if args and not self._leak_told and (self._many or id(args[0]) != self._first_zeroer) \
+                and isinstance(args[0], torch.optim.Optimizer):
             self._zeroed(args[0], kwargs.get("set_to_none", args[1] if len(args) > 1 else True))
         if self._during and args and id(args[0]) in self._during:
             self._during[id(args[0])][1] += 1
@@ -549,10 +551,10 @@ class MissingZeroGrad(Check):
         self._during.clear()
 
     def _zeroed(self, optimizer, to_none: Any) -> None:
-        if len(self._zeroers) < 2:  # one optimizer trains: nothing to leak between (the per-step cost of a plain loop)
-            self._zeroers.add(id(optimizer))
-            if len(self._zeroers) < 2:
-                return
+        if self._first_zeroer is None:  # one optimizer trains: nothing to leak between (no cost in a plain loop)
+            self._first_zeroer = id(optimizer)
+            return
+        self._many = True
         self._leaked.pop(id(optimizer), None)
         if to_none:  # (zeros left by set_to_none=False cannot tell a later backward's writes without a read)
             self._zeroed_opts[id(optimizer)] = (self._backwards, weakref.ref(optimizer))
