@@ -100,6 +100,18 @@ class Router:
             for k, (ref, hs) in list(cache.items()):
                 cache[k] = (ref, [h for h in hs if id(h[0]) in active])
 
+    def drop(self, check: Check, event: str) -> None:
+        """Leave `check`'s handler for `event` out of both tables from now on (the check muted it): no rebuild."""
+        for table in self._tables:
+            hs = table.get(event)
+            if hs is not None:
+                kept = [h for h in hs if h[0] is not check]
+                if kept:
+                    table[event] = kept
+                else:
+                    del table[event]
+        self._use()
+
     def wake(self, costly: bool) -> None:
         """From the next event on, route to the costly checks too (`costly`) or let them sleep."""
         if costly != self.awake:

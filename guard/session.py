@@ -360,6 +360,10 @@ class Guard(Wiring):
         """Route every step's events to `check` while `on` (see `Check.follow`)."""
         self.router.rebuild()  # the budget's table of sleeping checks leaves it out, or takes it back
 
+    def mute(self, check: Check, event: str) -> None:
+        """Send `event` to `check` no more (see `Check.mute`): its handler leaves the tables."""
+        self.router.drop(check, event)
+
     def contain(self, check: Optional[Check], exc: BaseException) -> None:
         """`check` (or guard itself, None) failed: switch it off, say so once, keep training going."""
         self.router.contain(check, exc)

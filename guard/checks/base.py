@@ -133,6 +133,9 @@ class CheckContext(Protocol):
     def follow(self, check: Any, on: bool) -> None:
         """Route every step's events to `check` while `on` (see `Check.follow`)."""
 
+    def mute(self, check: Any, event: str) -> None:
+        """Send `event` to `check` no more (see `Check.mute`)."""
+
     def skipped_step(self, optimizer: Any) -> None:
         """An AMP scaler skipped `optimizer`'s step: end the step without step hooks."""
 
@@ -253,8 +256,8 @@ class Check:
         """Stop receiving `event` for good (a look that runs on the first steps only: one rebuild of the handler
         tables, and no handler call per step after it)."""
         if event not in self.muted:
-            self.muted = self.muted | {event}
-            self.g.follow(self, self.following)  # the tables are rebuilt from the checks' handlers
+            self.muted = self.muted | {event}  # (left out of every later rebuild of the tables too)
+            self.g.mute(self, event)
 
     def follow(self, on: bool) -> None:
         """Run on every step while `on`, although ``every=N`` or a budget samples this check.
