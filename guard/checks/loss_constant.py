@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from ..tensors import iter_tensors
+from ._graphs import Budget, walk
 from .base import Check, add_call_handlers
 
 
@@ -290,21 +291,12 @@ def _same_selection(x: torch.Tensor, t: torch.Tensor) -> bool:
 def _self_difference(root: Any, budget: int = 512) -> Optional[torch.Tensor]:
     """The parameter of a `p - p` in the graph behind `root` (both operands of a subtraction are the same leaf: an
     EWC or FedProx anchor `{n: p for n, p in model.named_parameters()}` taken without .detach().clone())."""
-    stack, seen = [root], set()
-    while stack and budget > 0:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        budget -= 1
-        try:
+    for node in walk([root], Budget(budget), prune=lambda n: type(n).__name__ == "AccumulateGrad"):
+        if type(node).__name__ == "SubBackward0":
             nxt = node.next_functions
-        except Exception:
-            continue
-        if type(node).__name__ == "SubBackward0" and len(nxt) == 2 and nxt[0][0] is not None \
-                and nxt[0][0] is nxt[1][0] and type(nxt[0][0]).__name__ == "AccumulateGrad":
-            return nxt[0][0].variable
-        stack.extend(n for n, _ in nxt if n is not None and type(n).__name__ != "AccumulateGrad")
+            if len(nxt) == 2 and nxt[0][0] is not None and nxt[0][0] is nxt[1][0] \
+                    and type(nxt[0][0]).__name__ == "AccumulateGrad":
+                return nxt[0][0].variable
     return None
 
 

@@ -28,6 +28,7 @@ from .. import tensors as _tensor_mod
 from ..tensors import (distinct_view, finite_stats, fused_norms, iter_named_tensors, iter_tensors, nonfinite_counts,
                        screenable, stored_values)
 from .._weak import WeakIdMap
+from ._graphs import Budget, walk
 from .base import Check, add_call_handlers
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -1469,58 +1470,33 @@ def _clamped_below(node: Any, depth: int = 3) -> bool:
     return False
 
 
+def _op_of(node: Any) -> Optional[str]:
+    """The restricted-domain op (`_DOMAIN_OPS` name) an autograd node computes, if any: a whole power is none, and
+    neither is a log or sqrt of a clamped input (log(1 - p.clamp(1e-4, 1 - 1e-4)))."""
+    op = _DOMAIN_OPS.get(type(node).__name__)
+    if op == "pow":
+        e = getattr(node, "_saved_exponent", None)  # a scalar exponent outlives backward; a whole one is fine
+        if isinstance(e, (int, float)) and float(e).is_integer() and e >= 0:
+            return None
+    elif op in ("log", "sqrt", "rsqrt") and _clamped_below(node):
+        return None
+    return op
+
+
 def _graph_ops(fn: Any, budget: int = 64) -> set:
-    """The restricted-domain ops (`_DOMAIN_OPS` names) in the graph behind `fn`, a few dozen nodes deep (a module's
-    output: its own ops first); exp and division kept."""
-    found, stack, seen = set(), [fn], set()
-    while stack and budget > 0:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        budget -= 1
-        op = _DOMAIN_OPS.get(type(node).__name__)
-        if op == "pow":
-            e = getattr(node, "_saved_exponent", None)
-            if isinstance(e, (int, float)) and float(e).is_integer() and e >= 0:
-                op = None
-        if op is not None:
-            found.add(op)
-        try:
-            stack.extend(n for n, _ in node.next_functions if n is not None)
-        except Exception:
-            continue
-    return found
+    """The restricted-domain ops in the graph behind `fn`, a few dozen nodes deep (a module's output: its own ops
+    first); exp and division kept."""
+    return {op for n in walk([fn], Budget(budget)) if (op := _op_of(n)) is not None}
 
 
 def _domain_ops(fn: Any, budget: int = 64) -> List[str]:
-    """The restricted-domain ops (acos, log, sqrt, ...) in the loss graph behind `fn`, a few dozen nodes deep."""
-    found: List[str] = []
-    stack, seen = ([fn] if fn is not None else []), set()
-    while stack and budget > 0:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        budget -= 1
-        op = _DOMAIN_OPS.get(type(node).__name__)
-        if op == "pow":
-            e = getattr(node, "_saved_exponent", None)  # a scalar exponent outlives backward; a whole one is fine
-            if isinstance(e, (int, float)) and float(e).is_integer() and e >= 0:
-                op = None
-        elif op in ("log", "sqrt", "rsqrt") and _clamped_below(node):
-            op = None  # its input comes from a clamp (p.clamp(1e-4, 1 - 1e-4)): not what made the NaN
-        if op is not None and op not in found:
-            found.append(op)
-        try:
-            stack.extend(n for n, _ in node.next_functions if n is not None)
-        except Exception:
-            continue
-    order = list(_DOMAIN_HINTS)
-    for common in ("division", "exp"):  # everywhere (a mean, F.normalize, a softmax by hand): named only alone
+    """The restricted-domain ops (acos, log, sqrt, ...) in the loss graph behind `fn`, a few dozen nodes deep, in the
+    order the hint names them; a division or exp only when nothing else is there (they are everywhere)."""
+    found = _graph_ops(fn, budget)
+    for common in ("division", "exp"):
         if len(found) > 1 and common in found:
-            found.remove(common)
-    return sorted(found, key=order.index)
+            found.discard(common)
+    return [o for o in _DOMAIN_HINTS if o in found]
 
 
 _STABLE_LOG = {"SigmoidBackward0": ("sigmoid", "F.logsigmoid(x)"), "SoftmaxBackward0": ("softmax", "F.log_softmax(x, dim)")}
@@ -1552,20 +1528,7 @@ def _log_of(fn: Any, budget: int = 64) -> Optional[Tuple[str, str]]:
 
 def _masked_below(fn: Any, budget: int = 64) -> bool:
     """Whether a masked_fill lies in the loss graph behind `fn` (a few dozen nodes): logits masked with -inf."""
-    stack, seen = [fn] if fn is not None else [], set()
-    while stack and budget > 0:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        budget -= 1
-        if type(node).__name__.startswith("MaskedFill"):
-            return True
-        try:
-            stack.extend(n for n, _ in node.next_functions if n is not None)
-        except Exception:
-            continue
-    return False
+    return any(type(n).__name__.startswith("MaskedFill") for n in walk([fn], Budget(budget)))
 
 
 def _exp_below(node: Any, depth: int) -> bool:
