@@ -177,18 +177,13 @@ def _ce_target_layout(exc: BaseException, text: str) -> Optional[Tuple[str, str,
 def _loss_weight_shape(exc: BaseException) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
     """A BCE loss's `pos_weight` or `weight` whose shape makes the result broadcast past the input's ("output with
     shape [8] doesn't match the broadcast shape [8, 8]"): named, with the shape it must have."""
-    tb, found = exc.__traceback__, None
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name in ("binary_cross_entropy_with_logits", "binary_cross_entropy") and is_skipped(code.co_filename):
-            found = (code.co_name, tb.tb_frame.f_locals)
-        tb = tb.tb_next
-    if found is None:
+    fn = next((f for f in ("binary_cross_entropy_with_logits", "binary_cross_entropy")
+               if _local_of(exc, (f,), "input") is not None), None)
+    if fn is None:
         return None
-    fn, local = found
-    x = local.get("input")
+    x = _local_of(exc, (fn,), "input")
     for arg in ("pos_weight", "weight"):
-        w = local.get(arg)
+        w = _local_of(exc, (fn,), arg)
         if isinstance(w, torch.Tensor) and isinstance(x, torch.Tensor):
             try:
                 torch.broadcast_shapes(tuple(w.shape), tuple(x.shape))
