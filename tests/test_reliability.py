@@ -404,11 +404,13 @@ def test_guards_in_two_threads_keep_their_findings_apart():
 
 
 
-def _thread_loop(model, opt, seed, steps, barrier=None, poison_at=None):
+def _thread_loop(model, opt, seed, steps, barrier=None, poison_at=None, meet_at=None):
     gen = torch.Generator().manual_seed(seed)
     if barrier is not None:
         barrier.wait()
     for s in range(steps):
+        if s == meet_at:  # both threads still train here, however the OS schedules them
+            barrier.wait()
         x = torch.randn(16, 8, generator=gen)
         if s == poison_at:
             x[0, 0] = float("nan")
@@ -430,8 +432,8 @@ def test_one_guard_over_two_threads_training_at_once_follows_one(scope):
         barrier = threading.Barrier(2)
         g = guard(models if scope == "models" else None, opts if scope == "models" else None, live=False)
         with g:
-            threads = [threading.Thread(target=_thread_loop, args=(m, o, i, 60, barrier)) for i, (m, o) in
-                       enumerate(zip(models, opts))]
+            threads = [threading.Thread(target=_thread_loop, args=(m, o, i, 60, barrier), kwargs={"meet_at": 30})
+                       for i, (m, o) in enumerate(zip(models, opts))]
             for t in threads:
                 t.start()
             for t in threads:
@@ -449,16 +451,18 @@ def test_a_thread_left_alone_stays_left_alone_when_the_followed_one_ends_first()
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)) for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
-    first_stepped, first_done = threading.Event(), threading.Event()
+    first_stepped, slow_ran, first_done = threading.Event(), threading.Event(), threading.Event()
 
     def fast():
         _thread_loop(models[0], opts[0], 0, 1)
         first_stepped.set()
+        slow_ran.wait(30)  # (on a loaded machine the first could end before the second starts)
         _thread_loop(models[0], opts[0], 1, 9)
 
     def slow():
         first_stepped.wait(30)
         _thread_loop(models[1], opts[1], 2, 1)  # while the first trains: left alone
+        slow_ran.set()
         first_done.wait(30)
         _thread_loop(models[1], opts[1], 3, 20)  # after it ended
 
