@@ -2503,6 +2503,30 @@ def test_batches_skipped_after_the_forward_are_no_evaluation():
     assert f.kind == "eval-without-no-grad" and f.source == line_of(_mining, "# the bug")
 
 
+@pytest.mark.parametrize("to_none", [True, False])
+def test_a_batch_the_miner_found_empty_given_a_constant_loss_is_no_evaluation(to_none):
+    """Batch-all triplet mining returns `torch.zeros((), requires_grad=True)` when a batch holds no active triplet, so
+    that the loop stays the same (backward and step do nothing). Whether it has any is known only after the forward,
+    so its graph is dropped on those steps, in runs scattered between the trained ones: silent (it was told as a
+    detach that keeps the model from ever training, while it trained at the other steps)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def mined_loss(emb, step):
+        if step in (7, 12, 13, 16) or (step >= 18 and step not in (22, 25, 29)):  # no active triplet
+            return torch.zeros((), requires_grad=True)
+        return emb.pow(2).mean()
+
+    with guard(model, opt, live=False) as g:
+        for step in range(40):
+            loss = mined_loss(model(torch.randn(16, 8)), step)
+            opt.zero_grad(set_to_none=to_none)
+            loss.backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []
+
+
 def _recalibrate(model):
     model.train()
     with torch.no_grad():

@@ -109,6 +109,7 @@ class EvalWithoutNoGrad(Check):
         self._backwards = self._backwards_at_call = 0  # backward() calls seen, and at the last root call's start
         self._drops: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> training-mode graphs dropped at once
         self._probes: Dict[int, tuple] = {}  # id(module) -> ([backwards that reached its weights], hook handle)
+        self._probe_seen: Dict[int, int] = {}  # id(module) -> its probe's count as the last judged step ended
         self._deferred: Optional[_Fwd] = None  # a dropped forward waiting for its module's weights to be reached
         self._drop_first: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> the step of the first of them
         self._drop_versions: Dict[Tuple[str, Optional[str]], int] = {}  # (path, line) -> its weights' versions then
@@ -239,16 +240,40 @@ class EvalWithoutNoGrad(Check):
             rec.age += 1
             if rec.alive() and rec.age <= GRACE:
                 keep.append(rec)
-            elif conditional(rec):
+            elif conditional(rec) or self._skipped_batch(rec):
                 continue
             else:
                 streak[rec.site] = 0
                 unused.append(rec)
         self._pending = keep
+        for k, (box, _) in self._probes.items():
+            self._probe_seen[k] = box[0]
         if len(streak) > 256:
             streak.clear()
         if unused:
             self._report(unused)
+
+    def _skipped_batch(self, rec: _Fwd) -> bool:
+        """A training line's forward whose batch the loss then skipped with a constant (a miner that found no
+        triplet: `return torch.zeros((), requires_grad=True)`), backward() run anyway: that step's backward reached
+        none of the model's weights (their gradients are still None after it). Whether a batch is of use is known
+        only after its forward; an evaluation or a detach that starves the model is not in steps like these."""
+        ent = self._skips.get(rec.site)
+        m = rec.module() if rec.module is not None else None
+        if rec.eval_mode or not ent or not ent[0] or m is None:
+            return False
+        p = next((q for q in m.parameters() if q.requires_grad), None)
+        if p is None:
+            return False
+        if p.grad is None:
+            return True
+        # zero_grad(set_to_none=False) leaves zeros: whether this step's backward reached them, by the probe
+        # (put on at the module's first dropped forward; its count as the last step ended)
+        probe = self._probes.get(id(m))
+        if probe is None:
+            self._unreached(rec)
+            return False
+        return probe[0][0] == self._probe_seen.get(id(m))
 
     def _conditional(self):
         """A test of unused forwards, over the pending ones: whether one is a forward whose output was used on a
@@ -369,6 +394,9 @@ class EvalWithoutNoGrad(Check):
         m = rec.module() if rec.module is not None else None
         if m is None or self.g.step < 2:
             return 0
+        probe = self._probes.get(id(m))
+        if probe is not None and probe[0][0]:
+            return 0  # a backward reached its weights since its first dropped forward: it trains, between them
         # Held by the optimizer that counts the steps, which has stepped twice since: a GAN's generator, whose
         # own optimizer may not have stepped yet (WGAN's critic steps first), is not judged starved.
         held = {id(p) for o in self.g.optimizers if self.g.is_primary(o) for grp in o.param_groups

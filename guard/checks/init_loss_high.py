@@ -40,18 +40,17 @@ _WALK = 40  # graph nodes looked at behind the logits
 
 def _cosine_logits(x: torch.Tensor) -> bool:
     """Whether the logits are scaled cosines (a margin-softmax head: ArcFace, CosFace, NormFace): within a few
-    operations of the logits, both the features and the class weights were L2-normalised (two norm nodes)."""
+    operations of the logits, the features or the class weights were L2-normalised (a norm node). One is enough:
+    the other side may be normalised outside the graph (features of a frozen encoder run under no_grad, a
+    locked tower's precomputed embeddings), and a plain Linear over normalised features does not start high."""
     fn = x.grad_fn
     if fn is None:
         return False
-    todo, seen, norms = [fn], {id(fn)}, 0
+    todo, seen = [fn], {id(fn)}
     while todo and len(seen) <= _WALK:
         node = todo.pop()
         if type(node).__name__ in _NORMS:
-            norms += 1
-            if norms >= 2:
-                return True
-            continue
+            return True
         for child, _ in getattr(node, "next_functions", ()):
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
