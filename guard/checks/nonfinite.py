@@ -1414,7 +1414,9 @@ _DOMAIN_HINTS = {
            "one sample when advantages or features are normalised per minibatch; use drop_last, or "
            "x.std(unbiased=False), or normalise over the whole rollout",
     "acos": "acos/asin of a value outside [-1, 1] is NaN, and a cosine of normalised vectors rounds to 1.0000001: "
-            "clamp it first, cos.clamp(-1 + 1e-7, 1 - 1e-7)",
+            "clamp it first, cos.clamp(-1 + 1e-7, 1 - 1e-7); a value far above 1 (print cos.abs().max()) is no cosine: "
+            "L2-normalise both sides of the dot product (a margin head's class weights too, F.normalize(W)), which "
+            "a clamp would not fix",
     "asin": "asin of a value outside [-1, 1] is NaN: clamp it to [-1 + 1e-7, 1 - 1e-7] first",
     "atanh": "atanh of +-1 is Inf and outside (-1, 1) NaN: clamp it to [-1 + 1e-6, 1 - 1e-6]",
     "log": "log(0) is -Inf and log of a negative value NaN: a value the model predicts and that must be positive "
