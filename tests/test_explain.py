@@ -1759,3 +1759,27 @@ def test_grad_scaler_assertions_name_the_missing_or_misplaced_call(bug):
     assert f.where == "GradScaler" and "scaler.step(optimizer)" in _notes(ei.value)
     assert f.details == {**f.details, ("missing_scaler_step" if bug == "optimizer_step_directly"
                                        else "no_gradients_at_step"): True}
+
+
+@pytest.mark.parametrize("labels, says, fix", [
+    (lambda y: y + 1, "labels numbered from 1", "y - 1"),  # a margin head's one-hot of 1-based labels
+    (lambda y: torch.where(y == 0, -1, y), "negative class index", "y.clamp_min(0)"),  # an ignore label kept
+])
+def test_one_hot_of_labels_outside_the_classes_is_explained(labels, says, fix):
+    """`F.one_hot(labels, C)` in a margin head raises 'Class values must be smaller than num_classes.' (or
+    '... non-negative.') with nothing about why: the note says which labels do that and how to fix them."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="Class values must be") as ei:
+        with guard(model, opt, live=False) as g:
+            for _ in range(2):
+                y = labels(torch.arange(8) % 4)
+                logits = model(torch.randn(8, 8)) - 0.3 * F.one_hot(y, 4)
+                loss = F.cross_entropy(logits, y.clamp(0, 3))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    (f,) = _explained(g)
+    assert f.where == "one_hot" and f.step == 0 and says in f.message and fix in f.hint
+    assert fix in _notes(ei.value)

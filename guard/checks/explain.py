@@ -816,6 +816,18 @@ class ExplainErrors(Check):
                    "gradients with the batch size; for per-sample weights (loss * w).sum() / w.sum()). To "
                    "back-propagate a non-scalar on purpose, pass its gradient: out.backward(torch.ones_like(out)).")
             return "loss", cause, fix, {}
+        if isinstance(exc, RuntimeError) and text.startswith("Class values must be"):  # F.one_hot's two checks
+            if "non-negative" in text:
+                cause = ("F.one_hot got a negative class index: an ignore label (-1, or -100 for padding and unlabelled "
+                         "samples) kept in the labels it was given")
+                fix = ("Leave the ignored samples out before one_hot (y[y >= 0]), or one-hot y.clamp_min(0) and zero "
+                       "those rows: F.one_hot(y.clamp_min(0), C) * (y >= 0).unsqueeze(-1).")
+            else:
+                cause = ("F.one_hot got a class index >= num_classes: labels numbered from 1 (1..C), or a num_classes "
+                         "smaller than the dataset's number of classes")
+                fix = ("Print y.min() and y.max(): make 1-based labels 0-based (y - 1) or pass the real number of "
+                       "classes, F.one_hot(y, num_classes=C) (cross_entropy says the same as 'Target C is out of bounds').")
+            return "one_hot", cause, fix, {"op": "one_hot"}
         m = _WRONG_GRADS_RE.search(text) if isinstance(exc, RuntimeError) else None
         if m:
             node, want, got = m.group(1), int(m.group(2)), int(m.group(3))
