@@ -772,11 +772,12 @@ def test_layers_switched_back_to_train_after_model_eval_are_deliberate(switched_
         assert kinds(g) == (["eval-in-train-mode"] if forgot_eval else []), (forgot_eval, g.findings)
 
 
-@pytest.mark.parametrize("samples", [10, 3])
-def test_monte_carlo_dropout_on_the_train_mode_left_from_training_is_deliberate(samples):
+@pytest.mark.parametrize("samples, indexed", [(10, False), (3, False), (10, True)])
+def test_monte_carlo_dropout_on_the_train_mode_left_from_training_is_deliberate(samples, indexed):
     """MC dropout validation inside the training loop: the model (Dropout only) left in train mode on purpose, one
-    validation input forwarded T times under no_grad and averaged. T = 10 samples is sampling, silent; an evaluation
-    computed three times on one batch is no sampling and still told."""
+    validation input forwarded T times under no_grad and averaged. T = 10 samples is sampling, silent, also when each
+    sample indexes the pool anew (`model(X[pool])`, BALD: a new tensor with the same values); an evaluation computed
+    three times on one batch is no sampling and still told."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -789,8 +790,33 @@ def test_monte_carlo_dropout_on_the_train_mode_left_from_training_is_deliberate(
                 loss.backward()
                 opt.step()
             with torch.no_grad():
-                torch.stack([F.softmax(model(xv), -1) for _ in range(samples)]).mean(0)
+                if indexed:
+                    pool = torch.arange(0, 40, 2)
+                    torch.stack([F.softmax(model(xv[pool]), -1) for _ in range(samples)]).mean(0)
+                else:
+                    torch.stack([F.softmax(model(xv), -1) for _ in range(samples)]).mean(0)
     assert kinds(g) == ([] if samples == 10 else ["eval-in-train-mode"]), g.findings
+
+
+def test_monte_carlo_dropout_over_batchnorm_in_train_mode_is_told_with_a_fix_that_keeps_the_sampling():
+    """MC dropout sampling (one input forwarded 10 times under no_grad) on the train mode left from training, with
+    BatchNorm in the model: told (each sample normalises with batch statistics and moves them), but the fix is not a
+    bare model.eval(), which would switch the sampling off too: eval, then only the Dropout layers back to train."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y, xv = torch.randn(64, 10), torch.randint(0, 5, (64,)), torch.randn(40, 10)
+    with guard(model, opt, live=False) as g:
+        for _ in range(4):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            torch.stack([F.softmax(model(xv), -1) for _ in range(10)]).mean(0)
+    (f,) = g.findings
+    assert f.kind == "eval-in-train-mode" and f.details["mc_sampling"] is True
+    assert "isinstance(m, nn.Dropout): m.train()" in f.hint and "Monte Carlo dropout" in f.message
 
 
 def test_batchnorm_statistics_recomputed_by_hand_are_deliberate():

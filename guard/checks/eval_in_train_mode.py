@@ -64,6 +64,7 @@ REESTIMATE_LEFT = 0.01
 #: steps after a frozen model's first no_grad call in train mode at which it is judged unchanged (a target network
 #: copied from the online one every few steps, or updated by an EMA, has moved by then)
 FROZEN_WAIT = 32
+MC_KEEP = 64 << 20  # bytes of the last sampled input kept to compare with the next
 #: no_grad calls in a row of a model in train mode on one input, from one line, that make Monte Carlo dropout sampling
 #: (T samples averaged: T is 10 to 100 in practice; an evaluation computed twice or thrice on one batch is no sampling)
 MC_SAMPLES = 4
@@ -279,6 +280,8 @@ class EvalInTrainMode(Check):
         self._mc: set = set()  # (id(model), line) of Monte Carlo sampling: the same input forwarded again and again
         # (the last no_grad train-mode call's (site, step, input data, shape), how many calls in a row had it)
         self._mc_last: Optional[tuple] = None
+        self._mc_x: Any = None  # that call's input (or its data pointer, when large)
+        self._mc_bn: set = set()  # (id(model), line) sampling one input again and again with BatchNorm in train mode
         self._frozen_wait: List[tuple] = []  # recurring sites of a frozen model: (ref, path, info, values, due step)
         # (module, line) of the first functional dropout of the root call under way that ran in training mode
         # under no_grad, passing the module's mode (F.dropout(x, p, training=self.training): BART, OPT, Whisper)
@@ -407,19 +410,36 @@ class EvalInTrainMode(Check):
         if key in self._mc:
             return True
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        sig = (key, self.g.step, x.data_ptr(), tuple(x.shape)) if x is not None and not x.is_meta else None
-        last = self._mc_last
-        self._mc_last = (sig, last[1] + 1 if sig is not None and last is not None and last[0] == sig else 1)
+        sig = (key, self.g.step, tuple(x.shape), x.dtype, x.device) if x is not None and not x.is_meta else None
+        last, prev = self._mc_last, self._mc_x
+        same = sig is not None and last is not None and last[0] == sig and prev is not None and self._same_input(prev, x)
+        self._mc_last = (sig, last[1] + 1 if same else 1)
+        # the last input itself, to compare with the next: `model(X[pool])` indexes a new copy for each sample
+        # (kept up to MC_KEEP bytes; a larger one is compared by its storage only)
+        self._mc_x = (x if x.numel() * x.element_size() <= MC_KEEP else x.data_ptr()) if sig is not None else None
         if sig is None or self._mc_last[1] < MC_SAMPLES:
             return False
         mods = self._mods.get(module)
         if mods is None:
             mods = self._mods[module] = mode_sensitive(module)
         if any(isinstance(m, _BatchNorm) and m.training for _, r in mods if (m := r()) is not None):
+            self._mc_bn.add(key)  # told, with a fix that keeps the sampling
             return False  # BatchNorm in train mode too: each sample normalises with batch statistics and moves them
         self._mc.add(key)
         self._sites.pop(key, None)  # its first sample was deferred as an evaluation
         return True
+
+    @staticmethod
+    def _same_input(prev: Any, x: torch.Tensor) -> bool:
+        """Whether `x` holds the data of the last sampled input `prev` (that tensor, or its storage's address)."""
+        if not isinstance(prev, torch.Tensor):
+            return prev == x.data_ptr()
+        if prev is x or prev.data_ptr() == x.data_ptr():
+            return True
+        try:
+            return bool(torch.equal(prev, x))  # (no_grad calls in train mode only: a rare path)
+        except Exception:
+            return False
 
     def _set_by_hand(self, source: Optional[str]) -> bool:
         """Whether the call from `source` follows a `.train()` in the user's code (decided once per line)."""
@@ -682,6 +702,14 @@ class EvalInTrainMode(Check):
                    f"{shown}{more}; {'; '.join(effects)}")
         hint = ("Call model.eval() before evaluating (and model.train() before training again). If the train "
                 "mode is deliberate, set `module.guard_train_mode_ok = True` on that module.")
+        mc = (id(module), source) in self._mc_bn and any("Dropout" in t for t in types)
+        if mc:
+            # Monte Carlo dropout over a model with BatchNorm: model.eval() alone would switch the sampling off too
+            message += ("; one input forwarded again and again from that line is Monte Carlo dropout sampling, but "
+                        "its BatchNorm layers normalise each sample with the batch's statistics and move them")
+            hint = ("Call model.eval(), then switch only the dropout layers back to training mode: `for m in "
+                    "model.modules(): if isinstance(m, nn.Dropout): m.train()` keeps the sampling and freezes "
+                    "BatchNorm.")
         if frozen:
             effects = [e.replace("with evaluation data", "with the batches it is fed").replace(
                 "(metrics, or targets computed from them)", "(the features or targets computed from them)")
@@ -694,4 +722,5 @@ class EvalInTrainMode(Check):
                     f"contains it. If the train mode is deliberate, set `module.guard_train_mode_ok = True` on it.")
         self.emit("eval-in-train-mode", path, message, hint, step=step, source=source,
                   details={"modules": names[:20], "types": types[:20], "count": len(names),
-                           "context": ctx, **({"frozen": True} if frozen else {})})
+                           "context": ctx, **({"frozen": True} if frozen else {}),
+                           **({"mc_sampling": True} if mc else {})})
