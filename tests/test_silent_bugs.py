@@ -56,6 +56,7 @@ def test_dropout_in_eval_demo_names_module_and_line_and_twin_is_clean():
     src = line_of(dropout_in_eval, "h = F.dropout(h, p=0.3)  #")
     assert f.severity == "warning" and f.where == "Net" and f.step == 0 and f.source == src
     assert "training=self.training" in f.hint and "nn.Dropout" in f.hint
+    assert "training=True) (silent)" in f.hint  # deliberate Monte Carlo dropout says so
     assert f"Net.forward, {src}" in f.message and f.details["p"] == 0.3
     assert kinds(g) == ["dropout-in-eval"]
     assert dropout_in_eval.train(fixed=True, checks="all", live=False).findings == []

@@ -211,7 +211,8 @@ class DropoutInEval(Check):
                   f"training=: it defaults to True, so this dropout stays on after model.eval() and validation "
                   f"and inference outputs are random",
                   f"Pass the module's mode: F.{fn}(x, p={p}, training=self.training), or use an nn.Dropout(p={p}) "
-                  f"submodule, which follows model.train()/model.eval().",
+                  f"submodule, which follows model.train()/model.eval(). For Monte Carlo dropout that must stay on "
+                  f"in eval mode, say so: F.{fn}(x, p={p}, training=True) (silent).",
                   source=source,
                   details={"function": f"F.{fn}", "p": p, "module": mod,
                            "module_training": bool(module.training)})
