@@ -100,6 +100,7 @@ class Guard(Wiring):
         self._backward_pending = False
         self.backwards_elsewhere = 0  # backward() calls with no watched model run since the last (Wiring._mw_backward)
         self.graph_seq = -1  # autograd's sequence number of the last completed backward()'s newest node
+        self.first_graph_seq = -1  # ... and of the run's first backward()'s (what was made before the loop)
         self.report_path: Optional[str] = None
         self.report_error: Optional[str] = None
         self.processes: List[Dict[str, Any]] = []  # other processes' dumps of this run (background guard)

@@ -628,6 +628,8 @@ class Wiring:
             t0 = _clock()
             try:
                 self.graph_seq = _newest_node(tensors, self.graph_seq)
+                if self.first_graph_seq < 0:
+                    self.first_graph_seq = self.graph_seq
                 self.dispatch("backward_done", tensors, kwargs)
                 if self.watched.primary is None:
                     if self.sampling:

@@ -1783,3 +1783,28 @@ def test_one_hot_of_labels_outside_the_classes_is_explained(labels, says, fix):
     (f,) = _explained(g)
     assert f.where == "one_hot" and f.step == 0 and says in f.message and fix in f.hint
     assert fix in _notes(ei.value)
+
+
+def test_a_regulariser_computed_once_before_the_loop_is_told_to_be_computed_in_it():
+    """Bayes-by-backprop with the KL term computed once before the loop: the second step's backward runs through its
+    freed graph. It is made of parameters the optimizer trains, so detaching it (the usual fix for a cached tensor)
+    would take their KL gradient away: the fix is to compute it inside the loop."""
+    from torch.distributions import Normal, kl_divergence
+
+    torch.manual_seed(0)
+    mu, rho = nn.Parameter(torch.zeros(5)), nn.Parameter(torch.full((5,), -3.0))
+    x = torch.randn(64, 5)
+    y = x @ torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0])
+    opt = torch.optim.Adam([mu, rho], lr=1e-2)
+    with pytest.raises(RuntimeError, match="second time") as ei:
+        with guard(live=False) as g:
+            kl = kl_divergence(Normal(mu, F.softplus(rho)), Normal(0.0, 1.0)).sum()
+            for _ in range(3):
+                w = mu + F.softplus(rho) * torch.randn(5)
+                loss = F.mse_loss(x @ w, y) + kl / 64
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    (f,) = _explained(g)
+    assert f.where == "kl" and f.step == 1
+    assert f.hint.startswith("Compute `kl` again inside the loop") and "Compute `kl` again" in _notes(ei.value)

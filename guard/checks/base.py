@@ -63,6 +63,7 @@ class CheckContext(Protocol):
     #: autograd's sequence number of the newest node behind the last backward() that completed (-1: none yet):
     #: nodes numbered up to it were made before that backward, which freed what they saved
     graph_seq: int
+    first_graph_seq: int
 
     # -- findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Any = None, step: Optional[int] = None,

@@ -338,6 +338,11 @@ def _carried_at(frame: Any, scope: Dict[str, Any], name: str) -> Optional[Tuple[
     return None
 
 
+def _newest_node_of(ts: List[torch.Tensor]) -> int:
+    """Autograd's largest sequence number among the grad_fns of `ts` (-1 with none)."""
+    return max((t.grad_fn._sequence_nr() for t in ts if t.grad_fn is not None), default=-1)
+
+
 def _from_plain_leaf(ts: List[torch.Tensor]) -> bool:
     """Whether `ts` were computed, in a few operations, from leaves made with requires_grad=True that are no
     nn.Parameter (and from no parameter): a value meant to be trained, built as a result instead of a leaf."""
@@ -1183,6 +1188,15 @@ class ExplainErrors(Check):
             tb = tb.tb_next
         return list(found.values())
 
+    def _trains_through(self, ts: List[torch.Tensor]) -> bool:
+        """Whether the graph behind `ts` (a few hundred nodes) reaches a parameter that a watched optimizer holds."""
+        held = {id(p) for o in self.g.optimizers for grp in o.param_groups for p in grp["params"]}
+        for node in walk([t.grad_fn for t in ts if t.grad_fn is not None], Budget(400)):
+            v = getattr(node, "variable", None)
+            if v is not None and id(v) in held:
+                return True
+        return False
+
     def _second_backward(self, exc: BaseException) -> Tuple[str, str, str, Dict[str, Any]]:
         """Backward through a freed graph: names the variable or attribute that brought an earlier graph in."""
         try:
@@ -1213,6 +1227,16 @@ class ExplainErrors(Check):
             fix = (f"Detach it where it is kept ({kept}) or compute it again for each step; when two "
                    f"losses share it on purpose, detach it for the one that must not reach its graph (a GAN's "
                    f"D(fake.detach())), or pass retain_graph=True to the first backward().")
+            if isinstance(value, list) and not name.endswith("[...]") and self.g.step >= 1 \
+                    and _newest_node_of(value) <= self.g.first_graph_seq and self._trains_through(value):
+                # a regulariser computed once before the loop (`kl = kl_divergence(q(mu, rho), prior).sum()`), made
+                # before the first backward and failing at a later step (a GAN's shared `fake` fails at its first):
+                # a detached copy would be a constant, and the parameters it is made of would get no gradient
+                fix = (f"Compute `{name}` again inside the loop, at each step: it is made from parameters an optimizer "
+                       f"trains, so a detached copy would be a constant that gives them no gradient. Detach it only if "
+                       f"it is meant as a constant ({kept}); when two losses share it on purpose, detach it for the one "
+                       f"that must not reach its graph (a GAN's D(fake.detach())), or pass retain_graph=True to the "
+                       f"first backward().")
             if isinstance(value, list) and _from_plain_leaf(value):
                 # `self.prompt = torch.randn(P, D, requires_grad=True) * 0.5`: meant to be trained, made once as a
                 # result of a leaf, not a leaf; detaching it would stop it from ever training
