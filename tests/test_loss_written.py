@@ -80,6 +80,32 @@ def test_sample_weights_of_shape_n_1_times_per_sample_loss():
     assert "w.view_as(x)" in f.hint and same
 
 
+def test_weights_broadcast_in_a_per_image_loop_behind_a_long_classification_term_are_found():
+    """A detection loss written per image (FCOS): a focal classification term and a centerness-weighted box term
+    `(per * w).sum() / w.sum()` with `w` [P, 1] against `per` [P], summed over 16 images, `lr / N + lc / N`. The
+    classification terms' nodes come first in the walk; the broadcast behind them was past the walk's 48 nodes."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 7)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with guard(net, opt, live=False) as g:
+        for _ in range(3):
+            out = net(torch.randn(16, 8, 4))
+            lc = lr = 0.0
+            for b in range(16):
+                per = ((out[b, :, :4] - 1.0) ** 2).sum(1)
+                w = torch.rand(8).unsqueeze(1)
+                p = out[b, :, 4:].sigmoid()
+                lc = lc + (-(1 - p) ** 2 * torch.log(1 - p + 1e-6)).sum()
+                lr = lr + (per * w).sum() / w.sum()
+            loss = lr / 16 + lc / 16
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("loss-shape-broadcast", "loss", 0)
+    assert f.details["op"] == "*" and f.details["target_shape"] == [8, 1]
+
+
 def test_a_dice_product_of_a_channel_kept_prediction_and_a_mask_names_the_channel_to_squeeze():
     """Binary dice with `sigmoid(logits)` [B, 1, H, W] times a mask [B, H, W]: [B, B, H, W]. The fix squeezes dim 1
     (x.squeeze(-1) would change nothing: the last dimension is W)."""

@@ -36,7 +36,7 @@ and every power of two (a loss term switched on later is seen within twice its s
 first backward of a loss whose last operation is of a kind not seen before (a probe trained after the
 model, under one global guard, is looked at on its first step).
 
-Cost: a shape comparison on the host per loss call; a walk of a few graph nodes per backward on the
+Cost: a shape comparison on the host per loss call; a walk of up to 512 graph nodes per backward on the
 looked-at steps; no device work.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ _FITS = frozenset(("PowBackward0", "PowBackward1", "AbsBackward0", "SqrtBackward
 _SHAPED = frozenset(("UnsqueezeBackward0", "UnsqueezeBackward1", "ExpandBackward0", "PermuteBackward0",
                      "TBackward0", "TransposeBackward0", "TransposeBackward1"))
 _VIEWS = frozenset(("ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"))
-_WALK = 48  # graph nodes looked at per backward at most
+_WALK = 512  # graph nodes looked at per backward at most (a per-image loop of detection losses adds dozens per image)
 
 
 _BACKWARD = re.compile(r"(\w+)\s*\.\s*backward\s*\(|backward\s*\(\s*(\w+)")
