@@ -2182,3 +2182,25 @@ def test_an_entropy_of_a_softmax_over_masked_logits_gets_the_xlogy_fix_not_log_s
         opt.step()
     f = only(g, "nonfinite-loss")
     assert f.details["masked"] is True and "Categorical(logits=logits)" in f.hint and "xlogy" in f.hint
+
+
+def test_nan_gradients_of_a_layer_applied_twice_are_one_finding_without_the_edited_grad_hint():
+    """PU-Net's shared output head applied to two branches, NaN gradients from sqrt(0) on a pairwise distance's
+    diagonal, under a global guard over two loose modules. Autograd accumulates the shared head's gradient in place
+    (its version counter moves, the stem's does not): no code edited .grad, so the hint does not lead with that. The
+    one NaN was also told twice (at backward() and again at step(), its names in another order)."""
+    torch.manual_seed(0)
+    head, stem = nn.Conv1d(8, 3, 1), nn.Conv1d(3, 8, 1)
+    opt = torch.optim.SGD(list(stem.parameters()) + list(head.parameters()), lr=0.1)
+    with guard(live=False) as g:
+        for _ in range(3):
+            f = stem(torch.randn(2, 3, 16))
+            y = torch.cat([head(f), head(f * 2)], 2).transpose(1, 2)
+            d = (y[:, :, None] - y[:, None]).pow(2).sum(-1).sqrt()  # sqrt(0) on the diagonal
+            loss = d.topk(2, dim=-1, largest=False).values[..., 1].mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    found = [f for f in g.findings if f.kind == "nonfinite-grad"]
+    assert len(found) == 1 and found[0].step == 0, g.findings
+    assert not found[0].hint.startswith("Their gradients were changed in place") and "add an eps" in found[0].hint

@@ -160,6 +160,7 @@ class NonFinite(Check):
         # (step, line, results) of this step's torch.autograd.grad(..., create_graph=True) calls: looked at only when
         # a loss is NaN while the model's outputs were finite; dropped when the step is resolved
         self._derivs: Deque[tuple] = deque(maxlen=4)
+        self._grads_told = -1  # the step of the last nonfinite-grad finding
         self._post_version: Tuple[int, int] = (0, 0)  # (id, version counter) of the first weight after the last update
 
     def _new_window(self) -> None:
@@ -1183,8 +1184,9 @@ class NonFinite(Check):
                       taken_input: Optional[Tuple[str, List[str]]] = None, loss_seen: bool = True) -> None:
         values = gn.per_param()
         names = [n for n, v in zip(gn.names, values) if v != v or v in (float("inf"), float("-inf"))]
-        if not names:
-            return
+        if not names or step == self._grads_told:
+            return  # (one finding a step: a global guard sees the gradients at backward() and again at step())
+        self._grads_told = step
         nan = any(v != v for v in values)
         if not nan and taken_input is None and not masked:
             # an infinite norm of finite elements: float32's sum of squares overflows past 3.4e38 (|g| ~ 1e20)
@@ -1216,11 +1218,13 @@ class NonFinite(Check):
                     "which skips such steps.")
         if nan and taken_input is None:
             bad = [p for p, n in zip(gn.params, gn.names) if n in names]
-            if any(p.grad is not None and p.grad._version > 0 for p in bad):
+            if bad and all(p.grad is not None and p.grad._version > 0 for p in bad):
                 # written in place since backward made them (or added to by several backwards): code that edits .grad
-                # between backward() and step(), a rescale by a norm that is 0, makes 0 * inf there
+                # between backward() and step(), a rescale by a norm that is 0, makes 0 * inf there. All of them: a
+                # layer applied twice has its gradient accumulated in place by autograd itself, the others not.
                 hint = ("Their gradients were changed in place after backward() made them (their version counters "
-                        "moved): look first at code that edits .grad before step(), a rescale by a norm that can be 0 "
+                        "moved, as they also do under zero_grad(set_to_none=False) or several backward() calls per "
+                        "step): look first at code that edits .grad before step(), a rescale by a norm that can be 0 "
                         "(p.grad.mul_(1 / total_norm) when every gradient is 0, a hinge or margin already met): use "
                         "torch.nn.utils.clip_grad_norm_ (it adds an eps) or divide by total_norm.clamp_min(1e-6). "
                         "Otherwise: " + hint)
