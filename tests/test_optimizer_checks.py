@@ -1258,6 +1258,35 @@ def test_an_lr_range_test_diverging_on_purpose_is_no_gradient_explosion():
     assert "grad-explosion" not in kinds(g), g.findings
 
 
+def test_a_branch_whose_parts_have_no_gradient_beside_a_learning_norm_bias_is_one_finding():
+    """A RetinaNet box branch with no positive anchor all run (its loss 0): its convs and its GroupNorm weights get
+    exact-zero gradients, while the GroupNorm biases learn (a small regulariser reaches them). The zero parts are
+    several module prefixes inside one branch: one finding at the branch, not one per part (5 warnings before)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 16)
+            self.cls = nn.Linear(16, 3)
+            self.reg = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    with guard(net, opt, live=False) as g:
+        for _ in range(60):
+            h = torch.relu(net.body(torch.randn(32, 8)))
+            box = net.reg(h)
+            loss = F.cross_entropy(net.cls(h), torch.randint(0, 3, (32,))) + 0.0 * box.abs().sum() \
+                + 1e-3 * net.reg[1].bias.pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
+    assert [x.where for x in f] == ["reg"], g.findings
+    assert "5 parameter(s)" in f[0].message
+
+
 @pytest.mark.parametrize("in_optimizer", [True, False])
 def test_a_head_whose_loss_term_is_weighted_by_zero(in_optimizer):
     """Multi-task loss with w_b = 0.0: head b's gradients are computed as exactly 0 every step. In an AdamW group

@@ -51,6 +51,17 @@ TRAINED_STEPS = 20
 IN_GRAPH_STEPS = 30
 
 
+def _common_module(names: List[str]) -> str:
+    """The longest dotted module path that all `names` lie under ("" when none)."""
+    parts = [n.split(".") for n in names]
+    common: List[str] = []
+    for level in zip(*parts):
+        if any(x != level[0] for x in level):
+            break
+        common.append(level[0])
+    return ".".join(common[:-1] if common and any(len(p) == len(common) for p in parts) else common)
+
+
 class _Track:
     __slots__ = ("ref", "first_step", "last_step", "count", "first_norm", "last_norm", "group", "why", "wd",
                  "reported", "unreached", "in_graph")
@@ -388,7 +399,13 @@ class WeightDecayWithoutGrad(Check):
                 self._emit(opt, gi, names[id(lone[0])], lone, source)
                 ts = [t for t in ts if id(t.ref()) not in self._lone]
             chosen = {names[id(t)]: t for t in ts}
-            for prefix in module_prefixes(chosen, model_names):
+            prefixes = module_prefixes(chosen, model_names)
+            common = _common_module(prefixes)
+            if len(prefixes) > 1 and common:
+                # parts of one branch (a box head's convs and norm weights, its norm biases learning from the
+                # regulariser): one finding at the branch, not one per part
+                prefixes = [common]
+            for prefix in prefixes:
                 mine = [t for n, t in chosen.items() if n == prefix or n.startswith(prefix + ".")]
                 self._emit(opt, gi, prefix, mine, source)
 
