@@ -500,6 +500,10 @@ class Wiring:
                 if self._told_threads:
                     w.narrow(_thread_id())  # threads train at once: this optimizer joins the followed thread's
             self.dispatch("step_post", opt)
+            if not self.is_primary(opt):
+                # its next step may come before the counted step ends (5 critic steps a generator step, a controller's
+                # burst): its gradient norms are computed anew then, not read from this one's cache
+                self.staging.forget_grad_norms(opt)
             if self._lagging is not None:
                 self._lagging, self.step = None, self.step + 1
             if self.is_primary(opt):

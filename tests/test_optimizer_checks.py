@@ -2777,3 +2777,30 @@ def test_a_parameter_created_in_forward_is_told_to_be_created_once_in_init():
             opt.step()
     (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
     assert f.where == "pos_embed" and f.details["created_in_forward"] is True and "in __init__" in f.hint
+
+
+def test_a_second_optimizers_steps_between_counted_steps_get_their_own_gradient_norms():
+    """Optimizer A trains `a`, then B trains `b` (A no longer steps; B takes over the count after 16 steps). B's
+    first gradient is tiny (its loss scaled by 1e-3 at its first step). Between two counted steps each of B's steps
+    read the gradient norms cached at its first one, so the window held 16 copies of that tiny norm and B's next
+    ordinary step was told as a 600x explosion (ENAS's controller, a hypernetwork trained after its base)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 1), nn.Linear(4, 1)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.01), torch.optim.Adam(b.parameters(), lr=1e-3)
+    with guard(live=False) as g:
+        for _ in range(40):
+            x = torch.randn(16, 4)
+            loss = F.mse_loss(a(x).squeeze(1), x.sum(1))
+            oa.zero_grad()
+            loss.backward()
+            oa.step()
+        for s in range(60):
+            x = torch.randn(16, 4)
+            with torch.no_grad():
+                a(x)  # the first model is still called, as a frozen base is
+            loss = (1e-3 if s == 0 else 1.0) * F.mse_loss(b(x).squeeze(1), x.sum(1))
+            ob.zero_grad()
+            loss.backward()
+            ob.step()
+    assert "grad-explosion" not in kinds(g), g.findings
+    assert g.step == 100 and g.internal_errors == []
