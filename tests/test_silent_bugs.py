@@ -1503,3 +1503,31 @@ def test_gradient_hooks_registered_again_every_epoch_are_named_in_a_vanishing_fi
                 opt.step()
     [f] = [f for f in g.findings if f.kind == "vanishing-gradients"]
     assert f.details["gradient_hooks"] >= 5 and "Register gradient hooks once" in f.hint
+
+
+def test_grads_all_zero_from_two_zero_initialised_factors_names_them():
+    """LoRA with both A and B initialised to zeros (the base frozen): each factor's gradient is the other one times
+    the output's, 0 at every step. The finding names the zero matrices and says to start one factor non-zero, not
+    to look for a detach or dead ReLUs."""
+    torch.manual_seed(0)
+
+    class LoRA(nn.Module):
+        def __init__(self, d, r=4):
+            super().__init__()
+            self.base = nn.Linear(d, d).requires_grad_(False)
+            self.A, self.B = nn.Parameter(torch.zeros(d, r)), nn.Parameter(torch.zeros(r, d))
+
+        def forward(self, x):
+            return self.base(x) + x @ self.A @ self.B
+
+    model = nn.Sequential(LoRA(8), nn.ReLU(), nn.Linear(8, 1).requires_grad_(False))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with guard(model, opt, live=False) as g:
+        for _ in range(8):
+            loss = F.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = [f for f in g.findings if f.kind == "grads-all-zero"]
+    assert len(f) == 1 and f[0].details["cause"] == "zero_factors", g.findings
+    assert "0.A, 0.B" in f[0].message and "Initialise one factor" in f[0].hint

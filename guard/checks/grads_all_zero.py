@@ -16,7 +16,7 @@ gradient check runs; one fused ``_foreach_norm`` otherwise); host-only after tha
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -235,6 +235,15 @@ class GradsAllZero(Check):
             hint = ("Look at what the hooks return: a clamp to a limit of 0 (torch.clamp(g, -c, c) with c = 0 from a "
                     "config meaning 'no clipping'), a mask or scale of 0. Register the hook only when clipping is on, "
                     "or use torch.nn.utils.clip_grad_norm_ after backward() with the limit you meant.")
+        zeros = _zero_matrices(opt) if cause is None and clip is None and not tiny and not hooked else []
+        if len(zeros) >= 2:
+            # LoRA with A and B both initialised to zeros: d(A @ B)/dA = grad @ B.T = 0 and the same for B, forever
+            named = ", ".join(self.g.param_name(p) for p in zeros[:4]) + (", ..." if len(zeros) > 4 else "")
+            because = (f" while {len(zeros)} of its weight matrices are exactly 0 ({named}): in a product of two "
+                       f"factors that are both 0, each factor's gradient is the other one times the output's, 0")
+            hint = ("Initialise one factor of each product non-zero: LoRA starts A random (kaiming_uniform_, or "
+                    "normal with std 1/r) and B at zeros, so that B gets a gradient from the first step and the "
+                    "adapter's output still starts at 0.")
         if clip is not None:
             because = f" because {clip[0]}({clip[1]}=0) at {clip[2]} scales every gradient to 0 after backward()"
             hint = (f"{clip[1]}=0 does not mean \"no clipping\": it clips every gradient to 0. Skip the call when "
@@ -250,7 +259,8 @@ class GradsAllZero(Check):
                   step=run.since, seen=self.g.step, source=run.source,
                   details={"optimizer": type(opt).__name__, "steps": run.count, "parameters": n,
                            "cause": cause.kind if cause is not None else ("clip_to_zero" if clip is not None else
-                                                                          "gradient_hooks" if hooked else None),
+                                                                          "gradient_hooks" if hooked else
+                                                                          "zero_factors" if len(zeros) >= 2 else None),
                            "cause_source": cause.source if cause is not None else (clip[2] if clip is not None else None),
                            **({"underflow": True} if tiny else {}), **({"beside_training": True} if to_end else {})})
 
@@ -258,6 +268,17 @@ class GradsAllZero(Check):
 def _hooked(opt) -> int:
     """How many of `opt`'s parameters carry tensor gradient hooks (read when reporting)."""
     return sum(1 for grp in opt.param_groups for p in grp["params"] if getattr(p, "_backward_hooks", None))
+
+
+def _zero_matrices(opt, limit: int = 512) -> List[torch.Tensor]:
+    """`opt`'s parameters of 2 or more dimensions whose values are all exactly 0 (read once, when reporting)."""
+    out = []
+    with torch.no_grad():
+        for grp in opt.param_groups:
+            for p in grp["params"][:limit]:
+                if p.dim() >= 2 and p.layout is torch.strided and not p.is_meta and not bool(p.detach().any()):
+                    out.append(p)
+    return out
 
 
 def _nonzero(opt) -> bool:
