@@ -387,3 +387,26 @@ def test_learned_per_sample_weights_kept_as_a_column_against_a_per_sample_term(w
         assert "weight or scale" in g.findings[0].message and "s.squeeze(-1)" in g.findings[0].hint
     else:
         assert g.findings == []
+
+
+def test_a_distributions_log_prob_of_a_value_of_another_shape_names_log_prob():
+    """`-Normal(mu, sigma).log_prob(y).mean()` with mu, sigma [N, 1] from the head and y [N]: the `value - loc` that
+    broadcasts to [N, N] is torch.distributions' own. The message says log_prob, not a `prediction - target` the
+    user never wrote, and the fix gives the value the parameters' shape."""
+    from torch.distributions import Normal
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            x = torch.randn(16, 4)
+            out = model(x)
+            mu, sigma = out[:, :1], F.softplus(out[:, 1:]) + 1e-3
+            loss = -Normal(mu, sigma).log_prob(x.sum(1)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = g.findings
+    assert (f.kind, f.step) == ("loss-shape-broadcast", 0) and f.details["broadcast_shape"] == [16, 16]
+    assert f.message.startswith("`log_prob(y)` of a distribution") and "y.view_as(mu)" in f.hint

@@ -85,6 +85,12 @@ _BACKWARD = re.compile(r"(\w+)\s*\.\s*backward\s*\(|backward\s*\(\s*(\w+)")
 _DEF = re.compile(r"^\s*(async\s+)?def\s")
 
 
+def _text_of(source: Optional[str]) -> str:
+    """The text of a ``file:line`` source ("" when unknown)."""
+    path, _, no = (source or "").rpartition(":")
+    return linecache.getline(os.path.abspath(path), int(no)) if path and no.isdigit() else ""
+
+
 def loss_line(source: Optional[str]) -> Optional[str]:
     """``file:line`` assigning the tensor that a ``backward()`` line (`source`) is called on: the loss line
     (``loss = ...`` above ``loss.backward()`` in the same function) when only one line there assigns it (two,
@@ -413,7 +419,16 @@ class LossShapeBroadcast(Check):
         message = what[0].upper() + what[1:] + "; PyTorch computes it without a warning"
         hint = f"Make the shapes equal before `{'torch.where' if op == 'where' else op}`: {fix}."
         source = self.g.source()
-        self.emit("loss-shape-broadcast", "loss", message, hint, source=loss_line(source) or source,
+        line = loss_line(source) or source
+        if op in ("-", "+") and not hit.get("both") and ".log_prob(" in _text_of(line):
+            # the subtraction is torch.distributions' own (`(value - loc) / scale`): no `-` in the user's code
+            message = (f"`log_prob(y)` of a distribution whose parameters have shape {shape} takes `value - loc` "
+                       f"inside torch.distributions, and the result has shape {out}: a value y of another shape "
+                       f"broadcasts against the parameters, so every prediction is scored against every target; "
+                       f"PyTorch computes it without a warning")
+            hint = ("Give the value the parameters' shape: dist.log_prob(y.view_as(mu)), or build the distribution "
+                    "from mu.squeeze(-1) and sigma.squeeze(-1) for a [N] target.")
+        self.emit("loss-shape-broadcast", "loss", message, hint, source=line,
                   details={"loss": "hand-written", "op": op, "input_shape": shape, "target_shape": other,
                            "broadcast_shape": out, **({"keepdim": True} if hit.get("keepdim") else {}),
                            **({"column": True} if hit.get("column") else {}),
