@@ -1587,6 +1587,30 @@ def test_normalisation_buffers_computed_from_data_with_nan_are_named_with_the_cl
     assert "nanmean" in f.hint and "CRF" not in f.message
 
 
+def test_a_per_image_box_loss_whose_sixth_image_has_an_infinite_target_names_the_target():
+    """A detection box loss written per image: `smooth_l1_loss(pred[b], encode(gt[b]))` for 8 images, the sixth with
+    a box clipped to zero width, whose log(gw / aw) encoding is -inf. Targets were kept for the first 4 loss calls
+    only, so the finding named a division instead of the target (stop 42: 32 kept)."""
+    torch.manual_seed(0)
+    head = nn.Linear(6, 4)
+    opt = torch.optim.SGD(head.parameters(), lr=0.01)
+    with guard(head, opt, live=False) as g:
+        for _ in range(2):
+            pred = head(torch.randn(8, 5, 6))
+            gw = torch.rand(8, 5) + 0.5
+            gw[5, 2] = 0.0  # a degenerate box
+            loss = 0.0
+            for b in range(8):
+                target = torch.stack([torch.zeros(5), torch.zeros(5), torch.log(gw[b] / 0.7), torch.zeros(5)], 1)
+                loss = loss + F.smooth_l1_loss(pred[b], target) / 8
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = g.findings[0]
+    assert (f.kind, f.step) == ("nonfinite-loss", 0) and "target given to smooth_l1_loss" in f.message
+    assert "log(gw / aw)" in f.hint
+
+
 @pytest.mark.parametrize("loss_fn", [lambda p, y: F.mse_loss(p, y), nn.SmoothL1Loss()], ids=["F.mse_loss", "SmoothL1Loss"])
 def test_a_nan_loss_from_a_nan_target_names_the_target(loss_fn):
     """Behaviour cloning with z-scored actions: one action dimension is constant, its std 0, its targets 0/0.

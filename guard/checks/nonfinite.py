@@ -815,7 +815,7 @@ class NonFinite(Check):
 
     def _target(self, fn: str, args: tuple, kwargs: dict) -> None:
         t = args[1] if len(args) > 1 else kwargs.get("target")
-        if isinstance(t, torch.Tensor) and len(self._targets) < 4 and self.g.sampling:
+        if isinstance(t, torch.Tensor) and len(self._targets) < TARGETS and self.g.sampling:
             self._targets.append((fn, t))  # looked at only if the loss turns out NaN/Inf
 
     def _dirty_target(self, step: int, source: Optional[str], targets: list) -> bool:
@@ -827,7 +827,9 @@ class NonFinite(Check):
                       f"the loss passed to backward() is NaN/Inf although the model's outputs were finite: the target "
                       f"given to {fn} holds NaN/Inf ({_counted(nonfinite_counts(t))})",
                       "The targets are dirty, not the loss: a normalisation that divided by a zero standard deviation "
-                      "(a constant column in (y - mean) / std: clamp it, std.clamp_min(1e-6)) or NaN in the labels. "
+                      "(a constant column in (y - mean) / std: clamp it, std.clamp_min(1e-6)), the log of a 0 in a "
+                      "target encoding (a box regression's log(gw / aw) of a box clipped to zero width: drop "
+                      "degenerate boxes) or NaN in the labels. "
                       "Clean or clamp them where they are made, and check torch.isfinite(y).all() once on the "
                       "dataset.",
                       step=step, source=source, details={"target_of": fn, "counts": nonfinite_counts(t)})
@@ -1409,6 +1411,9 @@ def _only_neg_inf(t: torch.Tensor) -> bool:
 
 
 # Ops with a restricted domain, by autograd node, as the hint names them (in this order)
+#: loss targets kept per step, read only when the loss is NaN/Inf (a detection loss written per image: 2 a box)
+TARGETS = 32
+
 _DOMAIN_OPS = {"StdBackward0": "std", "VarBackward0": "std", "StdMeanBackward0": "std", "VarMeanBackward0": "std",
                "ExpBackward0": "exp", "AcosBackward0": "acos", "AsinBackward0": "asin", "AtanhBackward0": "atanh", "LogBackward0": "log",
                "Log2Backward0": "log", "Log10Backward0": "log", "Log1pBackward0": "log1p", "SqrtBackward0": "sqrt",
