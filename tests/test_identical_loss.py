@@ -124,6 +124,10 @@ def test_a_distance_between_the_prediction_and_itself_is_a_constant_loss():
     g = _regress(lambda pred, y: pred.detach(), module_loss=True)
     f = next(f for f in g.findings if f.kind == "loss-constant")
     assert f.details["loss"] == "smooth_l1_loss" and "a view of the same data" in f.message
+    # it may be one term of a sum whose other terms train (a feature-distillation hint against the student's own
+    # features beside the cross-entropy): no "the model cannot learn"
+    assert "this loss (or this term of a sum) teaches the model nothing" in f.message and "cannot learn" not in f.message
+    assert "teacher_feat.detach()" in f.hint
     # the real target, a detached copy of another output, a shifted prediction: silent
     for target in (lambda pred, y: y, lambda pred, y: (pred * 0.9).detach(), lambda pred, y: pred.detach()[1:].repeat(2, 1)[:32]):
         assert _regress(target).findings == []

@@ -248,10 +248,11 @@ class LossConstant(Check):
             self._anchor(fn, x, shape, why)
             return
         self.emit("loss-constant", "loss",
-                  f"{why} (shape {shape}): a tensor compared with itself is identically 0, and so is every gradient: "
-                  f"the model cannot learn",
+                  f"{why} (shape {shape}): a tensor compared with itself is identically 0, and so is its gradient: "
+                  f"this loss (or this term of a sum) teaches the model nothing",
                   f"Pass the target as the second argument: F.{fn}(pred, y) (or the loss module's loss_fn(pred, y)), "
-                  f"with y the labels or values the model should predict, not its own output.",
+                  f"with y the labels or values the model should predict, not its own output (in feature "
+                  f"distillation, the teacher's features: F.{fn}(student_feat, teacher_feat.detach())).",
                   source=self.g.source(), details={"loss": fn, "input_shape": shape, "why": f"{fn} of a tensor and itself"})
 
 
