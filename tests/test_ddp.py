@@ -214,6 +214,21 @@ if __name__ == "__main__":
 '''
 
 
+def _run_plain(tmp_path, env):
+    """Run plain.py once more if a rank aborted in gloo's teardown ("terminate called without an active exception",
+    SIGABRT, seen once on a loaded machine; pytorch/pytorch#190489, #179291): that is gloo's worker threads at exit,
+    not guard's doing. Any other failure is returned as is."""
+    for _ in range(2):
+        for name in os.listdir(tmp_path):
+            if name.startswith(("store", "auto.")):
+                os.remove(tmp_path / name)
+        r = subprocess.run([sys.executable, "plain.py", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=240)
+        if r.returncode == 0 or "terminate called without an active exception" not in r.stderr:
+            return r
+    return r
+
+
 def _summaries(stderr):
     return [ln for ln in stderr.splitlines() if ln.startswith("guard: ") and " finding(s) in " in ln]
 
@@ -222,8 +237,7 @@ def test_torch_guard_env_with_spawned_ranks(tmp_path):
     (tmp_path / "plain.py").write_text(PLAIN)
     env = _env()
     env.update(TORCH_GUARD="record", TORCH_GUARD_REPORT=str(tmp_path / "auto.json"), TORCH_GUARD_LIVE="1")
-    r = subprocess.run([sys.executable, "plain.py", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=240)
+    r = _run_plain(tmp_path, env)
     assert r.returncode == 0, r.stderr[-4000:]
     # the dumps are written at exit, after destroy_process_group(): still only rank 0 prints its summary
     assert len(_summaries(r.stderr)) == 1, r.stderr
@@ -242,8 +256,7 @@ def test_live_all_prints_every_ranks_summary(tmp_path):
     (tmp_path / "plain.py").write_text(PLAIN)
     env = _env()
     env.update(TORCH_GUARD="1", TORCH_GUARD_REPORT=str(tmp_path / "auto.json"), TORCH_GUARD_LIVE="all")
-    r = subprocess.run([sys.executable, "plain.py", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=240)
+    r = _run_plain(tmp_path, env)
     assert r.returncode == 0, r.stderr[-4000:]
     assert len(_summaries(r.stderr)) == 2, r.stderr
     assert "auto.rank0.json" in r.stderr and "auto.rank1.json" in r.stderr
@@ -256,8 +269,7 @@ def test_healthy_spawned_ranks_that_destroy_their_group_still_write_rank_dumps(t
     (tmp_path / "plain.py").write_text(PLAIN.replace('x[0, 0] = float("nan")', "pass"))
     env = _env()
     env.update(TORCH_GUARD="1", TORCH_GUARD_REPORT=str(tmp_path / "auto.json"), TORCH_GUARD_LIVE="1")
-    r = subprocess.run([sys.executable, "plain.py", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=240)
+    r = _run_plain(tmp_path, env)
     assert r.returncode == 0, r.stderr[-4000:]
     assert sorted(p.name for p in tmp_path.glob("auto*.json")) == ["auto.rank0.json", "auto.rank1.json"]
     assert len(_summaries(r.stderr)) == 1, r.stderr
