@@ -663,7 +663,7 @@ def test_a_tables_nan_input_names_its_feature_columns():
     assert "zero std" in f.hint
 
 
-@pytest.mark.parametrize("form", ["log(sigmoid)", "logsigmoid"])
+@pytest.mark.parametrize("form", ["log(sigmoid)", "logsigmoid", "log(1 - sigmoid)"])
 def test_a_log_of_a_sigmoid_that_underflows_gets_the_logsigmoid_fix(form):
     """A negative-sampling loss written `-torch.log(torch.sigmoid(-s))`: a confident negative's sigmoid underflows to 0
     and the log is -inf. Told as the log of a sigmoid with F.logsigmoid as the fix; F.logsigmoid itself is fine."""
@@ -675,7 +675,8 @@ def test_a_log_of_a_sigmoid_that_underflows_gets_the_logsigmoid_fix(form):
     with guard(model, opt, live=False) as g:
         for _ in range(2):
             s = model(torch.ones(8, 4)).squeeze(1)
-            loss = -(torch.log(torch.sigmoid(-s)) if form == "log(sigmoid)" else F.logsigmoid(-s)).mean()
+            loss = -(torch.log(torch.sigmoid(-s)) if form == "log(sigmoid)" else
+                     torch.log(1 - torch.sigmoid(s)) if form == "log(1 - sigmoid)" else F.logsigmoid(-s)).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -683,6 +684,9 @@ def test_a_log_of_a_sigmoid_that_underflows_gets_the_logsigmoid_fix(form):
         assert g.findings == []
         return
     f = next(f for f in g.findings if f.kind == "nonfinite-loss")
+    if form == "log(1 - sigmoid)":  # an L0 gate's penalty, a hand-written BCE's negative term
+        assert f.details["log_of"] == "1 - sigmoid" and "F.logsigmoid(-x)" in f.hint and f.step == 0
+        return
     assert f.details["log_of"] == "sigmoid" and "F.logsigmoid(x)" in f.hint and f.step == 0
 
 

@@ -1529,6 +1529,10 @@ def _log_of(fn: Any, budget: int = 64) -> Optional[Tuple[str, str]]:
                 hit = _STABLE_LOG.get(type(n).__name__)
                 if hit is not None:
                     return hit
+                if type(n).__name__ == "RsubBackward1" and any(
+                        k is not None and type(k).__name__ == "SigmoidBackward0" for k, _ in n.next_functions):
+                    # log(1 - sigmoid(x)): 0 once sigmoid rounds to 1 (x above ~17 in float32)
+                    return ("1 - sigmoid", "F.logsigmoid(-x) (log(1 - sigmoid(x)) = logsigmoid(-x))")
                 if type(n).__name__.startswith(("SumBackward", "MeanBackward")) and _exp_below(n, 4):
                     # log(sum(pi * exp(...))): a mixture's likelihood in linear space, 0 when every term underflows
                     return ("sum of exponentials (a mixture's likelihood computed in linear space)",
