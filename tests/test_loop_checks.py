@@ -3065,3 +3065,41 @@ def test_a_list_row_written_with_a_live_tensor_gets_the_row_write_fix():
             rb.update(idx, td)
     f = [f for f in g.findings if f.kind == "loss-graph-retained"][0]
     assert f.where == "rb.prio" and "`self.prio[i] = e.item()`" in f.hint
+
+
+@pytest.mark.parametrize("case", ["snip", "teacher-saliency", "two-losses-each-step", "zeroed-first"])
+def test_a_backward_before_the_loop_never_cleared_is_carried_into_the_first_update(case):
+    """SNIP scores its connections with one backward() before training and never clears the gradients; the loop
+    zeroes after each step, so the first update applies that backward's gradients too. Told at that backward's line.
+    A saliency backward through another, frozen model before the loop, two losses back-propagated at every step, and
+    a zero_grad() after the earlier backward are silent."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    teacher = nn.Sequential(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(256, 4), torch.randint(0, 2, (256,))
+    with guard(live=False) as g:
+        if case == "teacher-saliency":
+            F.cross_entropy(teacher(x), y).backward()  # a saliency pass
+        elif case != "two-losses-each-step":
+            F.cross_entropy(model(x), y).backward()  # the earlier backward
+            if case == "zeroed-first":
+                opt.zero_grad()
+        for s in range(12):
+            xb, yb = x[s * 16:(s + 1) * 16], y[s * 16:(s + 1) * 16]
+            out = model(xb)
+            if case == "two-losses-each-step":
+                F.cross_entropy(out, yb).backward(retain_graph=True)
+                (0.1 * out.pow(2).mean()).backward()
+            else:
+                F.cross_entropy(out, yb).backward()
+            opt.step()
+            opt.zero_grad()
+    if case != "snip":
+        assert g.findings == [], g.findings
+        return
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("missing-zero-grad", "SGD", 0)
+    assert f.source == line_of(test_a_backward_before_the_loop_never_cleared_is_carried_into_the_first_update,
+                               "# the earlier backward")
+    assert f.details["backwards_before_first_step"] == 2 and "right after that earlier backward()" in f.hint

@@ -2394,7 +2394,13 @@ def test_a_fixed_model_whose_gradients_an_attack_matches_is_not_left_out_of_the_
         for _ in range(15):
             opt.step(closure)
     assert g.internal_errors == [] and len(g.timeline) == 15
-    assert [f.kind for f in g.findings] == ([] if attack == "gradient-matching" else ["param-not-in-optimizer"])
+    if attack == "gradient-matching":
+        assert g.findings == [], g.findings
+        return
+    # (on some CPUs LBFGS then drives the plain attack's input into the sigmoids' saturation, where its gradient,
+    # ~1e-37, squares to 0: that stall is told too, as an underflow)
+    assert [f.kind for f in g.findings][:1] == ["param-not-in-optimizer"], g.findings
+    assert all(f.kind == "grads-all-zero" and f.details.get("underflow") for f in g.findings[1:]), g.findings
 
 
 @pytest.mark.parametrize("pre", [0, 12])

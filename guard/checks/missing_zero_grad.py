@@ -90,6 +90,9 @@ def _graph_leaves(tensors: Any, limit: int = 256) -> List[weakref.ref]:
     return out
 
 
+FIRST_STEPS = 5  # later steps of one backward() each that a first step of several is compared with
+
+
 class _State:
     __slots__ = ("gen", "zeroed", "armed", "cands", "norms", "verdict", "step_seen", "since", "backward_source",
                  "versions", "added_by")
@@ -168,6 +171,10 @@ class MissingZeroGrad(Check):
         self._zeroed_opts: Dict[int, Tuple[int, weakref.ref]] = {}
         self._leaked: Dict[int, Tuple[int, str, Optional[str]]] = {}
         self._leak_told = False
+        # backward() lines before the first step since the last zero_grad(); then (first step's lines, the loop's line,
+        # backward() calls of each later step) while the first steps are compared with it; None once decided
+        self._pre: Optional[list] = []
+        self._first_steps: Optional[tuple] = None
         self._first_zeroer: Optional[int] = None  # id of the first optimizer seen zeroing
         self._many = False  # a second one zeroed since: leaks between them are looked for
 
@@ -256,6 +263,7 @@ class MissingZeroGrad(Check):
     # ------------------------------------------------------------------ zero_grad observed
     def on_opt_zero_grad_done(self, args, kwargs, result):
         self._forget_inputs()
+        self._cleared()
         if args and not self._leak_told and (self._many or id(args[0]) != self._first_zeroer) \
                 and isinstance(args[0], torch.optim.Optimizer):
             self._zeroed(args[0], kwargs.get("set_to_none", args[1] if len(args) > 1 else True))
@@ -269,6 +277,7 @@ class MissingZeroGrad(Check):
 
     def on_module_zero_grad_done(self, args, kwargs, result):
         self._forget_inputs()
+        self._cleared()
         if args and not self._leak_told and len(self.g.optimizers) > 1:
             to_none = kwargs.get("set_to_none", args[1] if len(args) > 1 else True)
             ids = {id(p) for p in args[0].parameters()}
@@ -325,6 +334,8 @@ class MissingZeroGrad(Check):
 
     def on_backward(self, tensors, kwargs):
         self._backwards += 1
+        if self._pre is not None:
+            self._pre_backward()
         if not self._input_told and (kwargs or {}).get("inputs") is None:  # backward(inputs=[x]) fills x.grad only
             if self._graph_leaf is not None and (kwargs or {}).get("create_graph"):
                 # `E.sum().backward(create_graph=True); F = -pos.grad`: an input's gradient taken for the loss, which
@@ -353,6 +364,59 @@ class MissingZeroGrad(Check):
         for opt, st in list(self._st.items()):
             if st.armed:
                 self._evaluate(opt, st)
+
+    # ------------------------------------------------------------------ a backward() before the loop, never cleared
+    def _cleared(self) -> None:
+        if self._pre is not None and self._first_steps is None:
+            self._pre = []
+
+    def _pre_backward(self) -> None:
+        if self._first_steps is None:
+            if len(self._pre) < 8:
+                self._pre.append(self.g.source())
+            return
+        lines, loop, counts = self._first_steps
+        if self.g.source() != loop:
+            self._pre = None  # other backwards in the loop: not the one-backward-a-step pattern
+        else:
+            counts[-1] += 1
+
+    def _pre_step(self, optimizer) -> None:
+        """The first steps of the counted optimizer: a first step that applied the gradients of backward() calls from
+        other lines before the loop's own (SNIP's sensitivity pass, a gradient check) with no zero_grad() after them,
+        while each later step applies exactly one backward from the loop's line, carried them into its update."""
+        if self._first_steps is None:
+            lines = self._pre
+            first = _first_param(optimizer)
+            grad = first.grad if first is not None else None
+            # (the earlier backward reached the optimizer's parameters: its gradient was added onto in place, not
+            # made by the loop's backward; a saliency pass through another, frozen model reaches none of them)
+            if len(lines) < 2 or lines[-1] is None or lines[0] == lines[-1] or grad is None or not grad._version:
+                self._pre = None
+                return
+            self._first_steps = (lines, lines[-1], [0])
+            return
+        lines, loop, counts = self._first_steps
+        if counts[-1] != 1:
+            self._pre = None
+            return
+        if len(counts) < FIRST_STEPS:
+            counts.append(0)
+            return
+        self._pre = None
+        early = [ln for ln in lines[:-1] if ln != loop]
+        where = self._label(optimizer)
+        self.emit("missing-zero-grad", where,
+                  f"the first {where}.step() applied the gradients of {len(lines)} backward() calls, "
+                  f"{len(lines) - 1} of them before the loop's ({early[0] if early else lines[0]}) with no zero_grad() "
+                  f"after them, while each later step applies one, the loop's ({loop}): the first update carries the "
+                  f"gradients of a backward() that was never cleared (a sensitivity pass such as SNIP's, a gradient "
+                  f"check, a dry run)",
+                  "Call optimizer.zero_grad() (or model.zero_grad()) right after that earlier backward(), or zero the "
+                  "gradients at the start of each step (zero_grad() before backward(), not only after step()).",
+                  step=0, source=early[0] if early else lines[0],
+                  details={"optimizer": type(optimizer).__name__, "backwards_before_first_step": len(lines),
+                           "first_backward": lines[0], "loop_backward": loop})
 
     # ------------------------------------------------------------------ no optimizer: updates by hand
     def _manual_backward(self) -> None:
@@ -595,6 +659,8 @@ class MissingZeroGrad(Check):
                                                                      "leaked_from": other, "leaking_backward": src})
 
     def on_step_pre(self, optimizer):
+        if self._pre is not None and self.g.is_primary(optimizer):
+            self._pre_step(optimizer)
         if self._zeroed_opts and not self._leak_told:
             if self._leaked:
                 self._judge_leak(optimizer)
