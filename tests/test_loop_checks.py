@@ -3103,3 +3103,22 @@ def test_a_backward_before_the_loop_never_cleared_is_carried_into_the_first_upda
     assert f.source == line_of(test_a_backward_before_the_loop_never_cleared_is_carried_into_the_first_update,
                                "# the earlier backward")
     assert f.details["backwards_before_first_step"] == 2 and "right after that earlier backward()" in f.hint
+
+
+def test_a_deep_ensembles_zero_grad_before_step_is_one_finding_for_its_members():
+    """A deep ensemble stepped by one loop line, `for m, o in zip(models, opts)`, with zero_grad() moved between
+    backward() and step(): one bug, told once at its lines (it was told four times under a global guard: `Adam` at
+    step 0, then `Adam[0]`, `Adam[1]` and `Adam[2]` as the guard met the other members' optimizers)."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1)) for _ in range(3)]
+    opts = [torch.optim.Adam(m.parameters(), lr=3e-3) for m in models]
+    x = torch.rand(64, 1)
+    with guard(live=False) as g:
+        for _ in range(5):
+            for m, o in zip(models, opts):
+                loss = F.mse_loss(m(x), x ** 2)
+                loss.backward()
+                o.zero_grad()
+                o.step()
+    (f,) = g.findings
+    assert (f.kind, f.step) == ("zero-grad-before-step", 0) and f.count >= 5 * 3 - 1

@@ -29,7 +29,7 @@ comparison per ``step()``; device work only in the buggy order. Nothing per modu
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -101,6 +101,7 @@ class ZeroGradBeforeStep(Check):
 
     def __init__(self, guard):
         super().__init__(guard)
+        self._sites: Dict[tuple, str] = {}  # (zero_grad line, backward line, step line) -> the where it was told at
         self._backwards = 0
         self._backward_src: Optional[str] = None
         self._st = WeakIdMap()  # optimizer -> _Opt
@@ -363,6 +364,15 @@ class ZeroGradBeforeStep(Check):
         zero_src, backward_src, src, step, later = info or (st.zero_src, self._backward_src, self.g.source(),
                                                             self.g.step, None)
         where = self._label(opt)
+        # one finding a site: the members of a deep ensemble stepped by one loop line (`for m, o in zip(models,
+        # opts)`) are one bug, and one optimizer's label changes when a global guard meets the next of its type
+        site = (zero_src, backward_src, src)
+        first = self._sites.get(site)
+        if first is not None and first != where:
+            self.g.seen_again("zero-grad-before-step", first)
+            return
+        if len(self._sites) < 64:
+            self._sites[site] = where
         effect = ("every gradient is None, so the step skips all parameters" if none else
                   "every gradient is zero, so only weight decay and momentum move the parameters")
         if backward_src is None:  # gradients written by hand (`p.grad = ...`), no backward()
