@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import guard as guard_pkg
@@ -456,6 +457,41 @@ def test_averaging_snapshots_taken_without_a_copy_is_found(copied):
     assert (f.kind, f.where, f.step) == ("state-dict-mismatch", "Sequential", 15)
     assert f.details["averaged_snapshots"] == 3 and f.details["snapshot_steps"] == [9, 12, 15]
     assert "an average of them" in f.message and "copy.deepcopy(model.state_dict())" in f.hint
+
+
+@pytest.mark.parametrize("into", ["global", "client", "copied"])
+def test_fedavg_over_client_snapshots_taken_without_a_copy_is_found(into):
+    """FedAvg simulated with one client object, reset from the global model each round (`client.load_state_dict(
+    glob.state_dict())`), `states.append(client.state_dict())` after its local steps: every snapshot is the client's
+    live weights, so the "average" is the last client's. Missed when the client had been loaded into, or when the
+    average went into the global model; told once for the run. Deep-copied snapshots are silent."""
+    torch.manual_seed(0)
+    glob = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    client = copy.deepcopy(glob)
+    x = torch.randn(64, 4)
+    with guard(live=False) as g:
+        for _ in range(3):
+            states = []
+            for c in range(3):
+                client.load_state_dict(glob.state_dict())
+                opt = torch.optim.SGD(client.parameters(), lr=0.05)
+                for _ in range(4):
+                    xb = x[c * 16:(c + 1) * 16]
+                    loss = F.mse_loss(client(xb), xb.sum(1, keepdim=True) * (c + 1))
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                states.append(copy.deepcopy(client.state_dict()) if into == "copied" else client.state_dict())
+            avg = {k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]}
+            (client if into == "client" else glob).load_state_dict(avg)
+    if into == "copied":
+        assert g.findings == [] and g.internal_errors == []
+        return
+    [f] = g.findings
+    assert f.kind == "state-dict-mismatch" and f.details["averaged_snapshots"] == 3
+    assert "an average of them" in f.message and "copy.deepcopy(model.state_dict())" in f.hint
+    if into == "global":
+        assert "equal to `client`'s current weights" in f.message
 
 
 class _Net(nn.Module):

@@ -405,11 +405,12 @@ def _equal_to_own(module: nn.Module, sd: Mapping[str, Any]) -> bool:
         return False
 
 
-def _averaged_report(module: nn.Module, steps: List[int]) -> Dict[str, Any]:
+def _averaged_report(module: nn.Module, steps: List[int], source: Optional[str] = None) -> Dict[str, Any]:
     shown = ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "")
+    whose = f"{source}'s" if source else "the model's"
     return {
-        "message": (f"load_state_dict() got new tensors equal to the model's current weights, while {len(steps)} "
-                    f"state_dict() snapshots kept alive (taken at steps {shown}) are all the model's own tensors: "
+        "message": (f"load_state_dict() got new tensors equal to {whose} current weights, while {len(steps)} "
+                    f"state_dict() snapshots kept alive (taken at steps {shown}) are all {whose} own tensors: "
                     f"state_dict() returns references, not copies, so each snapshot holds the latest weights, and "
                     f"an average of them (checkpoint averaging, SWA by hand) is the last weights, not an average "
                     f"over those steps"),
@@ -438,6 +439,7 @@ class StateDictMismatch(Check):
         self._snaps: Dict[int, Tuple[weakref.ref, Dict[str, int], int]] = {}  # ... and the step it was taken at
         self._loaded: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules a state_dict was loaded into
         self._told_save = False
+        self._told_avg = False
 
     def on_state_dict_done(self, args, kwargs, result):
         if len(args) > 1 or kwargs.get("destination") is not None or not isinstance(result, Mapping):
@@ -510,10 +512,17 @@ class StateDictMismatch(Check):
                 return  # nothing changed it since it was taken: loading it restores what it should
             if keys:
                 self._report(module, _alias_report(module, keys, rebuilt=snap is None), None)
-            elif snap is None and module not in self._loaded:
-                steps = self._stale_snapshots(module)
-                if len(steps) >= 2 and _equal_to_own(module, sd):
-                    self._report(module, _averaged_report(module, steps), None)
+            elif snap is None and self._snaps:
+                # the average may go into the model the snapshots alias or into another (FedAvg: the client reset
+                # from the global model every round, `states.append(client.state_dict())`, the mean loaded into the
+                # global model or back into the client)
+                for source in [module] + [r for r in self.g.roots if r is not module][:8]:
+                    steps = self._stale_snapshots(source) if not self._told_avg else []
+                    if len(steps) >= 2 and _equal_to_own(source, sd):
+                        self._told_avg = True  # (a code property: every round's average is the same bug)
+                        name = None if source is module else f"`{variable_naming(source) or self.g.path_of(source)}`"
+                        self._report(module, _averaged_report(source, steps, name), None)
+                        break
             elif snap is not None and snap[0]() is sd and module not in self._loaded:
                 # (a model's first load: a target network synced again and again from a dict it knows to be live is
                 # not this)
