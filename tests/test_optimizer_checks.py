@@ -1,5 +1,6 @@
 """Optimizer pitfalls: weight decay without gradient, frozen/missing parameters, gradient explosion,
 AMP GradScaler awareness and the per-step timeline."""
+import copy
 import json
 
 import pytest
@@ -2810,3 +2811,41 @@ def test_a_second_optimizers_steps_between_counted_steps_get_their_own_gradient_
             ob.step()
     assert "grad-explosion" not in kinds(g), g.findings
     assert g.step == 100 and g.internal_errors == []
+
+
+@pytest.mark.parametrize("bug", ["lr-int-zero", "step-without-parentheses", "healthy"])
+def test_federated_clients_with_an_optimizer_made_each_round_are_still_judged(bug):
+    """FedAvg makes each client's optimizer anew every round, and each lives a few local steps: `lr=int(0.05)` (0 in
+    every client optimizer) and `opt.step` without parentheses were never judged, each optimizer's count starting
+    over (20 steps at lr=0 were needed from one object; the never-stepped one noted was gone at the end). The
+    counts now go on from the optimizer made at the same line; a healthy run is silent."""
+    torch.manual_seed(0)
+    glob = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    local = copy.deepcopy(glob)
+    x = torch.randn(64, 4)
+    with guard(live=False) as g:
+        for _ in range(6):
+            states = []
+            for c in range(2):
+                local.load_state_dict(glob.state_dict())
+                opt = torch.optim.SGD(local.parameters(), lr=int(0.05) if bug == "lr-int-zero" else 0.05)
+                for _ in range(5):
+                    xb = x[c * 32:(c + 1) * 32]
+                    loss = F.mse_loss(local(xb), xb.sum(1, keepdim=True))
+                    opt.zero_grad()
+                    loss.backward()
+                    if bug == "step-without-parentheses":
+                        opt.step  # noqa: B018
+                    else:
+                        opt.step()
+                states.append(copy.deepcopy(local.state_dict()))
+            glob.load_state_dict({k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]})
+    if bug == "healthy":
+        assert g.findings == [] and g.internal_errors == []
+        return
+    found = [f for f in g.findings if f.kind == "params-not-updating"]
+    assert len(found) == 1, g.findings
+    if bug == "lr-int-zero":
+        assert "lr=0 for 20 steps" in found[0].message
+    else:
+        assert found[0].details["never_stepped"] is True and "`opt.step` without parentheses" in found[0].hint

@@ -165,6 +165,7 @@ class ParamsNotUpdating(Check):
         self._stuck_told = False
         self._idle: Optional[list] = None  # [(optimizer ref, [(parameter ref, version, gradient ref)])] (IDLE_LOOK)
         self._backwards = 0  # backward() calls while no optimizer has stepped
+        self._sites: Dict[tuple, tuple] = {}  # (optimizer type, step line) -> (the last one's ref, its runs)
 
     def _note_idle(self) -> None:
         """The optimizers the user's code holds that have not stepped (guard saw no step of theirs) although some
@@ -214,8 +215,12 @@ class ParamsNotUpdating(Check):
                                "modules": prefixes[:6], "never_stepped": True, "whole_run": True})
 
     def on_backward_done(self, tensors, kwargs):
-        if self._idle is not None or self.g.watched.stepped_in:
-            return  # (noted, or an optimizer steps: looked at by its step's count, on_step_post)
+        if self.g.watched.stepped_in:
+            return  # (an optimizer steps: looked at by its step's count, on_step_post)
+        if self._idle is not None:
+            if self._idle and all(e[0]() is None for e in self._idle):
+                self._note_idle()  # those noted are gone: optimizers made anew each round (federated clients)
+            return
         # No optimizer has stepped yet: the IDLE_LOOK-th backward notes those held (`opt.step` without parentheses)
         self._backwards += 1
         if self._backwards >= IDLE_LOOK:
@@ -229,7 +234,14 @@ class ParamsNotUpdating(Check):
             return
         runs = self._runs.data.get(id(optimizer))
         if runs is None:
-            runs = self._runs[optimizer] = {}
+            # an optimizer made anew for each round (a federated client's, each living a few steps) continues the
+            # counts of the one that stepped from this line before it, once that one is gone
+            site = (type(optimizer).__name__, self.g.source())
+            prev = self._sites.get(site)
+            runs = prev[1] if prev is not None and prev[0]() is None else {}
+            self._runs[optimizer] = runs
+            if len(self._sites) < 64:
+                self._sites[site] = (weakref.ref(optimizer), runs)
         for i, group in enumerate(optimizer.param_groups):
             if not 0.0 <= _lr(group) <= TINY_LR:
                 run = runs.get(i)
