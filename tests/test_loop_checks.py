@@ -3122,3 +3122,23 @@ def test_a_deep_ensembles_zero_grad_before_step_is_one_finding_for_its_members()
                 o.step()
     (f,) = g.findings
     assert (f.kind, f.step) == ("zero-grad-before-step", 0) and f.count >= 5 * 3 - 1
+
+
+def test_deepdream_through_a_hooked_inner_layer_of_a_frozen_net_is_no_evaluation():
+    """DeepDream: the whole frozen net is called, the loss is read from an inner layer through a forward hook, and
+    the image is updated by hand (no optimizer). The layers after the hooked one build a graph no backward uses:
+    told as an evaluation outside no_grad, whose fix would take the image's gradient away. A model whose every
+    parameter is frozen is not trained by hand: not judged."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()).eval().requires_grad_(False)
+    acts = {}
+    net[1].register_forward_hook(lambda m, i, o: acts.__setitem__("a", o))
+    img = torch.randn(1, 3, 16, 16, requires_grad=True)
+    with guard(live=False) as g:
+        for _ in range(20):
+            net(img)
+            acts["a"].pow(2).mean().backward()
+            with torch.no_grad():
+                img += 0.01 * img.grad / (img.grad.abs().mean() + 1e-8)
+            img.grad = None
+    assert g.findings == [] and g.internal_errors == []

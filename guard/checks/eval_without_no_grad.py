@@ -366,7 +366,11 @@ class EvalWithoutNoGrad(Check):
         opts = self.g.optimizers
         if not opts:
             if not self.g.has_optimizer:
-                return unused  # manual updates: nothing to tell trained from untrained
+                # manual updates: nothing tells trained from untrained, but a model whose every parameter is frozen
+                # is not trained by hand either; its graph is the input's (DeepDream's image, read through a hook on
+                # an inner layer, so that the layers after it build a graph no backward uses)
+                return [r for r in unused if (m := r.module() if r.module is not None else None) is None
+                        or any(p.requires_grad for p in m.parameters()) or not any(True for _ in m.parameters())]
             # The optimizers are gone (collected before a global guard closes at exit, the training having
             # run in a function): a module with trainable parameters may have been trained; one without
             # (a quantization observer called by convert()) was not.
