@@ -2849,3 +2849,32 @@ def test_federated_clients_with_an_optimizer_made_each_round_are_still_judged(bu
         assert "lr=0 for 20 steps" in found[0].message
     else:
         assert found[0].details["never_stepped"] is True and "`opt.step` without parentheses" in found[0].hint
+
+
+def test_a_net_drawn_anew_at_each_outer_step_of_dataset_distillation_is_no_polyak_target():
+    """Dataset distillation: each outer step draws the net's weights anew (`net.reset_parameters()`), unrolls an inner
+    loop from them with torch.autograd.grad(create_graph=True), and the outer Adam holds only the synthetic data. The
+    net's own .grad piles up unused while its weights change in place: that was told as a Polyak target network run
+    with gradient, whose fixes (no_grad, requires_grad_(False)) break the unroll. A re-initialised net moves all the
+    way between steps, a Polyak target a little: silent."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    syn = nn.Parameter(torch.randn(6, 4))
+    sy = torch.tensor([0, 1] * 3)
+    opt = torch.optim.Adam([syn], lr=0.01)
+    x = torch.randn(64, 4)
+    y = (x[:, 0] > 0).long()
+    with guard(live=False) as g:
+        for _ in range(20):
+            net.reset_parameters()
+            p = dict(net.named_parameters())
+            grads = torch.autograd.grad(F.cross_entropy(functional_call(net, p, (syn,)), sy), list(p.values()),
+                                        create_graph=True)
+            p = {k: v - 0.1 * gi for (k, v), gi in zip(p.items(), grads)}
+            loss = F.cross_entropy(functional_call(net, p, (x,)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []

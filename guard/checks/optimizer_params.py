@@ -155,6 +155,7 @@ class OptimizerParams(Check):
         # `.grad.zero_()`), not left to pile up
         self._backwards = 0
         self._cand_at = self._outside_at = 0  # `_backwards` at each look
+        self._outside_sample: Optional[tuple] = None  # (ref, first values) of one parameter outside, at the look
         self._outside_told: set = set()
         self._synced = WeakIdSet()  # modules something loaded a state_dict into (a target synced every N steps)
         self._attrs: Dict[int, str] = {}  # id(tensor) -> the module attribute holding it (a plain tensor to train)
@@ -223,6 +224,11 @@ class OptimizerParams(Check):
             else:
                 self._outside = (found, self.g.step)
                 self._outside_at = self._backwards - 1  # this backward accumulates into them after the walk
+                first = next(iter(found.values()))[0]()
+                # a sample of one of them: a Polyak target moves a little between steps, a re-initialised net (dataset
+                # distillation's `net.reset_parameters()` at every outer step) all the way
+                self._outside_sample = (weakref.ref(first), first.detach().flatten()[:64].clone()) \
+                    if first is not None and first.layout is torch.strided and not first.is_meta else None
 
     def _tensor_attributes(self, ids: set) -> Dict[int, str]:
         """``{id(tensor): "path.attr"}`` of the tensors among `ids` that a watched module keeps as a plain attribute
@@ -259,7 +265,7 @@ class OptimizerParams(Check):
             if g is None or (gstate is not None and g is gstate[0]() and g._version == gstate[1]):
                 continue  # no gradient since: that backward was a one-off
             params.append(p)
-        if piling and not params:
+        if piling and not params and not self._reinitialised():
             names, owner, _ = _outside_names(piling)
             self._polyak(piling, names, step, self.g.source(), owner)
         if not params:
@@ -372,6 +378,9 @@ class OptimizerParams(Check):
                 return
             self._cand = (versions, self.g.step, self.g.source())
             self._cand_at = self._backwards
+            first = next(p for n, p in missing if n in versions)
+            self._outside_sample = (weakref.ref(first), first.detach().flatten()[:64].clone()) \
+                if first.layout is torch.strided and not first.is_meta else None
         elif self.g.step - self._cand[1] >= CONFIRM_STEPS or not self._still_missing():
             self._confirm()
 
@@ -421,7 +430,8 @@ class OptimizerParams(Check):
             piling = [n for n in piling if n not in replaced]
             self._told.update(replaced)
             self._missing(replaced, step, source)
-        if piling and not missing and self._polyak([named[n] for n in piling], piling, step, source):
+        if piling and not missing and not self._reinitialised() \
+                and self._polyak([named[n] for n in piling], piling, step, source):
             self._told.update(piling)
         if missing:
             # Gradients computed as exactly 0 (a head whose loss term is weighted by 0, left out of the optimizer
@@ -566,6 +576,18 @@ class OptimizerParams(Check):
         if old is None or not any(q is old for o in self.g.optimizers for grp in o.param_groups for q in grp["params"]):
             return None
         return ent[0], ent[1]
+
+    def _reinitialised(self) -> bool:
+        """Whether the sampled parameter outside the optimizers moved by half its norm or more since the look: drawn
+        anew (`reset_parameters()` each outer step of dataset distillation or of a hyper-parameter search), not
+        averaged toward another network."""
+        sample, self._outside_sample = self._outside_sample, None
+        p = sample[0]() if sample is not None else None
+        if p is None:
+            return False
+        with torch.no_grad():
+            now = p.detach().flatten()[:64].to(sample[1].device, sample[1].dtype)
+            return bool((now - sample[1]).norm() > 0.5 * sample[1].norm())
 
     def _polyak(self, params: List[torch.Tensor], names: List[str], step: int, source, owner=None) -> bool:
         """Parameters in no optimizer, changed in place at every step while gradients pile up on them: a target
