@@ -565,6 +565,30 @@ def test_a_parameter_minus_inf_by_design_is_no_nonfinite_param(scope):
     assert torch.isinf(m.gate).any() and g.findings == [] and g.internal_errors == []
 
 
+def test_a_carlini_wagner_variable_born_at_plus_inf_is_told():
+    """Carlini-Wagner's change of variables, w = atanh(2x - 1), of an image with pixels at exactly 0 or 1: those
+    entries of the optimised w are +-inf before the first update, tanh(inf) = 1 hides them, their gradient is 0 and
+    Adam never moves them. A -inf logit can be an off switch by design (above); +inf is none: told at step 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3)).requires_grad_(False)
+    x = torch.rand(4, 3, 2, 2)
+    x[x > 0.9], x[x < 0.1] = 1.0, 0.0
+    y = model(x).argmax(1)
+    w = nn.Parameter(torch.atanh(2 * x - 1))
+    opt = torch.optim.Adam([w], lr=0.01)
+    with guard(live=False) as g:
+        for _ in range(5):
+            x_adv = 0.5 * (torch.tanh(w) + 1)
+            logits = model(x_adv)
+            loss = ((x_adv - x) ** 2).sum() - F.cross_entropy(logits, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in g.findings if f.kind == "nonfinite-param")
+    assert (f.where, f.step) == ("w", 0) and f.details["before_any_update"] is True
+    assert f.details["inf_counts"] == [int(torch.isinf(w).sum())] and "clamp x to [1e-6, 1 - 1e-6]" in f.hint
+
+
 def test_weights_broken_by_an_update_are_told_apart_from_a_minus_inf_by_design():
     torch.manual_seed(0)
     m = Gated()

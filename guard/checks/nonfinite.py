@@ -480,11 +480,34 @@ class NonFinite(Check):
         return out
 
     def _note_born(self, params: List[torch.Tensor], values: List[float]) -> None:
+        plus = []
         for p, v in zip(params, values):
             if v != v:
                 self._born[p] = "nan"
             elif v in (_INF, _NEG_INF):
                 self._born[p] = "inf"
+                if len(plus) < 8 and bool((p.detach() == _INF).any()):  # (read once, at the first step)
+                    plus.append(p)
+        if plus:
+            self._born_plus(plus)
+
+    def _born_plus(self, params: List[torch.Tensor]) -> None:
+        """Parameters an optimizer holds with +inf entries before its first update. A -inf logit can be an off switch
+        by design (softmax gives it weight 0); +inf is none: a change of variables taken at its domain's edge
+        (Carlini-Wagner's w = atanh(2x - 1) of pixels at exactly 0 or 1), hidden by a tanh after it, never moves,
+        its gradient there being 0."""
+        names = [self.g.param_name(p) for p in params]
+        counts = [int(torch.isinf(p.detach()).sum()) for p in params]
+        shown = ", ".join(f"{n} ({c} of {p.numel()})" for n, c, p in zip(names, counts, params))
+        self.emit("nonfinite-param", names[0],
+                  f"{len(params)} parameter(s) an optimizer holds hold +inf before its first update: {shown} "
+                  f"values are infinite; a tanh or sigmoid after them hides it (tanh(inf) = 1), their gradient there "
+                  f"is 0, and the optimizer never moves them",
+                  "Make them finite where they are made: a change of variables at its domain's edge (atanh(2x - 1) "
+                  "of values at exactly 0 or 1: clamp x to [1e-6, 1 - 1e-6] first; log of 0), or a checkpoint "
+                  "holding inf.",
+                  step=self.g.step, source=self.g.source(),
+                  details={"parameters": names, "inf_counts": counts, "before_any_update": True})
 
     def _as_born(self, p: torch.Tensor, norm: float) -> bool:
         """Whether `p` (of L2 norm `norm`) is NaN/Inf only as it was before its first update."""
