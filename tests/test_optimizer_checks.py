@@ -2813,7 +2813,7 @@ def test_a_second_optimizers_steps_between_counted_steps_get_their_own_gradient_
     assert g.step == 100 and g.internal_errors == []
 
 
-@pytest.mark.parametrize("bug", ["lr-int-zero", "step-without-parentheses", "healthy"])
+@pytest.mark.parametrize("bug", ["lr-int-zero", "step-without-parentheses", "healthy", "warm-up-from-0"])
 def test_federated_clients_with_an_optimizer_made_each_round_are_still_judged(bug):
     """FedAvg makes each client's optimizer anew every round, and each lives a few local steps: `lr=int(0.05)` (0 in
     every client optimizer) and `opt.step` without parentheses were never judged, each optimizer's count starting
@@ -2824,11 +2824,12 @@ def test_federated_clients_with_an_optimizer_made_each_round_are_still_judged(bu
     local = copy.deepcopy(glob)
     x = torch.randn(64, 4)
     with guard(live=False) as g:
-        for _ in range(6):
+        for rnd in range(6):
             states = []
             for c in range(2):
                 local.load_state_dict(glob.state_dict())
-                opt = torch.optim.SGD(local.parameters(), lr=int(0.05) if bug == "lr-int-zero" else 0.05)
+                lr = {"lr-int-zero": int(0.05), "warm-up-from-0": 0.05 * min(1.0, max(0, rnd - 1) / 3)}.get(bug, 0.05)
+                opt = torch.optim.SGD(local.parameters(), lr=lr)
                 for _ in range(5):
                     xb = x[c * 32:(c + 1) * 32]
                     loss = F.mse_loss(local(xb), xb.sum(1, keepdim=True))
@@ -2840,13 +2841,13 @@ def test_federated_clients_with_an_optimizer_made_each_round_are_still_judged(bu
                         opt.step()
                 states.append(copy.deepcopy(local.state_dict()))
             glob.load_state_dict({k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]})
-    if bug == "healthy":
+    if bug in ("healthy", "warm-up-from-0"):
         assert g.findings == [] and g.internal_errors == []
         return
     found = [f for f in g.findings if f.kind == "params-not-updating"]
     assert len(found) == 1, g.findings
-    if bug == "lr-int-zero":
-        assert "lr=0 for 20 steps" in found[0].message
+    if bug == "lr-int-zero":  # (told at the end: a warm-up from 0 over the first rounds would be no bug)
+        assert "made with lr=0 at every round" in found[0].message and "`int(...)`" in found[0].hint
     else:
         assert found[0].details["never_stepped"] is True and "`opt.step` without parentheses" in found[0].hint
 

@@ -60,10 +60,11 @@ STUCK_SAMPLE = 256  # elements of each sampled parameter compared
 
 
 class _Run:
-    __slots__ = ("count", "since", "source", "reported", "lr", "deferred")
+    __slots__ = ("count", "since", "source", "reported", "lr", "deferred", "renewed")
 
     def __init__(self) -> None:
         self.count, self.since, self.source, self.reported = 0, 0, None, False
+        self.renewed = False  # counted over optimizers made anew at one line (federated clients' per round)
         self.deferred = False  # a group set apart at lr=0 by hand: told at the run's end if still there
         self.lr = 0.0  # the learning rate when the run was reported (0, or a tiny one)
 
@@ -239,6 +240,8 @@ class ParamsNotUpdating(Check):
             site = (type(optimizer).__name__, self.g.source())
             prev = self._sites.get(site)
             runs = prev[1] if prev is not None and prev[0]() is None else {}
+            for run in runs.values():
+                run.renewed = True
             self._runs[optimizer] = runs
             if len(self._sites) < 64:
                 self._sites[site] = (weakref.ref(optimizer), runs)
@@ -408,8 +411,10 @@ class ParamsNotUpdating(Check):
                 # before that start
                 run.deferred = "scheduled"
                 return
-            if _set_apart(opt, i):
-                run.deferred = True  # a staged freeze raises it later by hand: only a whole run at 0 is told
+            if _set_apart(opt, i) or run.renewed:
+                # a staged freeze raises it later by hand, or the rounds' optimizers are made at a rate warmed up from
+                # 0 (`lr = base * rnd / warm`): only a whole run at 0 is told
+                run.deferred = True
                 return
             run.reported = True
             self._report_lr(opt, i, run)
@@ -451,6 +456,11 @@ class ParamsNotUpdating(Check):
             hint = ("The scheduler's factor is 0 for every step this run made: check the lambda (an integer division, "
                     "`min(1.0, s // warmup)`, is 0 until step `warmup`: write `s / warmup`) and its warm-up length "
                     "against the run's number of steps.")
+        elif lr == 0.0 and to_end and run.renewed:
+            has = "was made with lr=0 at every round (a new optimizer each time, from the same line)"
+            effect = "optimizer.step() never changed them, to the end of the run"
+            hint = ("Check the learning rate each round's optimizer is made with: `int(...)` of a float below 1, or an "
+                    "integer division, gives 0; a warm-up from 0 must reach a non-zero rate.")
         elif lr == 0.0 and to_end:
             has = "was set to lr=0 (the other groups train)"
             effect = "optimizer.step() never changed them, to the end of the run"
