@@ -2261,3 +2261,24 @@ def test_nan_gradients_of_a_layer_applied_twice_are_one_finding_without_the_edit
     found = [f for f in g.findings if f.kind == "nonfinite-grad"]
     assert len(found) == 1 and found[0].step == 0, g.findings
     assert not found[0].hint.startswith("Their gradients were changed in place") and "add an eps" in found[0].hint
+
+
+def test_a_nan_loss_from_one_over_a_zero_distance_names_the_division_not_the_sqrt():
+    """FedProx with an adaptive weight mu = 1.0 / ||w - w_g||, at 0 on the first local step (the client starts at the
+    global weights): inf * 0 is NaN. The sqrt of a sum of squares cannot be NaN in the forward, so it is not named;
+    `1.0 / dist` is a reciprocal, named as the division it is (it was named as sqrt's E[x^2] - E[x]^2 cancellation)."""
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    ref = [p.detach().clone() for p in local.parameters()]
+    opt = torch.optim.SGD(local.parameters(), lr=0.05)
+    with guard(local, opt, live=False) as g:
+        for _ in range(2):
+            ce = F.cross_entropy(local(torch.randn(16, 8)), torch.randint(0, 3, (16,)))
+            dist = torch.sqrt(sum(((p - r) ** 2).sum() for p, r in zip(local.parameters(), ref)))
+            loss = ce + 0.01 * (1.0 / dist) * dist ** 2
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = g.findings[0]
+    assert (f.kind, f.step) == ("nonfinite-loss", 0) and f.details["ops"] == ["division"], f
+    assert "add an eps to the denominator" in f.hint and "E[x^2]" not in f.hint

@@ -1440,7 +1440,8 @@ TARGETS = 32
 _DOMAIN_OPS = {"StdBackward0": "std", "VarBackward0": "std", "StdMeanBackward0": "std", "VarMeanBackward0": "std",
                "ExpBackward0": "exp", "AcosBackward0": "acos", "AsinBackward0": "asin", "AtanhBackward0": "atanh", "LogBackward0": "log",
                "Log2Backward0": "log", "Log10Backward0": "log", "Log1pBackward0": "log1p", "SqrtBackward0": "sqrt",
-               "RsqrtBackward0": "rsqrt", "PowBackward0": "pow", "PowBackward1": "pow", "DivBackward0": "division"}
+               "RsqrtBackward0": "rsqrt", "PowBackward0": "pow", "PowBackward1": "pow", "DivBackward0": "division",
+               "ReciprocalBackward0": "division"}
 _DOMAIN_HINTS = {
     "std": "std() and var() of one element are NaN (the unbiased estimate divides by n - 1 = 0): a last minibatch of "
            "one sample when advantages or features are normalised per minibatch; use drop_last, or "
@@ -1514,7 +1515,34 @@ def _op_of(node: Any) -> Optional[str]:
             return None
     elif op in ("log", "sqrt", "rsqrt") and _clamped_below(node):
         return None
+    elif op == "sqrt" and _sum_of_squares(node):
+        return None  # a distance, sqrt((a - b).pow(2).sum()): never negative, so never NaN in the forward
     return op
+
+
+def _sum_of_squares(node: Any, budget: int = 32) -> bool:
+    """Whether the input of a sqrt node is a sum of squares (or a square), which cannot be negative: squares, summed
+    or added up (`sum(((p - r) ** 2).sum() for ...)`), a few dozen nodes at most."""
+    try:
+        todo = [k for k, _ in node.next_functions if k is not None][:1]
+        while todo:
+            budget -= 1
+            if budget < 0:
+                return False
+            kid = todo.pop()
+            name = type(kid).__name__
+            kids = [k for k, _ in kid.next_functions if k is not None]
+            if name.startswith("SumBackward") or name == "AddBackward0":
+                todo.extend(kids)
+            elif name == "PowBackward0":
+                if getattr(kid, "_saved_exponent", None) != 2:
+                    return False
+            elif not (name == "MulBackward0" and len(kid.next_functions) == 2
+                      and kid.next_functions[0][0] is not None and kid.next_functions[0][0] is kid.next_functions[1][0]):
+                return False
+        return True
+    except Exception:
+        return False
 
 
 def _graph_ops(fn: Any, budget: int = 64) -> set:
