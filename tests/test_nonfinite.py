@@ -2282,3 +2282,24 @@ def test_a_nan_loss_from_one_over_a_zero_distance_names_the_division_not_the_sqr
     f = g.findings[0]
     assert (f.kind, f.step) == ("nonfinite-loss", 0) and f.details["ops"] == ["division"], f
     assert "add an eps to the denominator" in f.hint and "E[x^2]" not in f.hint
+
+
+def test_a_kl_div_target_of_log_softmax_written_as_log_of_softmax_is_named():
+    """Distillation with the teacher's log-probabilities as torch.log(F.softmax(t * 100)) under no_grad: -inf where
+    the sharp softmax underflows, and kl_div(log_target=True) gives NaN there. The target is named, with
+    F.log_softmax as the fix (the division in batchmean was named before)."""
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(8, 5), nn.Linear(8, 5)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with guard(student, opt, live=False) as g:
+        for _ in range(2):
+            x = torch.randn(16, 8) * 3
+            with torch.no_grad():
+                t = torch.log(F.softmax(teacher(x) * 100, -1))
+            loss = F.kl_div(F.log_softmax(student(x), -1), t, reduction="batchmean", log_target=True)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = g.findings[0]
+    assert (f.kind, f.step) == ("nonfinite-loss", 0) and f.details["target_of"] == "kl_div"
+    assert "F.log_softmax(t, -1)" in f.hint

@@ -102,7 +102,7 @@ def _tensors(obj: Any, prefix: str) -> List[Tuple[str, torch.Tensor]]:
 
 #: losses whose target is looked at when the loss is NaN/Inf from finite outputs
 _TARGETED = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-             "binary_cross_entropy_with_logits")
+             "binary_cross_entropy_with_logits", "kl_div")
 
 
 class NonFinite(Check):
@@ -846,16 +846,22 @@ class NonFinite(Check):
         for fn, t in targets:
             if not screenable(t) or bool(torch.isfinite(t.detach()).all()):
                 continue
+            hint = ("The targets are dirty, not the loss: a normalisation that divided by a zero standard deviation "
+                    "(a constant column in (y - mean) / std: clamp it, std.clamp_min(1e-6)), the log of a 0 in a "
+                    "target encoding (a box regression's log(gw / aw) of a box clipped to zero width: drop "
+                    "degenerate boxes) or NaN in the labels. "
+                    "Clean or clamp them where they are made, and check torch.isfinite(y).all() once on the "
+                    "dataset.")
+            if fn == "kl_div":
+                # a teacher's log-probabilities taken as torch.log(F.softmax(t / T)): -inf where the softmax underflows,
+                # and kl_div(log_target=True) computes exp(-inf) * (-inf - x) = NaN there
+                hint = ("The target's log-probabilities hold -inf or NaN: torch.log(F.softmax(t, -1)) is -inf wherever the "
+                        "softmax underflows to 0 (a sharp teacher, a low temperature); compute them with "
+                        "F.log_softmax(t, -1), which stays finite, or pass probabilities with log_target=False.")
             self.emit("nonfinite-loss", "loss",
                       f"the loss passed to backward() is NaN/Inf although the model's outputs were finite: the target "
                       f"given to {fn} holds NaN/Inf ({_counted(nonfinite_counts(t))})",
-                      "The targets are dirty, not the loss: a normalisation that divided by a zero standard deviation "
-                      "(a constant column in (y - mean) / std: clamp it, std.clamp_min(1e-6)), the log of a 0 in a "
-                      "target encoding (a box regression's log(gw / aw) of a box clipped to zero width: drop "
-                      "degenerate boxes) or NaN in the labels. "
-                      "Clean or clamp them where they are made, and check torch.isfinite(y).all() once on the "
-                      "dataset.",
-                      step=step, source=source, details={"target_of": fn, "counts": nonfinite_counts(t)})
+                      hint, step=step, source=source, details={"target_of": fn, "counts": nonfinite_counts(t)})
             return True
         return False
 
