@@ -1083,8 +1083,10 @@ class NonFinite(Check):
                        not p.requires_grad for n, p in module.named_parameters() if n in bad_params) else ""))
             hint = ("Repair the weights where they are made: pretrained vectors with unfilled rows (words missing "
                     "from the embedding file) need those rows filled (w[torch.isnan(w).any(1)] = 0, or small random "
-                    "vectors) before Embedding.from_pretrained; a checkpoint holding NaN needs an earlier one. "
-                    "The learning rate is not the cause.")
+                    "vectors) before Embedding.from_pretrained; a checkpoint holding NaN needs an earlier one; "
+                    "weights the code writes itself, outside any optimizer (load_state_dict of an average or a "
+                    "server update that divides by 0: FedNova's local steps, a weight of 0 clients), need that "
+                    "division guarded. The learning rate is not the cause.")
         if masked and not bad_params:
             # a forward that writes no mask: an underflow to 0 before a log (probabilities multiplied in linear space)
             no_mask = module is not None and not _masks_in(type(module))
