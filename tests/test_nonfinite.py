@@ -2022,6 +2022,8 @@ def test_frozen_pretrained_vectors_with_nan_rows_are_named_at_the_embedding_with
     f = only(g, "nonfinite-output")
     assert (f.where, f.step) == ("emb", 0) and f.details["before_any_update"] is True
     assert "before any optimizer update" in f.message and "from_pretrained" in f.hint and "learning rate is not" in f.hint
+    # weights the code writes outside any optimizer are named too (a federated server's average dividing by 0)
+    assert "outside any optimizer" in f.hint and "divides by 0" in f.hint
 
 
 def test_a_nan_loss_through_a_parameter_holding_minus_inf_names_the_parameter():
