@@ -3142,3 +3142,24 @@ def test_deepdream_through_a_hooked_inner_layer_of_a_frozen_net_is_no_evaluation
                 img += 0.01 * img.grad / (img.grad.abs().mean() + 1e-8)
             img.grad = None
     assert g.findings == [] and g.internal_errors == []
+
+
+def test_an_optimised_input_cut_off_by_an_augmentation_under_no_grad_is_told_as_such():
+    """Model inversion: Adam optimises an image; a jitter applied under torch.no_grad() cuts it off, so the loss
+    reaches only the (not frozen) classifier's parameters. It was told as parameters left out of the optimizer, with
+    "hand them to the optimizer", which would fine-tune the classifier the image is inverted against."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x = torch.randn(1, 3, 8, 8, requires_grad=True)
+    opt = torch.optim.Adam([x], lr=0.05)
+    with guard(live=False) as g:
+        for _ in range(3):
+            with torch.no_grad():
+                xj = torch.roll(x, 1, -1)  # the jitter, under no_grad
+            loss = -net(xj)[0, 2]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in g.findings if f.kind == "loss-disconnected")
+    assert "optimises tensors that belong to no model" in f.message and "left out when" not in f.message
+    assert "no torch.no_grad() around what is computed from it" in f.hint and "Hand them" not in f.hint

@@ -214,6 +214,12 @@ class LossDisconnected(Check):
                                              or not any(p.requires_grad for p in held)))
         return self._inputs[1]
 
+    def _optimises_inputs(self, optimizer) -> bool:
+        """Whether every tensor `optimizer` holds belongs to no watched model (an input or image being optimised)."""
+        own = {id(p) for _, p in self.g.named_parameters()}
+        held = [p for grp in optimizer.param_groups for p in grp["params"]]
+        return bool(own) and bool(held) and not any(id(p) in own for p in held)
+
     def _named(self, leaf: torch.Tensor) -> str:
         """``name `` of a parameter of the watched models (a positional fallback names nothing)."""
         if not isinstance(leaf, nn.Parameter):
@@ -372,6 +378,17 @@ class LossDisconnected(Check):
                     f"optimizer = torch.optim.{opt}(model.parameters(), ...). A copy kept aside (a best checkpoint, an "
                     f"EMA model) takes the trained weights by copy (ema.load_state_dict(model.state_dict())); it does "
                     f"not get the optimizer.")
+        elif all(d.startswith("a parameter") for d in descr) and self._optimises_inputs(optimizer):
+            # the optimizer holds tensors of no model (an image, synthetic data, a latent): the network the loss
+            # reaches is what they are optimised against, and the optimised tensors were cut off on the way
+            message = message.replace(" (left out when the optimizer was built)", "")
+            message += (f" ({opt} optimises tensors that belong to no model, an input, an image or synthetic data, "
+                        f"and the loss no longer reaches them: something between them and the loss cut them off)")
+            hint = ("Keep the optimised tensor in the graph up to the loss: no torch.no_grad() around what is computed "
+                    "from it (an augmentation or a jitter applied under no_grad and then used), no .detach(), and "
+                    "create_graph=True on an inner torch.autograd.grad whose result the loss uses (dataset "
+                    "distillation's unrolled step). Freeze the network it is optimised against (requires_grad_(False)) "
+                    "rather than handing it to the optimizer.")
         elif all(d.startswith("a parameter") for d in descr):
             hint = ("Hand them to the optimizer: torch.optim.X([*params_to_train], ...) or "
                     "optimizer.add_param_group({'params': [...]}); an optimizer over frozen parameters only trains "
