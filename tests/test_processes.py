@@ -231,7 +231,7 @@ def test_pool_workers_terminated_by_the_with_block_still_write_their_dumps(tmp_p
     for attempt in range(4):
         for p in tmp_path.glob("guard-report*.json"):
             p.unlink()
-        r = _run(["run.py"], tmp_path, TORCH_GUARD="record")
+        r = _run(["run.py"], tmp_path, timeout=400, TORCH_GUARD="record")  # (spawned workers import torch: slow under load)
         assert r.returncode == 0, r.stderr
         dumps = [_load(p) for p in tmp_path.glob("guard-report.pid*.json")]
         assert len(dumps) == 2, (attempt, r.stderr[-2000:])
