@@ -714,6 +714,28 @@ def test_a_log_of_a_sigmoid_that_underflows_gets_the_logsigmoid_fix(form):
     assert f.details["log_of"] == "sigmoid" and "F.logsigmoid(x)" in f.hint and f.step == 0
 
 
+def test_a_focal_loss_taking_the_log_of_a_gathered_softmax_gets_the_log_softmax_fix():
+    """The usual hand-written focal loss, p = F.softmax(logits, 1).gather(1, y[:, None]).squeeze(1), then log(p): on a
+    confidently wrong sample p underflows to 0. The gather and squeeze between the log and the softmax hid the
+    softmax, so the hint was the generic one for a log (a positive parameterisation, an epsilon)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.mul_(100.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with guard(model, opt, live=False) as g:
+        for _ in range(2):
+            logits = model(torch.randn(32, 4) * 10)
+            y = logits.argmin(1)  # the least likely class: p underflows
+            p = F.softmax(logits, dim=1).gather(1, y[:, None]).squeeze(1)
+            loss = (-(1 - p) ** 2 * torch.log(p)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in g.findings if f.kind == "nonfinite-loss")
+    assert f.details["log_of"] == "softmax" and "F.log_softmax(x, dim)" in f.hint and f.step == 0
+
+
 def test_a_mixture_likelihood_in_linear_space_that_underflows_gets_the_logsumexp_fix():
     """A mixture density network's -log(sum(pi * N(y))) with narrow components far from y: every density underflows
     to 0 and the log is -inf. Told as the log of a sum of exponentials, with torch.logsumexp as the fix."""

@@ -1569,6 +1569,8 @@ def _domain_ops(fn: Any, budget: int = 64) -> List[str]:
     return [o for o in _DOMAIN_HINTS if o in found]
 
 
+_SELECTIONS = frozenset(("GatherBackward0", "IndexBackward0", "SelectBackward0", "SqueezeBackward1", "SqueezeBackward0",
+                          "SliceBackward0", "TakeAlongDimBackward0"))
 _STABLE_LOG = {"SigmoidBackward0": ("sigmoid", "F.logsigmoid(x)"), "SoftmaxBackward0": ("softmax", "F.log_softmax(x, dim)")}
 
 
@@ -1584,6 +1586,10 @@ def _log_of(fn: Any, budget: int = 64) -> Optional[Tuple[str, str]]:
         except Exception:
             continue
         if type(node).__name__ == "LogBackward0":
+            # (through a selection of the probabilities first: a focal loss's log(softmax(x).gather(1, y)))
+            for _ in range(3):
+                nxt = [k for n in nxt for k in ([m for m, _ in n.next_functions if m is not None]
+                                                if type(n).__name__ in _SELECTIONS else [n])]
             for n in nxt:
                 hit = _STABLE_LOG.get(type(n).__name__)
                 if hit is not None:
