@@ -2879,3 +2879,27 @@ def test_a_net_drawn_anew_at_each_outer_step_of_dataset_distillation_is_no_polya
             loss.backward()
             opt.step()
     assert g.findings == [] and g.internal_errors == []
+
+
+def test_label_logits_updated_by_hand_without_clearing_their_gradient_are_told_as_such():
+    """PENCIL learns soft labels as a tensor outside the optimizer, `label_logits -= lr * label_logits.grad` under
+    no_grad, and never clears that gradient: each update applies the sum of all earlier ones. It was told as a
+    Polyak target network run with gradient, whose fixes (no_grad, requires_grad_(False)) stop the labels learning;
+    its moves follow its own gradient, so it is told as an update by hand whose gradient piles up."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    label_logits = nn.Parameter(F.one_hot(y, 3).float() * 10)
+    with guard(live=False) as g:
+        for _ in range(120):
+            out = model(x)
+            loss = F.cross_entropy(out, F.softmax(label_logits, 1)) + 0.1 * F.cross_entropy(label_logits, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                label_logits -= 10.0 * label_logits.grad
+    f = next(f for f in g.findings if f.kind == "param-not-in-optimizer")
+    assert f.where == "label_logits" and f.details["updated_by_hand"] is True and "polyak_target" not in f.details
+    assert "label_logits.grad = None" in f.hint

@@ -215,10 +215,11 @@ class LossDisconnected(Check):
         return self._inputs[1]
 
     def _optimises_inputs(self, optimizer) -> bool:
-        """Whether every tensor `optimizer` holds belongs to no watched model (an input or image being optimised)."""
+        """Whether `optimizer` holds a few tensors (at most 3: an image, synthetic data and its learning rate, a latent),
+        none of a watched model: inputs being optimised, not another network's weights (a body guard was not given)."""
         own = {id(p) for _, p in self.g.named_parameters()}
         held = [p for grp in optimizer.param_groups for p in grp["params"]]
-        return bool(own) and bool(held) and not any(id(p) in own for p in held)
+        return bool(own) and 0 < len(held) <= 3 and not any(id(p) in own for p in held)
 
     def _named(self, leaf: torch.Tensor) -> str:
         """``name `` of a parameter of the watched models (a positional fallback names nothing)."""

@@ -265,9 +265,13 @@ class OptimizerParams(Check):
             if g is None or (gstate is not None and g is gstate[0]() and g._version == gstate[1]):
                 continue  # no gradient since: that backward was a one-off
             params.append(p)
-        if piling and not params and not self._reinitialised():
+        if piling and not params:
             names, owner, _ = _outside_names(piling)
-            self._polyak(piling, names, step, self.g.source(), owner)
+            how = self._moved_how()
+            if how is None:
+                self._polyak(piling, names, step, self.g.source(), owner)
+            elif how == "by hand":
+                self._piled_by_hand(piling, names, step, self.g.source(), owner)
         if not params:
             return
         with torch.no_grad():
@@ -430,8 +434,11 @@ class OptimizerParams(Check):
             piling = [n for n in piling if n not in replaced]
             self._told.update(replaced)
             self._missing(replaced, step, source)
-        if piling and not missing and not self._reinitialised() \
-                and self._polyak([named[n] for n in piling], piling, step, source):
+        how = self._moved_how() if piling and not missing else "none"
+        if how == "by hand":
+            self._piled_by_hand([named[n] for n in piling], piling, step, source)
+            self._told.update(piling)
+        if how is None and self._polyak([named[n] for n in piling], piling, step, source):
             self._told.update(piling)
         if missing:
             # Gradients computed as exactly 0 (a head whose loss term is weighted by 0, left out of the optimizer
@@ -577,17 +584,44 @@ class OptimizerParams(Check):
             return None
         return ent[0], ent[1]
 
-    def _reinitialised(self) -> bool:
+    def _moved_how(self) -> Optional[str]:
         """Whether the sampled parameter outside the optimizers moved by half its norm or more since the look: drawn
         anew (`reset_parameters()` each outer step of dataset distillation or of a hyper-parameter search), not
-        averaged toward another network."""
+        averaged toward another network; or moved along its own (piled-up) gradient: updated by hand with it
+        (PENCIL's `label_logits -= lr * label_logits.grad`), no Polyak target either."""
         sample, self._outside_sample = self._outside_sample, None
         p = sample[0]() if sample is not None else None
         if p is None:
-            return False
+            return None
         with torch.no_grad():
             now = p.detach().flatten()[:64].to(sample[1].device, sample[1].dtype)
-            return bool((now - sample[1]).norm() > 0.5 * sample[1].norm())
+            delta = now - sample[1]
+            if bool(delta.norm() > 0.5 * sample[1].norm()):
+                return "drawn anew"
+            g = p.grad
+            if g is None or g.layout is not torch.strided or g.is_meta:
+                return None
+            g = g.detach().flatten()[:64].to(delta.device, delta.dtype)
+            return "by hand" if bool(torch.nn.functional.cosine_similarity(delta, -g, dim=0) > 0.5) else None
+
+    def _piled_by_hand(self, params: List[torch.Tensor], names: List[str], step: int, source, owner=None) -> None:
+        """In no optimizer, moved in place along their own gradient, which piles up: an update by hand (PENCIL's
+        label logits, `p -= lr * p.grad`) that never clears `.grad`, so every update sums all earlier steps'."""
+        self._outside_told.update(id(p) for p in params)
+        named, owned, _ = _outside_names(params)
+        if all(named):
+            names, owner = named, owned or owner
+        shown = module_prefixes(names, names, limit=11)[:10]
+        what = owner or ", ".join(shown[:3])
+        self.emit("param-not-in-optimizer", shown[0],
+                  f"{len(params)} parameter(s) of {what} are in no optimizer and are updated by hand along their own "
+                  f"gradient (`p -= lr * p.grad`), which is never cleared: .grad piles up, so each update applies the "
+                  f"sum of every earlier step's gradients",
+                  f"Clear the gradient after each update by hand ({shown[0]}.grad = None, or .zero_()), or hand the "
+                  f"tensor to an optimizer and call its zero_grad() with the others.",
+                  step=step, source=source,
+                  details={"modules": shown, "parameters": len(params), "names": names[:20], "updated_by_hand": True,
+                           "appeared_mid_run": False})
 
     def _polyak(self, params: List[torch.Tensor], names: List[str], step: int, source, owner=None) -> bool:
         """Parameters in no optimizer, changed in place at every step while gradients pile up on them: a target
