@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 
 from .._frames import frame_locals, short_path
-from ._params import WatchedParams, module_prefixes
+from ._params import WatchedParams, frame_optimizers, module_prefixes
 from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, may_hold_graph, user_frames, walk
 from .base import Check
 
@@ -568,7 +568,7 @@ class LossGraph(Check):
                 if s <= step - OLD:
                     old.add(s)
         self._marks = alive
-        if len(old) >= MIN_STEPS and step - min(old) >= self._min_age:
+        if len(old) >= MIN_STEPS and step - min(old) >= self._min_age and not self._before_first_step():
             if self._collected(step):
                 self._done = True
                 self._report(step, old)
@@ -589,6 +589,15 @@ class LossGraph(Check):
                 self._mark_deep(fn, mark)
         if len(self._marks) > MAX_MARKS:
             self._marks = self._marks[-MAX_MARKS:]
+
+    def _before_first_step(self) -> bool:
+        """Whether steps are still counted by backward() because no optimizer has stepped, while the user's code holds
+        one that will (a global guard knows an optimizer from its first step): an iteration's several backwards (a
+        per-task backward and an inner solver's, CAGrad's) are then all one step, renumbered to it at that step."""
+        primary = self.g.watched.primary
+        if primary is not None and primary() is not None:
+            return False
+        return bool(frame_optimizers())
 
     def _collected(self, step: int) -> bool:
         """Whether old marks outlive a garbage collection. Graphs in reference cycles wait for Python's cyclic
