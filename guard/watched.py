@@ -203,6 +203,12 @@ class Watched:
         refs = self.seen_optimizers if self._narrow is None else self._narrow[0]
         return [o for o in (r() for r in refs) if o is not None]
 
+    @property
+    def stand_in(self) -> bool:
+        """Whether the optimizer steps are counted by is a stand-in over plain tensors only (an inner solve stepping
+        before the model's optimizer's first step, under a global guard: see `watch_optimizer`)."""
+        return self._plain_primary
+
     def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:
         return self.primary is not None and self.primary() is optimizer
 

@@ -3206,3 +3206,46 @@ def test_per_task_backwards_and_an_inner_solver_before_the_first_step_hold_no_gr
                 off += p.numel()
             opt.step()
     assert g.findings == [] and g.internal_errors == []
+
+
+def test_cagrad_with_a_fresh_sgd_inner_solver_each_iteration_is_silent():
+    """CAGrad as the MTRL code writes it, under a global guard: per-task backward()s into .grad, then task weights
+    solved by a fresh `SGD([w])` stepped 20 times (its own zero_grad(), backward and step, over plain tensors), then
+    the merged gradient written back and the model's optimizer steps. The solver stood in for the counted optimizer
+    at first, so the task losses' list was "holding graphs of 3 steps" (an ERROR), and its backward was blamed for
+    the per-task gradients already in the model's parameters (a missing-zero-grad leak). Both silent."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    y1, y2 = (x[:, 0] > 0).long(), x[:, 1:2]
+    trunk = nn.Sequential(nn.Linear(8, 32), nn.ReLU())
+    heads = nn.ModuleList([nn.Linear(32, 2), nn.Linear(32, 1), nn.Linear(32, 2)])
+    opt = torch.optim.Adam([*trunk.parameters(), *heads.parameters()], lr=1e-3)
+    sp = list(trunk.parameters())
+    with guard(live=False, mode="raise") as g:
+        for _ in range(6):
+            idx = torch.randint(0, 256, (32,))
+            h = trunk(x[idx])
+            losses = [F.cross_entropy(heads[0](h), y1[idx]), F.mse_loss(heads[1](h), y2[idx]),
+                      F.cross_entropy(heads[2](h), y1[idx])]
+            opt.zero_grad()
+            rows = []
+            for t, loss in enumerate(losses):
+                for p in sp:
+                    p.grad = None
+                loss.backward(retain_graph=t < 2)
+                rows.append(torch.cat([p.grad.reshape(-1) for p in sp]))
+            grads = torch.stack(rows)
+            gram = grads @ grads.t()
+            w = torch.zeros(3, requires_grad=True)
+            w_opt = torch.optim.SGD([w], lr=1.0)
+            for _ in range(20):
+                w_opt.zero_grad()
+                a = torch.softmax(w, 0)
+                (a @ gram @ a).backward()
+                w_opt.step()
+            merged, off = torch.softmax(w.detach(), 0) @ grads, 0
+            for p in sp:
+                p.grad = merged[off:off + p.numel()].view_as(p).clone()
+                off += p.numel()
+            opt.step()
+    assert g.findings == [] and g.internal_errors == []

@@ -595,7 +595,7 @@ class LossGraph(Check):
         one that will (a global guard knows an optimizer from its first step): an iteration's several backwards (a
         per-task backward and an inner solver's, CAGrad's) are then all one step, renumbered to it at that step."""
         primary = self.g.watched.primary
-        if primary is not None and primary() is not None:
+        if primary is not None and primary() is not None and not self.g.watched.stand_in:
             return False
         return bool(frame_optimizers())
 

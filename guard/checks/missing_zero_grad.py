@@ -176,6 +176,9 @@ class MissingZeroGrad(Check):
         self._pre: Optional[list] = []
         self._first_steps: Optional[tuple] = None
         self._first_zeroer: Optional[int] = None  # id of the first optimizer seen zeroing
+        # (id of an optimizer that zeroed, id of another zeroed before it) -> (ref, version) of the other's first
+        # parameter's gradient at that zero_grad()
+        self._at_zero: Dict[Tuple[int, int], tuple] = {}
         self._many = False  # a second one zeroed since: leaks between them are looked for
 
     # ------------------------------------------------------------------ input gradients taken with backward()
@@ -620,6 +623,15 @@ class MissingZeroGrad(Check):
             return
         self._many = True
         self._leaked.pop(id(optimizer), None)
+        # the other zeroed optimizers' first gradients as this one zeroes: a backward of this one's own loss that
+        # leaves them as they are (an inner solve for task weights after the per-task backwards) leaked nothing
+        for key, (_, ref) in self._zeroed_opts.items():
+            other = ref()
+            first = _first_param(other) if other is not None and key != id(optimizer) else None
+            if first is not None and len(self._at_zero) < 64:
+                g = first.grad
+                self._at_zero[(id(optimizer), key)] = (weakref.ref(g) if g is not None else None,
+                                                       g._version if g is not None else -1)
         if to_none:  # (zeros left by set_to_none=False cannot tell a later backward's writes without a read)
             self._zeroed_opts[id(optimizer)] = (self._backwards, weakref.ref(optimizer))
         else:
@@ -636,6 +648,10 @@ class MissingZeroGrad(Check):
             if other is optimizer or self._backwards <= n or key in self._leaked:
                 continue
             first = _first_param(other)
+            snap = self._at_zero.pop((id(optimizer), key), None)
+            if first is not None and first.grad is not None and snap is not None and snap[0] is not None \
+                    and snap[0]() is first.grad and snap[1] == first.grad._version:
+                continue  # untouched since this optimizer zeroed: its backward did not reach them
             if first is not None and first.grad is not None and not any(
                     q is first for grp in optimizer.param_groups for q in grp["params"]):
                 self._leaked[key] = (self._backwards, self._label(optimizer), self.g.root_source)
