@@ -394,3 +394,32 @@ def test_a_distance_between_two_copies_of_one_selection_is_a_tensor_compared_wit
             opt.step()
     [f] = g.findings
     assert f.kind == "loss-constant" and f.step == 0 and "the same selection of one tensor twice" in f.message
+
+
+@pytest.mark.parametrize("cloned", [False, True])
+def test_an_ewc_anchor_taken_after_a_first_task_of_100_steps_is_told_within_the_second_task(cloned):
+    """EWC's anchor is taken after the first task: with tasks of 100 steps the aliased penalty first exists at step
+    100, past the steps 0-64 the graph was looked at until stop 43 (silent). Powers of two are looked at all run
+    long: step 128 is in the second task."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+    fisher = anchor = None
+    with guard(model, live=False) as g:
+        for _ in range(2):
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for _ in range(100):
+                x, y = torch.randn(32, 10), torch.randint(3, (32,))
+                loss = F.cross_entropy(model(x), y)
+                if fisher is not None:
+                    loss = loss + 100 * sum((fisher[n] * (p - anchor[n]) ** 2).sum() for n, p in model.named_parameters())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            fisher = {n: torch.rand_like(p) for n, p in model.named_parameters()}
+            anchor = {n: (p.detach().clone() if cloned else p) for n, p in model.named_parameters()}
+    told = [f for f in g.findings if f.kind == "loss-constant"]
+    if cloned:
+        assert told == [], g.findings
+    else:
+        [f] = told
+        assert f.details["anchor"] is True and f.step == 128, f

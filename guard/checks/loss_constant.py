@@ -91,10 +91,12 @@ class LossConstant(Check):
 
     def on_backward(self, tensors, kwargs):
         step = self.g.step
-        if self._done or step > 64:
-            self.mute("backward")  # looked at on steps 0, 1, 2, 4, ..., 64 only: no handler call after them
+        if self._done:
+            self.mute("backward")  # told: no handler call after it
             return
         if step > 1 and step & (step - 1):
+            # looked at on steps 0, 1, 2, 4, 8, ... all run long: an EWC anchor is taken after the first task, and a
+            # power of two falls within the second task whatever its length
             return
         for t in ([tensors] if isinstance(tensors, torch.Tensor) else tensors or ()):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
