@@ -2327,3 +2327,46 @@ def test_a_kl_div_target_of_log_softmax_written_as_log_of_softmax_is_named():
     f = g.findings[0]
     assert (f.kind, f.step) == ("nonfinite-loss", 0) and f.details["target_of"] == "kl_div"
     assert "F.log_softmax(t, -1)" in f.hint
+
+
+def _task_masked_run(mask_task, smoothing=0.0):
+    """Task-incremental training: 3 tasks of 2 classes, logits outside the task masked with -inf before
+    cross_entropy; `mask_task(t)` is the task whose classes the mask keeps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 6))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(model, opt, live=False) as g:
+        for t in range(3):
+            for _ in range(4):
+                y = torch.randint(2 * t, 2 * t + 2, (16,))
+                x = torch.randn(16, 10)
+                m = torch.full((16, 6), float("-inf"))
+                m[:, 2 * mask_task(t):2 * mask_task(t) + 2] = 0
+                loss = F.cross_entropy(model(x) + m, y, label_smoothing=smoothing)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    return g
+
+
+def test_an_inf_cross_entropy_from_a_mask_hiding_the_target_class_names_the_mask_not_log_of_zero():
+    """A task mask built for the previous task (off by one): every row's target logit is -inf and cross_entropy is
+    +inf from task 1 on. The message names the masked target; the generic 'clamp log(0)' hint was given before."""
+    g = _task_masked_run(lambda t: max(t - 1, 0))
+    f = g.findings[0]
+    assert (f.kind, f.where, f.step) == ("nonfinite-loss", "loss", 4), f
+    assert f.details["masked_target"] and not f.details["label_smoothing"], f.details
+    assert "target class" in f.message and "mask and the targets agree" in f.hint
+    assert len([x for x in g.findings if x.severity != "info"]) == 1, g.findings
+
+
+def test_an_inf_cross_entropy_from_label_smoothing_over_masked_classes_gets_the_finite_mask_fix():
+    g = _task_masked_run(lambda t: t, smoothing=0.1)
+    f = g.findings[0]
+    assert (f.kind, f.step) == ("nonfinite-loss", 0) and f.details["label_smoothing"] is True, f
+    assert "label_smoothing" in f.message and "torch.finfo(logits.dtype).min" in f.hint
+
+
+def test_a_task_mask_that_keeps_the_target_classes_is_silent():
+    g = _task_masked_run(lambda t: t)
+    assert [f for f in g.findings if f.severity != "info"] == []

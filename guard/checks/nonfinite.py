@@ -606,7 +606,7 @@ class NonFinite(Check):
 
     def _on_resolved(self):
         bad, masks = self._bad, self._masks
-        window = (self._calls, self._losses, self._grads, self._refs, self._targets, self._loss_fns)
+        window = (self._calls, self._losses, self._grads, self._refs, self._targets, self._loss_fns, self._sums)
         self._window_updates = (self._calls, self._updates)
         self._new_window()
         if not bad:
@@ -800,6 +800,25 @@ class NonFinite(Check):
                                   f"use the built-in loss that takes logits: F.binary_cross_entropy_with_logits, "
                                   f"F.cross_entropy; for a mixture, torch.distributions.MixtureSameFamily's log_prob).",
                                   step=step, source=source, details={"log_of": inner, "stable": stable})
+                    elif (smoothing := _cross_entropy_of(window[5].get(flag))) is not None and \
+                            _plus_inf(window[6], flag):
+                        # +inf from cross_entropy of finite outputs: log_softmax is -inf only at a logit of -inf, set
+                        # between the model and the loss (a mask); NaN (an empty mean) has the generic hint
+                        self.emit("nonfinite-loss", "loss",
+                                  "the loss passed to backward() is +inf although the model's outputs were finite: "
+                                  "cross_entropy was given a logit of -inf "
+                                  + ("(a mask) and label_smoothing, which gives every class a share of the target, "
+                                     "the masked ones too" if smoothing else
+                                     "(a mask) at a row's target class: the mask hides the class the row is labelled "
+                                     "with, and -log(0) is inf"),
+                                  ("Mask with a large finite value (torch.finfo(logits.dtype).min or -1e4) instead of "
+                                   "-inf, or drop label_smoothing for masked logits: smoothing spreads the target over "
+                                   "every class, masked ones included." if smoothing else
+                                   "Check that the mask and the targets agree: a task-incremental mask built for another "
+                                   "task (an off-by-one task id), targets not remapped to the classes the mask keeps, "
+                                   "or padding positions masked whole but not given ignore_index (-100)."),
+                                  step=step, source=source,
+                                  details={"masked_target": True, "label_smoothing": smoothing})
                     elif (held := self._inf_params()):
                         # parameters holding +-inf by design since before any update (forbidden CRF transitions):
                         # a path through one gives -inf, and -inf - (-inf) or 0 * -inf is NaN
@@ -1604,6 +1623,32 @@ def _log_of(fn: Any, budget: int = 64) -> Optional[Tuple[str, str]]:
                             "torch.logsumexp(log_weights + log_densities, dim)")
         stack.extend(nxt)
     return None
+
+
+def _cross_entropy_of(fn: Any, budget: int = 32) -> Optional[bool]:
+    """Whether the loss graph behind `fn` (a few dozen nodes) holds cross_entropy (nll_loss of a log_softmax): None if
+    not, else whether with label smoothing (a second use of the same log_softmax, its smoothing sum)."""
+    uses: Dict[int, int] = {}
+    found = None
+    for node in walk([fn], Budget(budget)):
+        try:
+            nxt = [n for n, _ in node.next_functions if n is not None]
+        except Exception:
+            continue
+        for n in nxt:
+            if type(n).__name__ == "LogSoftmaxBackward0":
+                uses[id(n)] = uses.get(id(n), 0) + 1
+                if type(node).__name__ == "NllLossBackward0":
+                    found = id(n)
+    return None if found is None else uses.get(found, 0) > 1
+
+
+def _plus_inf(sums: List[torch.Tensor], flag: int) -> bool:
+    """Whether the kept sum of the loss at `flag` is +inf (not NaN): read on the error path only."""
+    try:
+        return float(sums[flag]) == math.inf
+    except Exception:
+        return False
 
 
 def _masked_below(fn: Any, budget: int = 64) -> bool:
