@@ -3214,3 +3214,46 @@ def test_cagrad_per_task_backwards_and_an_inner_solver_are_silent(solver):
                 off += p.numel()
             opt.step()
     assert g.findings == [] and g.internal_errors == []
+
+
+def _second_view_run(use, steps=40):
+    """Each step: a labelled forward that trains, then a second forward of the same model at another line, kept in
+    a variable (not detached); `use(step, out)` returns the loss term it makes, or None (not used this step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(model, opt, live=False) as g:
+        for step in range(steps):
+            x, y, u = torch.randn(16, 8), torch.randint(3, (16,)), torch.randn(16, 8)
+            loss = F.cross_entropy(model(x), y)
+            out_u = model(u)
+            extra = use(step, out_u)
+            if extra is not None:
+                loss = loss + extra
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g
+
+
+@pytest.mark.parametrize("case", ["warm-up", "threshold"])
+def test_a_second_forward_used_only_once_a_condition_holds_is_no_evaluation(case):
+    """FixMatch's strong view before any pseudo-label passes the threshold, an unsupervised term added after a
+    supervised warm-up: the line's forwards are dropped for the first steps, then back-propagated. They were told as
+    graphs built for nothing after 3 steps, with a no_grad fix that would switch the term off for good (stop 43)."""
+    if case == "warm-up":
+        use = lambda step, out: out.softmax(1).var() if step >= 20 else None  # noqa: E731
+    else:
+        use = lambda step, out: out.pow(2).mean() if step >= 20 and step % 4 else None  # noqa: E731
+    g = _second_view_run(use)
+    assert g.findings == [], g.findings
+
+
+def test_a_second_forward_never_back_propagated_is_told_at_the_end_as_dropped_from_its_first_step():
+    """The same line never used all run (a Pi-model's second pass `.detach()`ed into the target, written as a held
+    variable): told when the run ends, as graphs dropped at once from step 0, not as a model that never trains."""
+    g = _second_view_run(lambda step, out: None)
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("eval-without-no-grad", "Sequential", 0), f
+    assert f.details["dropped_at_once"] and "parameters_without_gradient" not in f.details, f.details
+    assert "out_u = model(u)" in open(f.source.rsplit(":", 1)[0]).read().splitlines()[int(f.source.rsplit(":", 1)[1]) - 1]

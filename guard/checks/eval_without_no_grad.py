@@ -66,7 +66,7 @@ class _Tag:
 
 class _Fwd:
     __slots__ = ("step", "source", "path", "used", "tags", "outs", "age", "module", "eval_mode", "short", "site",
-                 "backwards", "trusted")
+                 "backwards", "trusted", "held")
 
     def __init__(self, step: int, source: Optional[str], path: str, module: Any = None, site: Any = None):
         self.step, self.source, self.path, self.site = step, source, path, site
@@ -79,6 +79,7 @@ class _Fwd:
         self.age = 0
         self.backwards = 0  # backward() calls seen before this forward
         self.trusted = False  # its call site was sampled (its forwards back-propagated TRUST times in a row)
+        self.held = False  # its graph outlived the step it was made in (kept in a variable, not dropped at once)
 
     def __call__(self, grad_outputs):
         self.used = True  # a node pre-hook: this forward's output is being back-propagated
@@ -121,6 +122,9 @@ class EvalWithoutNoGrad(Check):
         # the backward() count before the last dropped one]: a site that trains and skips in many places
         self._skips: Dict[Any, List[Any]] = {}
         self._restricted: list = []  # graph roots of this step's backwards restricted to some inputs (_keep_roots)
+        # call site never back-propagated -> its unused forwards held past their step, by a model that trains through
+        # another line: judged at the end of the run (`_wait`)
+        self._later: Dict[Any, List[_Fwd]] = {}
 
     def on_forward_pre(self, module, path, args, kwargs, is_root):
         if is_root:
@@ -228,6 +232,8 @@ class EvalWithoutNoGrad(Check):
         conditional = self._conditional() if not all(rec.used for rec in self._pending) else None
         for rec in self._pending:
             if rec.used:
+                if self._later:
+                    self._later.pop(rec.site, None)
                 streak[rec.site] = streak.get(rec.site, 0) + 1
                 ent = self._skips.get(rec.site)
                 if ent is None:
@@ -239,8 +245,10 @@ class EvalWithoutNoGrad(Check):
                 continue
             rec.age += 1
             if rec.alive() and rec.age <= GRACE:
+                if rec.age == 1:
+                    rec.held = True
                 keep.append(rec)
-            elif conditional(rec) or self._skipped_batch(rec):
+            elif conditional(rec) or self._skipped_batch(rec) or self._wait(rec):
                 continue
             else:
                 streak[rec.site] = 0
@@ -252,6 +260,29 @@ class EvalWithoutNoGrad(Check):
             streak.clear()
         if unused:
             self._report(unused)
+
+    def _wait(self, rec: _Fwd) -> bool:
+        """Whether `rec` is held back until the run ends: a training-mode forward kept in a variable past its step
+        (not detached at once) at a line never back-propagated yet, by a model that trains through another line.
+        Its output may be used on a condition that has not held yet: FixMatch's strong view before any pseudo-label
+        passes the confidence threshold, an unsupervised term added to the loss after a warm-up, whose variable the
+        next step's forward replaces. Once the line is
+        back-propagated it is such a use; at the end of a run where it never was, it is told."""
+        if not rec.held or rec.eval_mode or rec.alive():
+            return False  # (still alive steps later: graphs piling up in an accumulator, told as such)
+        ent = self._skips.get(rec.site)
+        m = rec.module() if rec.module is not None else None
+        if (ent and ent[0]) or m is None or id(m) not in self._on_path.data:
+            return False
+        later = self._later.get(rec.site)
+        if later is None:
+            if len(self._later) >= 64:
+                return False
+            later = self._later[rec.site] = []
+        if len(later) < 2 * MIN_DROPPED:
+            later.append(rec)
+        self._unreached(rec)  # the probe goes on at the first of them (whether the model trains meanwhile)
+        return True
 
     def _skipped_batch(self, rec: _Fwd) -> bool:
         """A training line's forward whose batch the loss then skipped with a constant (a miner that found no
@@ -335,7 +366,10 @@ class EvalWithoutNoGrad(Check):
         if roots and not all(rec.used for rec in self._pending):
             self._reached(roots)
         conditional = self._conditional()
-        unused = [r for r in self._pending if not r.used and not conditional(r)]
+        # (held back ones first: the last step's forwards of the same line, still held by its variable, would
+        # make them look like an evaluation that keeps its graphs)
+        unused = [r for recs in self._later.values() for r in recs if not r.used] or [
+            r for r in self._pending if not r.used and not conditional(r)]
         if self._deferred is not None:
             unused = [self._deferred]  # dropped forwards waiting for a backward that never reached their weights
         if unused:
