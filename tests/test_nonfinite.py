@@ -2370,3 +2370,31 @@ def test_an_inf_cross_entropy_from_label_smoothing_over_masked_classes_gets_the_
 def test_a_task_mask_that_keeps_the_target_classes_is_silent():
     g = _task_masked_run(lambda t: t)
     assert [f for f in g.findings if f.severity != "info"] == []
+
+
+@pytest.mark.parametrize("all_unlabelled", [True, False])
+def test_nan_from_a_cross_entropy_module_over_a_batch_of_ignored_targets_names_the_empty_mean(all_unlabelled):
+    """Unlabelled samples marked -1 for `nn.CrossEntropyLoss(ignore_index=-1)`: a batch of unlabelled samples only
+    makes its mean 0 / 0. Told at the loss module with the skip fix; the hint said to lower the learning rate until
+    stop 43."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    crit = nn.CrossEntropyLoss(ignore_index=-1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(live=False) as g:
+        for step in range(3):
+            x, y = torch.randn(16, 8), torch.randint(3, (16,))
+            if all_unlabelled and step == 1:
+                y[:] = -1
+            else:
+                y[8:] = -1
+            loss = crit(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if not all_unlabelled:
+        assert g.findings == [], g.findings
+        return
+    f = only(g, "nonfinite-output")
+    assert (f.where, f.step, f.details["module"], f.details["all_ignored"]) == ("CrossEntropyLoss", 1, "CrossEntropyLoss", -1), f
+    assert "ignore_index (-1)" in f.message and "(y != -1).any()" in f.hint and "lower the learning rate" not in f.hint

@@ -1052,6 +1052,18 @@ class NonFinite(Check):
                     "target second, as probabilities), or keep both as log-probabilities with "
                     "nn.KLDivLoss(log_target=True); in TRADES the adversarial logits are the input, the clean ones "
                     "the target.")
+        if call.type in ("CrossEntropyLoss", "NLLLoss") and not bad_params and not mask_in and not taken \
+                and module is not None and getattr(module, "reduction", None) == "mean":
+            # finite logits give a finite cross-entropy per row: NaN from the module itself is its mean's 0 / 0
+            ii = getattr(module, "ignore_index", -100)
+            why += (f"; with reduction='mean' it divides by the weight of the targets that count, and a batch whose "
+                    f"every target is ignore_index ({ii}), or whose classes all have weight 0, makes that 0 / 0")
+            hint = (f"A batch with no target that counts (all {ii}: unlabelled samples only) has no mean: skip its "
+                    f"term (`if (y != {ii}).any():`), or use reduction='sum' divided by "
+                    f"(y != {ii}).sum().clamp_min(1); the learning rate is not the cause.")
+            details_extra = {"all_ignored": ii}
+        else:
+            details_extra = None
         if bad_params and call.step == 0 and all(n.rsplit(".", 1)[-1].startswith("original") for n in bad_params) \
                 and (call.type == "ParametrizationList" or all(".parametrizations." in n for n in bad_params)):
             # made when the parametrization was registered: its right_inverse maps the weight to the stored one
@@ -1204,7 +1216,8 @@ class NonFinite(Check):
                            **({"huge_weights": {n: v for n, v, _ in huge[:20]}} if huge else {}),
                            **({"nonfinite_buffers": inf_buffers[:20]} if inf_buffers else {}),
                            **({"zero_arguments": call.zeros} if call.zeros and not bad_params else {}),
-                           **({"before_any_update": True} if bad_params and born_bad else {})})
+                           **({"before_any_update": True} if bad_params and born_bad else {}),
+                           **(details_extra or {})})
         return True
 
     def _report_inner_loss(self, call: _Call, counts: Dict[str, Any]) -> None:
