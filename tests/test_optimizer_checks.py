@@ -2903,3 +2903,28 @@ def test_label_logits_updated_by_hand_without_clearing_their_gradient_are_told_a
     f = next(f for f in g.findings if f.kind == "param-not-in-optimizer")
     assert f.where == "label_logits" and f.details["updated_by_hand"] is True and "polyak_target" not in f.details
     assert "label_logits.grad = None" in f.hint
+
+
+def test_a_mean_teacher_run_with_gradient_is_told_as_an_ema_target_not_an_update_by_hand():
+    """A mean teacher (deepcopy of the student, EMA-updated) run with gradient, its consistency target not detached:
+    the loss pulls it toward the student, so its EMA moves follow its piled-up gradient too. It was told as updated
+    by hand along its own gradient, with a clear-the-gradient fix; it moves toward the student's parameters, so it
+    is an EMA target computed with gradient, fixed with no_grad or requires_grad_(False) (stop 43)."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    teacher = copy.deepcopy(student)
+    opt = torch.optim.SGD(student.parameters(), lr=0.05)
+    with guard(student, opt, live=False) as g:
+        for _ in range(40):
+            x, y, u = torch.randn(16, 8), torch.randint(3, (16,)), torch.randn(32, 8)
+            p_t = teacher(u + 0.1 * torch.randn_like(u)).softmax(1)
+            loss = F.cross_entropy(student(x), y) + F.mse_loss(student(u).softmax(1), p_t)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for tp, sp in zip(teacher.parameters(), student.parameters()):
+                    tp.mul_(0.99).add_(sp, alpha=0.01)
+    f = next(f for f in g.findings if f.kind == "param-not-in-optimizer")
+    assert f.details.get("polyak_target") is True and "updated_by_hand" not in f.details, f
+    assert "mean teacher" in f.message and "requires_grad_(False)" in f.hint

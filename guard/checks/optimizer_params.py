@@ -602,7 +602,18 @@ class OptimizerParams(Check):
             if g is None or g.layout is not torch.strided or g.is_meta:
                 return None
             g = g.detach().flatten()[:64].to(delta.device, delta.dtype)
-            return "by hand" if bool(torch.nn.functional.cosine_similarity(delta, -g, dim=0) > 0.5) else None
+            if not bool(torch.nn.functional.cosine_similarity(delta, -g, dim=0) > 0.5):
+                return None
+            # A mean teacher run with gradient moves toward the student its loss pulls it to, along -grad too: an
+            # average of a trained parameter of the same shape (moved toward it) is Polyak/EMA, not an update by hand
+            for o in self.g.optimizers:
+                for group in o.param_groups:
+                    for q in group["params"]:
+                        if q.shape == p.shape and q is not p and q.device == p.device:
+                            toward = q.detach().flatten()[:64].to(delta.device, delta.dtype) - sample[1]
+                            if bool(torch.nn.functional.cosine_similarity(delta, toward, dim=0) > 0.8):
+                                return None
+            return "by hand"
 
     def _piled_by_hand(self, params: List[torch.Tensor], names: List[str], step: int, source, owner=None) -> None:
         """In no optimizer, moved in place along their own gradient, which piles up: an update by hand (PENCIL's
@@ -643,7 +654,7 @@ class OptimizerParams(Check):
         self.emit("param-not-in-optimizer", shown[0],
                   f"{len(params)} parameter(s) of {what} get gradients from the loss at every step, are in no optimizer, "
                   f"and change in place between steps while those gradients pile up in .grad (nothing uses or clears "
-                  f"them): a target network updated by Polyak/EMA averaging, run with gradient for the TD target: "
+                  f"them): a target network updated by Polyak/EMA averaging, run with gradient for the targets it gives (a TD target, a mean teacher's): "
                   f"the target is not a constant, and back-propagation goes through it for nothing",
                   TARGET_FIX, step=step, source=source,
                   details={"modules": shown, "parameters": len(params), "names": names[:20], "polyak_target": True,
