@@ -200,3 +200,33 @@ def test_a_parameter_free_norm_module_before_the_first_conv_normalizes_the_input
             loss.backward()
             opt.step()
     assert g.findings == []
+
+
+class _TwoLevels(nn.Module):
+    """LapSRN-style deep supervision: the 2x and the 4x image, returned together."""
+
+    def __init__(self):
+        super().__init__()
+        self.up1 = nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), nn.PixelShuffle(2))
+        self.up2 = nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), nn.PixelShuffle(2))
+
+    def forward(self, x):
+        x2 = self.up1(x)
+        return x2, self.up2(x2)
+
+
+def test_an_image_to_image_model_returning_several_levels_is_not_reported():
+    """Deep supervision (LapSRN's x2 and x4) or CBDNet's (noise map, image): one output of the tuple is an image of
+    the input's channels, so the model maps [0, 1] to [0, 1]. Told with the ImageNet Normalize fix until stop 43."""
+    torch.manual_seed(0)
+    model = _TwoLevels()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            x = torch.rand(4, 3, 8, 8)
+            x2, x4 = model(x)
+            loss = F.l1_loss(x2, F.interpolate(x, scale_factor=2)) + F.l1_loss(x4, F.interpolate(x, scale_factor=4))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert g.findings == [], g.findings

@@ -62,6 +62,12 @@ def _first_layer(model: nn.Module) -> str:
     return "other"
 
 
+def _same_image(t: Any, x: torch.Tensor) -> bool:
+    """Whether `t` is an image batch of `x`'s channels, at its size or larger."""
+    return (isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] == x.shape[1]
+            and t.shape[2] >= x.shape[2] and t.shape[3] >= x.shape[3])
+
+
 class InputStats(Check):
     name = "input-stats"
     costly = True  # sampled under a budget
@@ -91,9 +97,11 @@ class InputStats(Check):
         x = args[0] if args else next(iter(kwargs.values()), None) if kwargs else None
         if not _image(x):
             return
-        if (isinstance(output, torch.Tensor) and output.dim() == 4 and output.shape[1] == x.shape[1]
-                and output.shape[2] >= x.shape[2] and output.shape[3] >= x.shape[3]):
-            return  # image to image (super-resolution, denoising): its output lives in the input's range
+        if any(_same_image(t, x) for t in ([output] if isinstance(output, torch.Tensor) else
+                                            output if isinstance(output, (tuple, list)) else ())):
+            # image to image (super-resolution, denoising): its output lives in the input's range; one of several
+            # outputs too (LapSRN's x2 and x4 levels, CBDNet's noise map and image)
+            return
         first = self._first.get(module)
         if first is None:
             first = self._first[module] = _first_layer(module)
