@@ -3257,3 +3257,27 @@ def test_a_second_forward_never_back_propagated_is_told_at_the_end_as_dropped_fr
     assert (f.kind, f.where, f.step) == ("eval-without-no-grad", "Sequential", 0), f
     assert f.details["dropped_at_once"] and "parameters_without_gradient" not in f.details, f.details
     assert "out_u = model(u)" in open(f.source.rsplit(":", 1)[0]).read().splitlines()[int(f.source.rsplit(":", 1)[1]) - 1]
+
+
+@pytest.mark.parametrize("skip", [{4, 5, 6, 15, 22, 23, 31}, set(range(4, 14))])
+def test_a_first_run_of_batches_skipped_after_the_forward_waits_for_a_second_run(skip):
+    """A silhouette loss defined on foreground rays only: batches without one are skipped after the forward
+    (`if not fg.any(): continue`), three in a row early on, among batches that train. Told at that first run until
+    stop 43, with a no_grad fix that would stop the line training; a second run among many trained batches shows
+    skips. An evaluation from a training line that recurs (runs of 8 or more, or a second run) is still told."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for it in range(40):
+            out = model(torch.randn(16, 3))
+            if it in skip:
+                continue
+            loss = out.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if len(skip) < 8:
+        assert g.findings == [], g.findings
+    else:  # ten forwards in a row that no backward uses: told
+        assert [(f.kind, f.step) for f in g.findings] == [("eval-without-no-grad", 4)], g.findings

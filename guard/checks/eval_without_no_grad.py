@@ -51,6 +51,7 @@ SAMPLE = 8  # a trusted call site has one forward in this many tagged
 #: a call site skips batches on what their forward showed while its runs of dropped forwards number fewer than this
 #: many per back-propagated forward; one dropped between (nearly) every two backwards is built for nothing each step
 SKIPPING = 0.9
+FIRST_RUN = 8  # forwards dropped in the first run of a back-propagated line, told without waiting for a second run
 
 
 def _NONE() -> None:
@@ -519,9 +520,13 @@ class EvalWithoutNoGrad(Check):
                 ent = skips[site] = [0, 0, None]
             if ent[2] != b:
                 ent[1], ent[2] = ent[1] + 1, b
+        # A first run of a few dropped at once, from a training line, waits for a second run to tell skips from a pass
+        # that recurs (three batches in a row with no foreground ray, skipped after the forward, among batches that
+        # train); graphs kept (an evaluation's losses gathered in a list) are told at once.
         unused = self._trained([r for r in unused if r.eval_mode or (
             (not r.short or drops.get((r.path, r.source), 0) >= MIN_DROPPED)
-            and not ((ent := skips.get(r.site)) and ent[1] >= 2 and ent[1] < SKIPPING * ent[0]))])
+            and not ((ent := skips.get(r.site)) and ent[1] >= 2 and ent[1] < SKIPPING * ent[0])
+            and not (r.short and ent and ent[0] and ent[1] < 2 and drops.get((r.path, r.source), 0) < FIRST_RUN))])
         if not unused:
             return
         first = unused[0]
