@@ -394,6 +394,7 @@ def test_a_distance_between_two_copies_of_one_selection_is_a_tensor_compared_wit
             opt.step()
     [f] = g.findings
     assert f.kind == "loss-constant" and f.step == 0 and "the same selection of one tensor twice" in f.message
+    assert "indexed alike on both sides" in f.message  # (it quoted `po[mask]` whatever the code said until stop 43)
 
 
 @pytest.mark.parametrize("cloned", [False, True])

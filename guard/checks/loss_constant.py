@@ -243,7 +243,7 @@ class LossConstant(Check):
         self._done = True
         shape = list(x.shape)
         same = ("the same tensor" if t is x else
-                "the same selection of one tensor twice (`po[mask]` and `po[mask]`)" if x.data_ptr() != t.data_ptr() else
+                "the same selection of one tensor twice (indexed alike on both sides, as in `x[mask]` and `x[mask]`)" if x.data_ptr() != t.data_ptr() else
                 "a view of the same data (the input's .detach() or a copy-free view)")
         why = f"{fn}(input, target) was given {same} as input and target"
         if x.grad_fn is None:  # a leaf: a parameter pulled toward an anchor that is itself
