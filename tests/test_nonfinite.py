@@ -2398,3 +2398,28 @@ def test_nan_from_a_cross_entropy_module_over_a_batch_of_ignored_targets_names_t
     f = only(g, "nonfinite-output")
     assert (f.where, f.step, f.details["module"], f.details["all_ignored"]) == ("CrossEntropyLoss", 1, "CrossEntropyLoss", -1), f
     assert "ignore_index (-1)" in f.message and "(y != -1).any()" in f.hint and "lower the learning rate" not in f.hint
+
+
+def test_a_nan_depth_from_a_division_by_a_zero_opacity_names_the_division_beside_the_exp():
+    """NeRF's expected depth `(w * t).sum(-1) / acc` where a ray's opacity `acc` is 0 (0 / 0), its alphas made with
+    exp(-sigma * delta): only the exp was named until stop 43 (division and exp were both dropped as too common, and
+    the exp stayed when it was alone); both are named now, the division first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 1), nn.ReLU())
+    with torch.no_grad():
+        model[2].bias.fill_(-100.0)  # sigma 0 everywhere: every ray's opacity is 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    t = torch.linspace(2, 6, 8)
+    with guard(model, opt, live=False) as g:
+        sigma = model(torch.randn(4, 8, 3)).squeeze(-1)
+        alpha = 1 - torch.exp(-sigma * 0.5)
+        w = alpha * torch.cumprod(torch.cat([torch.ones(4, 1), 1 - alpha[:, :-1]], -1), -1)
+        acc = w.sum(-1)
+        depth = (w * t).sum(-1) / acc
+        loss = (depth - 4.0).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = only(g, "nonfinite-loss")
+    assert f.details["ops"] == ["division", "exp"], f.details
+    assert f.hint.startswith("Look at those ops' inputs: a division by 0")

@@ -1593,11 +1593,11 @@ def _graph_ops(fn: Any, budget: int = 64) -> set:
 
 def _domain_ops(fn: Any, budget: int = 64) -> List[str]:
     """The restricted-domain ops (acos, log, sqrt, ...) in the loss graph behind `fn`, a few dozen nodes deep, in the
-    order the hint names them; a division or exp only when nothing else is there (they are everywhere)."""
+    order the hint names them; a division or exp only when nothing else is there (they are everywhere), and then
+    both (a NeRF depth `(w * t).sum(-1) / acc` at acc = 0 beside the alphas' exp: the exp alone was named)."""
     found = _graph_ops(fn, budget)
-    for common in ("division", "exp"):
-        if len(found) > 1 and common in found:
-            found.discard(common)
+    if found - {"division", "exp"}:
+        found -= {"division", "exp"}
     return [o for o in _DOMAIN_HINTS if o in found]
 
 
