@@ -2928,3 +2928,43 @@ def test_a_mean_teacher_run_with_gradient_is_told_as_an_ema_target_not_an_update
     f = next(f for f in g.findings if f.kind == "param-not-in-optimizer")
     assert f.details.get("polyak_target") is True and "updated_by_hand" not in f.details, f
     assert "mean teacher" in f.message and "requires_grad_(False)" in f.hint
+
+
+class _Grids(nn.Module):
+    """A multi-resolution feature grid whose levels are elements of one nn.ParameterList, each level's features
+    weighted by a coarse-to-fine schedule `weights`."""
+
+    def __init__(self):
+        super().__init__()
+        self.grids = nn.ParameterList([nn.Parameter(torch.randn(4, 4 * 2 ** k) * 0.1) for k in range(4)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, weights):
+        return self.head(sum(w * x[:, :4] * g.mean(1) for w, g in zip(weights, self.grids)))
+
+
+@pytest.mark.parametrize("annealed", [False, True])
+def test_levels_of_a_parameter_list_weighted_by_zero_all_run_are_told_under_weight_decay(annealed):
+    """A coarse-to-fine schedule that never reaches the fine levels (`progress = it / (10 * total)`): two of four
+    levels of an nn.ParameterList get gradients of exactly 0 all run while AdamW decays them. The list's elements were
+    one layer with the two that learn, so nothing was told until stop 43; each element is a layer of its own now. A
+    schedule that reaches them (annealed) is silent."""
+    torch.manual_seed(0)
+    model = _Grids()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    total = 60
+    with guard(model, opt, live=False) as g:
+        for it in range(total):
+            progress = it / total if annealed else it / (10 * total)
+            weights = [1.0, 1.0] + [float(min(1.0, max(0.0, 4 * progress - k))) for k in (1, 2)]
+            x = torch.randn(16, 8)
+            loss = F.mse_loss(model(x, weights), x[:, :1])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    told = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
+    if annealed:
+        assert told == [], told
+    else:
+        [f] = told
+        assert f.where == "grids" and f.step == 0 and "2 parameter(s)" in f.message, f

@@ -363,7 +363,9 @@ class WeightDecayWithoutGrad(Check):
         zero_ids = {id(cands[k][0]) for k in zeros}
         layers: Dict[str, List[torch.Tensor]] = {}
         for p, *_ in cands:
-            layers.setdefault(self.g.param_name(p).rpartition(".")[0], []).append(p)
+            prefix, _, leaf = self.g.param_name(p).rpartition(".")
+            # an element of an nn.ParameterList (`grids.3`: a hash grid's level, a task's prompt) is a layer of its own
+            layers.setdefault(prefix + "." + leaf if leaf.isdigit() else prefix, []).append(p)
         out = set()
         for ps in layers.values():
             if all(id(p) in zero_ids for p in ps) and (len(ps) >= 2 or ps[0].numel() > 1):
