@@ -3281,3 +3281,29 @@ def test_a_first_run_of_batches_skipped_after_the_forward_waits_for_a_second_run
         assert g.findings == [], g.findings
     else:  # ten forwards in a row that no backward uses: told
         assert [(f.kind, f.step) for f in g.findings] == [("eval-without-no-grad", 4)], g.findings
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_frames_rendered_with_grad_and_kept_get_a_fix_that_detaches_what_the_line_appends(nested):
+    """`videos.append(render_video())` each epoch, a helper rendering frames for monitoring without no_grad: the
+    fix detached a placeholder `z` (a variable of the script's own, unrelated) until stop 43; it now detaches what
+    the line appends, each tensor of a returned list."""
+    model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def render_video():
+        return [model(torch.randn(32, 3)) for _ in range(2)]
+
+    videos = []
+    with guard(model, opt, live=False) as g:
+        for epoch in range(4):
+            for _ in range(5):
+                loss = model(torch.randn(8, 3)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            videos.append(render_video() if nested else model(torch.randn(32, 3)) * 2)
+    f = next(f for f in g.findings if f.kind == "loss-graph-retained")
+    line = "videos.append(render_video() if nested else model(torch.randn(32, 3)) * 2)"
+    assert f.where == "videos" and "z.detach()" not in f.hint, f
+    assert (f"[t.detach() for t in {line[14:-1]}]" if nested else f"({line[14:-1]}).detach()") in f.hint, f.hint

@@ -268,17 +268,22 @@ def _parent_modules(roots: List[Any]) -> Dict[str, Any]:
     return out
 
 
+_OPERATOR = re.compile(r"[\s+\-*/@%<>|&]")  # an expression to put in parentheses before `.detach()`
+
+
 def _appended(line: str) -> Optional[Tuple[str, str]]:
     """(receiver, argument) of the first `x.append(expr)` on `line`, the argument read to its closing parenthesis."""
     m = re.search(r"([A-Za-z_][\w.]*(?:\[[^\]]*\])*)\.append\(", line)
     if m is None:
         return None
-    depth, i = 1, m.end()
+    depth, i, top_comma = 1, m.end(), False
     while i < len(line) and depth:
-        depth += {"(": 1, ")": -1}.get(line[i], 0)
+        c = line[i]
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(c, 0)
+        top_comma = top_comma or (c == "," and depth == 1)
         i += 1
     arg = line[m.end():i - 1].strip()
-    return (m.group(1), arg) if depth == 0 and arg and "," not in arg else None
+    return (m.group(1), arg) if depth == 0 and arg and not top_comma else None
 
 
 def _line_has(source: str, text: str) -> bool:
@@ -795,7 +800,8 @@ class LossGraph(Check):
                     # a row written in place (`self.prio[i] = e`, a replay buffer's priorities): its value detached
                     fix = f"`{said_bare}[{row.group(1).strip()}] = {row.group(2)}.item()`"
                 else:
-                    fix = f"`{app[0]}.append({app[1]}.item())`" if app else f"`{said}.append(loss.item())`"
+                    fix = (f"`{app[0]}.append({'(' + app[1] + ')' if _OPERATOR.search(app[1]) else app[1]}.item())`"
+                           if app else f"`{said}.append(loss.item())`")
             else:
                 fix = f"`{said} += loss.item()`"
             # one step's graph held ("graphs of 1 steps (since step 0" read as a typo)
@@ -819,10 +825,17 @@ class LossGraph(Check):
                     store = (f"Write detached values: `{said_bare}[{slot.group(1).strip() or 'idx'}] = "
                              f"{value.group(1) if value else 'z'}.detach()`")
                 elif name.endswith("[...]"):
-                    # the appended variable as the line names it (`all_outputs.append(outputs)`), else `z`
-                    arg = re.search(re.escape(said_bare.rsplit(".", 1)[-1]) + r"\.append\(\s*([A-Za-z_][\w.]*)\s*\)",
-                                    _line_at(src)) if src else None
-                    store = f"Store detached values: `{said}.append({arg.group(1) if arg else 'z'}.detach())`"
+                    # the appended expression as the line writes it (`all_outputs.append(outputs)`, a helper's
+                    # `videos.append(render_video())`), else `value`; a list of lists holds what each call returned
+                    app = _appended(_line_at(src)) if src else None
+                    arg = app[1] if app and app[0].rsplit(".", 1)[-1] == said_bare.rsplit(".", 1)[-1] else None
+                    if arg is not None and name.endswith("[...][...]"):
+                        value = f"[t.detach() for t in {arg}]"
+                    elif arg is None:
+                        value = "value.detach()"
+                    else:
+                        value = ("(" + arg + ")" if _OPERATOR.search(arg) else arg) + ".detach()"
+                    store = f"Store detached values: `{said}.append({value})`"
                 elif type(ts[0].grad_fn).__name__ in ("AddBackward0", "LerpBackward0", "LerpBackward1"):
                     # updated from itself (a running statistic, an EMA): the new value's part must be detached
                     store = ("Detach what enters it, as a running average does: `running = momentum * running + "
