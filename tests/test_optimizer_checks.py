@@ -2968,3 +2968,32 @@ def test_levels_of_a_parameter_list_weighted_by_zero_all_run_are_told_under_weig
     else:
         [f] = told
         assert f.where == "grids" and f.step == 0 and "2 parameter(s)" in f.message, f
+
+
+def test_a_head_zeroed_by_hand_after_it_trained_under_one_optimizer_is_told_during_the_run():
+    """Continual learning with one SGD (momentum, weight decay) built once: task 0's head trains for 60 steps, then
+    is "frozen" with `p.grad.zero_()` after each backward while task 1 trains. Gradients zeroed by hand were taken as
+    computed as 0 and judged only at the end of a run that began at the optimizer's first step: silent until stop
+    43. Told after 20 steps of it now, with the zeroed-in-place message."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(10, 32), nn.ReLU())
+    heads = nn.ModuleList(nn.Linear(32, 2) for _ in range(2))
+    model = nn.ModuleDict({"trunk": trunk, "heads": heads})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-3)
+    with guard(model, opt, live=False) as g:
+        for task in range(2):
+            for _ in range(60):
+                x = torch.randn(32, 10)
+                f = trunk(x)
+                loss = F.cross_entropy(heads[task](f), (x[:, task] > 0).long())
+                if task:
+                    loss = loss + 0.1 * heads[0](f).pow(2).mean()  # the old head stays in the graph
+                opt.zero_grad()
+                loss.backward()
+                for old in range(task):
+                    for p in heads[old].parameters():
+                        p.grad.zero_()
+                opt.step()
+    [f] = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
+    assert (f.where, f.step) == ("heads.0", 60) and f.details["zeroed_after_backward"] is True, f
+    assert "zeroed in place after backward" in f.message and "p.grad = None" in f.hint

@@ -335,9 +335,12 @@ class WeightDecayWithoutGrad(Check):
         first = self._first_seen.get(opt, 0)
         # (a whole layer whose gradients backward computes as exactly 0 is judged when the run ends: a loss term
         # weighted by 0 for a warm-up, BBN's re-balancing branch during its first epoch, trains later)
+        # (gradients backward computed and the code zeroed in place after it are no computed 0: told in the run, a
+        # head "frozen" with p.grad.zero_() after it trained under one optimizer too)
         due = [t for t in live.values() if not t.reported and t.unreached
                and t.count >= (STEPS if t.first_step <= first or _frozen(t) else TRAINED_STEPS)
-               and t.first_norm is not None and t.last_norm != t.first_norm and not t.in_graph]
+               and t.first_norm is not None and t.last_norm != t.first_norm
+               and (not t.in_graph or id(t.ref()) in self._zeroed)]
         self._source[opt] = source
         if due:
             self._report(opt, due, source)
