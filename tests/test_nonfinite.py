@@ -2423,3 +2423,24 @@ def test_a_nan_depth_from_a_division_by_a_zero_opacity_names_the_division_beside
     f = only(g, "nonfinite-loss")
     assert f.details["ops"] == ["division", "exp"], f.details
     assert f.hint.startswith("Look at those ops' inputs: a division by 0")
+
+
+def test_nan_gradients_of_a_grid_used_twice_in_the_graph_do_not_blame_code_that_edits_grad():
+    """An isotropic total-variation term `sqrt(dx ** 2 + dy ** 2)` over a zero-initialised grid: its derivative at 0
+    is inf, and the grid appears several times in the graph (two slices per axis), so autograd sums its gradient in
+    place and the version counter moves. The hint opened with code that edits .grad until stop 43; the uses in the
+    graph account for the moves now."""
+    torch.manual_seed(0)
+    grid = nn.Parameter(torch.zeros(8, 8))
+    opt = torch.optim.Adam([grid], lr=1e-2)
+    with guard(live=False) as g:
+        for _ in range(2):
+            dx = grid[1:, :-1] - grid[:-1, :-1]
+            dy = grid[:-1, 1:] - grid[:-1, :-1]
+            loss = (grid.mean() - 1.0) ** 2 + 0.1 * torch.sqrt(dx ** 2 + dy ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = only(g, "nonfinite-grad")
+    assert not f.hint.startswith("Their gradients were changed in place"), f.hint
+    assert "sqrt or a norm at exactly 0" in f.hint

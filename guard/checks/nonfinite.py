@@ -162,6 +162,7 @@ class NonFinite(Check):
         self._derivs: Deque[tuple] = deque(maxlen=4)
         self._grads_told = -1  # the step of the last nonfinite-grad finding
         self._post_version: Tuple[int, int] = (0, 0)  # (id, version counter) of the first weight after the last update
+        self._last_loss: Optional[weakref.ref] = None  # the tensor of the last backward()
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -394,6 +395,7 @@ class NonFinite(Check):
                 # A 0-dim fp32/fp64 loss is its own sum (it is read at the step's end, as the timeline's loss is).
                 self._losses.append((flag := self._flag(t, own=True), self.g.root_source, self.g.step))
                 self._loss_fns[flag] = t.grad_fn  # its graph's last nodes, walked only for a NaN/Inf loss's hint
+                self._last_loss = weakref.ref(t)  # (gradients staged in the next window: their loss's graph, if alive)
 
     def on_ctc_loss(self, args, kwargs):
         if not (args[6] if len(args) > 6 else kwargs.get("zero_infinity", False)) and (
@@ -852,6 +854,7 @@ class NonFinite(Check):
                 if any(f.kind in _FORWARD_KINDS and f.step == step for f in self.g.findings):
                     return  # this step's NaN input, output or loss was reported (resolved in an earlier read)
                 self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
+                                   graphs=list(window[5].values()),
                                    loss_seen=bool(losses))
                 return
 
@@ -1246,7 +1249,8 @@ class NonFinite(Check):
         return sorted(found, key=lambda e: -e[1])
 
     def _report_grads(self, gn, step: int, source: Optional[str], masked: bool = False,
-                      taken_input: Optional[Tuple[str, List[str]]] = None, loss_seen: bool = True) -> None:
+                      taken_input: Optional[Tuple[str, List[str]]] = None, loss_seen: bool = True,
+                      graphs: Optional[list] = None) -> None:
         values = gn.per_param()
         names = [n for n, v in zip(gn.names, values) if v != v or v in (float("inf"), float("-inf"))]
         if not names or step == self._grads_told:
@@ -1283,7 +1287,12 @@ class NonFinite(Check):
                     "which skips such steps.")
         if nan and taken_input is None:
             bad = [p for p, n in zip(gn.params, gn.names) if n in names]
-            if bad and all(p.grad is not None and p.grad._version > 0 for p in bad):
+            # (a parameter used k times in the loss graph has its gradient summed in place k - 1 times by autograd)
+            if not graphs:
+                last = self._last_loss() if self._last_loss is not None else None
+                graphs = [last.grad_fn] if last is not None and last.grad_fn is not None else []
+            uses = _leaf_uses(graphs, {id(p) for p in bad}) if bad else {}
+            if bad and all(p.grad is not None and p.grad._version > max(0, uses.get(id(p), 1) - 1) for p in bad):
                 # written in place since backward made them (or added to by several backwards): code that edits .grad
                 # between backward() and step(), a rescale by a norm that is 0, makes 0 * inf there. All of them: a
                 # layer applied twice has its gradient accumulated in place by autograd itself, the others not.
@@ -1654,6 +1663,22 @@ def _cross_entropy_of(fn: Any, budget: int = 32) -> Optional[bool]:
                 if type(node).__name__ == "NllLossBackward0":
                     found = id(n)
     return None if found is None else uses.get(found, 0) > 1
+
+
+def _leaf_uses(roots: list, ids: set, budget: int = 20_000) -> Dict[int, int]:
+    """How many graph edges behind `roots` lead to the leaf of each parameter id in `ids` (a few thousand nodes, on
+    the error path only)."""
+    uses: Dict[int, int] = {}
+    for node in walk(roots, Budget(budget)):
+        try:
+            nxt = node.next_functions
+        except Exception:
+            continue
+        for child, _ in nxt:
+            var = getattr(child, "variable", None) if child is not None else None
+            if var is not None and id(var) in ids:
+                uses[id(var)] = uses.get(id(var), 0) + 1
+    return uses
 
 
 def _plus_inf(sums: List[torch.Tensor], flag: int) -> bool:
