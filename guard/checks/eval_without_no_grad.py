@@ -267,8 +267,8 @@ class EvalWithoutNoGrad(Check):
         (not detached at once) at a line never back-propagated yet, by a model that trains through another line.
         Its output may be used on a condition that has not held yet: FixMatch's strong view before any pseudo-label
         passes the confidence threshold, an unsupervised term added to the loss after a warm-up, whose variable the
-        next step's forward replaces. Once the line is
-        back-propagated it is such a use; at the end of a run where it never was, it is told."""
+        next step's forward replaces. Once the line is back-propagated it is such a use; at the end of a run where it
+        never was, it is told."""
         if not rec.held or rec.eval_mode or rec.alive():
             return False  # (still alive steps later: graphs piling up in an accumulator, told as such)
         ent = self._skips.get(rec.site)
