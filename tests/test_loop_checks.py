@@ -3304,6 +3304,6 @@ def test_frames_rendered_with_grad_and_kept_get_a_fix_that_detaches_what_the_lin
                 opt.step()
             videos.append(render_video() if nested else model(torch.randn(32, 3)) * 2)
     f = next(f for f in g.findings if f.kind == "loss-graph-retained")
-    line = "videos.append(render_video() if nested else model(torch.randn(32, 3)) * 2)"
+    appended = "render_video() if nested else model(torch.randn(32, 3)) * 2"  # what the line appends, as written
     assert f.where == "videos" and "z.detach()" not in f.hint, f
-    assert (f"[t.detach() for t in {line[14:-1]}]" if nested else f"({line[14:-1]}).detach()") in f.hint, f.hint
+    assert (f"[t.detach() for t in {appended}]" if nested else f"({appended}).detach()") in f.hint, f.hint
