@@ -175,6 +175,37 @@ def test_under_a_global_guard_the_frozen_part_called_alone_gets_the_train_overri
     assert "model.train() switches" in f.message
 
 
+class _FeatNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x):
+        return self.f(x)
+
+
+def test_under_a_global_guard_a_frozen_root_is_told_once_not_also_its_part():
+    """A perceptual net frozen as a whole (its own model, no .eval()): a global guard sees its `self.f(x)` as a call
+    too, named `f`. One finding, at the outermost frozen network, with its fix (not `f`'s train() override)."""
+    torch.manual_seed(0)
+    gen = nn.Conv2d(3, 3, 3, padding=1)
+    feat = _FeatNet().requires_grad_(False)
+    opt = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    with guard(live=False) as g:
+        for _ in range(3):
+            x = torch.randn(4, 3, 8, 8)
+            with torch.no_grad():
+                target = feat(x)
+            loss = F.mse_loss(feat(gen(x)), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [f] = g.findings
+    assert (f.kind, f.where, f.step) == ("eval-in-train-mode", "_FeatNet", 0)
+    assert "Put it in eval mode once" in f.hint and "override train()" not in f.hint
+    assert f.details["modules"] == ["_FeatNet.f.1"]
+
+
 # --------------------------------------------------------------------------- frozen, under no_grad (stop 39)
 
 def _probe_on_frozen_base(fix=None, steps=40, scope="models"):

@@ -354,6 +354,17 @@ class EvalInTrainMode(Check):
         n = self._in_call.pop(id(module), 0)
         if n > 1:
             self._in_call[id(module)] = n - 1
+        grad = torch.is_grad_enabled()
+        if grad:
+            if self.g.watched.primary is not self._primary:
+                # another optimizer counts the steps (a second stage: a network trained in the first one frozen now,
+                # to train a head or a stitch through it): the models are looked at again
+                self._primary, self._frozen_roots = self.g.watched.primary, WeakIdMap()
+            frozen = self._frozen_roots.data.get(id(module))
+            if frozen is None:
+                frozen = self._frozen_roots[module] = self.watches(module)  # a frozen network given to guard
+            if frozen:  # before the parts seen in this call are judged: it is their outermost
+                self._frozen_call(module, path, output, root=True)
         if self._frozen_seen:
             self._judge_frozen()
         dry, self._dry = self._dry, None
@@ -362,18 +373,7 @@ class EvalInTrainMode(Check):
             self._decide()
         if self._frozen_wait:
             self._judge_frozen_wait()
-        if torch.is_grad_enabled():
-            if self.g.watched.primary is not self._primary:
-                # another optimizer counts the steps (a second stage: a network trained in the first one frozen now,
-                # to train a head or a stitch through it): the models are looked at again
-                self._primary, self._frozen_roots = self.g.watched.primary, WeakIdMap()
-            frozen = self._frozen_roots.data.get(id(module))
-            if frozen is None:
-                frozen = self._frozen_roots[module] = self.watches(module)  # a frozen network given to guard
-            if frozen:
-                self._frozen_call(module, path, output, root=True)
-                if self._frozen_seen:
-                    self._judge_frozen()
+        if grad:
             if self._reset.data:
                 self._judge_reestimation()  # training resumed: the re-estimation, if any, is over
             if id(module) not in self._trained.data:
@@ -568,9 +568,13 @@ class EvalInTrainMode(Check):
         """At the end of the model call: report the outermost of the frozen networks seen (not their parts)."""
         seen, self._frozen_seen = self._frozen_seen, []
         paths = [e[1] for e in seen]
+        # (a global guard names a model's parts from that model: `f` inside the frozen root `FeatNet`)
+        outer = [m for e in seen if e[5] and (m := e[0]()) is not None] if len(seen) > 1 else []
         for ref, path, bns, step, source, root in seen:
             module = ref()
             if module is None or any(path.startswith(q + ".") for q in paths):
+                continue
+            if any(o is not module and any(module is m for m in o.modules()) for o in outer):
                 continue
             shown = ", ".join(f"{path}.{n} ({t})" if n else f"{path} ({t})" for n, t in bns[:MAX_NAMED])
             more = f" and {len(bns) - MAX_NAMED} more" if len(bns) > MAX_NAMED else ""
