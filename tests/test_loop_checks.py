@@ -798,10 +798,19 @@ def test_monte_carlo_dropout_on_the_train_mode_left_from_training_is_deliberate(
     assert kinds(g) == ([] if samples == 10 else ["eval-in-train-mode"]), g.findings
 
 
-def test_monte_carlo_dropout_over_batchnorm_in_train_mode_is_told_with_a_fix_that_keeps_the_sampling():
+def _mc_scores_after_train(model, xv):
+    model.train()  # "enable dropout for the MC samples"
+    with torch.no_grad():
+        return torch.stack([F.softmax(model(xv), -1) for _ in range(10)]).mean(0)
+
+
+@pytest.mark.parametrize("train_first", [False, True])
+def test_monte_carlo_dropout_over_batchnorm_in_train_mode_is_told_with_a_fix_that_keeps_the_sampling(train_first):
     """MC dropout sampling (one input forwarded 10 times under no_grad) on the train mode left from training, with
     BatchNorm in the model: told (each sample normalises with batch statistics and moves them), but the fix is not a
-    bare model.eval(), which would switch the sampling off too: eval, then only the Dropout layers back to train."""
+    bare model.eval(), which would switch the sampling off too: eval, then only the Dropout layers back to train.
+    An explicit `model.train()` to switch dropout on for the sampling (BALD scoring) switches BatchNorm on too:
+    told as well (silent before stop 44: a pass right after model.train() was taken as deliberate)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -812,8 +821,11 @@ def test_monte_carlo_dropout_over_batchnorm_in_train_mode_is_told_with_a_fix_tha
             opt.zero_grad()
             loss.backward()
             opt.step()
-        with torch.no_grad():
-            torch.stack([F.softmax(model(xv), -1) for _ in range(10)]).mean(0)
+        if train_first:
+            _mc_scores_after_train(model, xv)
+        else:
+            with torch.no_grad():
+                torch.stack([F.softmax(model(xv), -1) for _ in range(10)]).mean(0)
     (f,) = g.findings
     assert f.kind == "eval-in-train-mode" and f.details["mc_sampling"] is True
     assert "isinstance(m, nn.Dropout): m.train()" in f.hint and "Monte Carlo dropout" in f.message

@@ -470,8 +470,8 @@ class EvalInTrainMode(Check):
                 and not getattr(m, OPT_OUT, False) and not _recalibrating(m)]
         if self._reset.data:
             live = self._reestimation(module, path, live)
-        if deliberate:
-            return
+        if deliberate and (id(module), source) not in self._mc_bn:
+            return  # (model.train() for Monte Carlo dropout switched its BatchNorm layers on too: told)
         training = [(n, type(m).__name__) for n, m in live]
         if not training and fdrop is not None and not getattr(fdrop[0], OPT_OUT, False):
             owner, line = fdrop
