@@ -123,6 +123,10 @@ def _holds_parameters(opt: torch.optim.Optimizer) -> bool:
     return any(isinstance(p, nn.Parameter) for g in opt.param_groups for p in g["params"])
 
 
+#: tensors an inner solve's optimizer holds at most (task weights, a step size); a model's optimizer holds more
+SOLVE_TENSORS = 8
+
+
 class Watched:
     """The watched models and optimizers (weakly held) and the names guard gives their modules and parameters.
 
@@ -254,7 +258,7 @@ class Watched:
         key = (id(optimizer), id(primary))
         hit = self._plains.get(key)
         if hit is None or hit[0]() is not optimizer:
-            plain = primary is not None and not _holds_parameters(optimizer) and _holds_parameters(primary)
+            plain = primary is not None and not self._holds_model_parameters(optimizer) and _holds_parameters(primary)
             if len(self._plains) > 64:
                 self._plains.clear()
             hit = self._plains[key] = (weakref.ref(optimizer), plain)
@@ -299,6 +303,18 @@ class Watched:
             hit = held[id(module)] = (weakref.ref(module), any(id(p) in self._primary_ids for p in module.parameters()))
         self.primary_called = hit[1]
 
+    def _holds_model_parameters(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether `opt` holds an ``nn.Parameter`` of a model: under a global guard, a few free-standing ones that no
+        model seen called registers (CAGrad's task weights as ``nn.Parameter(torch.zeros(T))`` with a fresh
+        ``SGD([w])`` every iteration) are an inner solve's plain tensors too. Decided once per optimizer."""
+        params = [p for g in opt.param_groups for p in g["params"] if isinstance(p, nn.Parameter)]
+        if not params:
+            return False
+        if self.models or len(params) > SOLVE_TENSORS:
+            return True
+        ids = {id(p) for p in params}
+        return any(id(p) in ids for m in list(self.roots_seen) for p in m.parameters())
+
     def watch_optimizer(self, opt: torch.optim.Optimizer, early: bool = False) -> Tuple[bool, Optional[bool]]:
         """Whether `opt` steps parameters of the watched models (decided once per optimizer), and
         whether it just became the primary optimizer: None if not, else whether steps start again at 0
@@ -320,7 +336,7 @@ class Watched:
             if known:
                 if all(r() is not opt for r in self.seen_optimizers):
                     self.seen_optimizers.append(weakref.ref(opt))
-                plain = not models and not _holds_parameters(opt)
+                plain = not models and not self._holds_model_parameters(opt)
                 if self.primary is None or self.primary() is None:
                     became = self.primary is None or (self._plain_primary and early and not plain)
                     self.primary = weakref.ref(opt)
