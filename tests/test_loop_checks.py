@@ -2103,17 +2103,23 @@ def test_the_averaged_model_evaluated_in_train_mode_is_told(kind):
     assert f[0].where == ("AveragedModel" if kind == "swa" else "Sequential#2")
 
 
-def test_sam_without_zero_grad_between_its_two_passes_names_the_optimizer():
+@pytest.mark.parametrize("scope, sam_from", [("global", 0), ("global", 4), ("model", 0), ("model", 4)])
+def test_sam_without_zero_grad_between_its_two_passes_names_the_optimizer(scope, sam_from):
     """SAM written inline, no zero_grad() before the second backward: the step applies g(w) + g(w + e). The
     perturbation between the backwards is no update by hand: the optimizer is named (it is known to guard only
-    from its first step, so the frames' optimizers are looked at)."""
+    from its first step, so the frames' optimizers are looked at). With the optimizer known (given to guard, or
+    SAM switched on after warm-up steps) it was silent until stop 44: backwards within one step are now compared
+    from the step after the first that applied several."""
     torch.manual_seed(0)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with guard(live=False) as g:
-        for x, y in batches(6):
+    with guard(*((model, opt) if scope == "model" else ()), live=False) as g:
+        for i, (x, y) in enumerate(batches(12)):
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
+            if i < sam_from:
+                opt.step()
+                continue
             with torch.no_grad():
                 gn = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
                 eps = [p.grad * (0.05 / (gn + 1e-12)) for p in model.parameters()]
@@ -2124,9 +2130,42 @@ def test_sam_without_zero_grad_between_its_two_passes_names_the_optimizer():
                 for p, e in zip(model.parameters(), eps):
                     p.sub_(e)
             opt.step()
-    f = [f for f in g.findings if f.kind == "missing-zero-grad"][0]
-    assert f.where == "SGD" and f.details["optimizer"] == "SGD" and f.details["changed_in_between"]
+    [f] = g.findings
+    assert f.kind == "missing-zero-grad" and f.where == "SGD" and f.details["changed_in_between"]
+    assert f.step == (sam_from + 1 if scope == "model" or sam_from else 0)
     assert "g(w) + g(w + e)" in f.message and "before the second backward()" in f.hint
+
+
+@pytest.mark.parametrize("loop", ["sam with zero_grad", "accumulation with a pruning mask"])
+def test_backwards_within_one_step_that_change_weights_deliberately_are_silent(loop):
+    """The clean twins of SAM without zero_grad under a model guard: SAM that clears the first pass's gradients,
+    and gradient accumulation whose pruning mask is multiplied into the weights again before each micro-batch (the
+    weights' version moves, their values do not)."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    mask = (torch.rand(16, 8) > 0.5).float()
+    with guard(model, opt, live=False) as g:
+        for x, y in batches(10):
+            opt.zero_grad()
+            if loop == "sam with zero_grad":
+                F.mse_loss(model(x), y).backward()
+                with torch.no_grad():
+                    eps = [p.grad * 0.05 for p in model.parameters()]
+                    for p, e in zip(model.parameters(), eps):
+                        p.add_(e)
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                with torch.no_grad():
+                    for p, e in zip(model.parameters(), eps):
+                        p.sub_(e)
+            else:
+                for xb, yb in zip(x.chunk(2), y.chunk(2)):
+                    with torch.no_grad():
+                        model[0].weight.mul_(mask)
+                    (F.mse_loss(model(xb), yb) / 2).backward()
+            opt.step()
+    assert g.findings == []
 
 
 def test_gradient_accumulation_through_an_embedding_with_max_norm_is_no_perturbation():

@@ -1637,6 +1637,37 @@ def test_normalisation_buffers_computed_from_data_with_nan_are_named_with_the_cl
     assert "nanmean" in f.hint and "CRF" not in f.message
 
 
+def test_batchnorm_statistics_made_nan_by_the_same_call_are_not_blamed():
+    """PointNet++ feature propagation, `1.0 / dists` with no epsilon at a distance of 0, then a BatchNorm in training
+    mode inside the same module: the NaN also lands in the BatchNorm's running statistics during that call. They are
+    its effect, not its cause (blamed, with a nanmean fix, until stop 44): the generic x/0 hint, no buffer named."""
+    class FP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Conv1d(4, 8, 1), nn.BatchNorm1d(8), nn.ReLU())
+
+        def forward(self, xyz1, xyz2, feats2):
+            d = torch.cdist(xyz1, xyz2)
+            w = 1.0 / d  # 0 where a dense point is also a sampled one
+            w = w / w.sum(-1, keepdim=True)
+            return self.mlp((w @ feats2).transpose(1, 2))
+
+    torch.manual_seed(0)
+    fp, head = FP(), nn.Conv1d(8, 2, 1)
+    opt = torch.optim.Adam([*fp.parameters(), *head.parameters()], 1e-3)
+    xyz1 = torch.randn(8, 16, 3)
+    with guard([fp, head], opt, live=False) as g:
+        out = head(fp(xyz1, xyz1[:, :4], torch.randn(8, 4, 4)))
+        loss = out.mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    [f] = [f for f in g.findings if f.kind == "nonfinite-output"]
+    assert (f.where, f.step) == ("fp", 0)
+    assert not f.details.get("nonfinite_buffers") and "buffer" not in f.message and "nanmean" not in f.hint
+    assert "x/0" in f.hint
+
+
 def test_a_per_image_box_loss_whose_sixth_image_has_an_infinite_target_names_the_target():
     """A detection box loss written per image: `smooth_l1_loss(pred[b], encode(gt[b]))` for 8 images, the sixth with
     a box clipped to zero width, whose log(gw / aw) encoding is -inf. Targets were kept for the first 4 loss calls

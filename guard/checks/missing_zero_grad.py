@@ -145,6 +145,12 @@ class MissingZeroGrad(Check):
         self._manual: List[tuple] = []
         self._manual_step = 0  # the step the hand-written update's state was noted at
         self._manual_told = False
+        # With an optimizer: backward() calls since any optimizer's last step, whether a step has applied several (then
+        # backwards within one step are compared as above: SAM's perturbation between its two passes with no
+        # zero_grad()), and whether a step() is running (an L-BFGS closure's backwards are its own business)
+        self._since_step = 0
+        self._multi = False
+        self._in_step = False
         # backward() for an input's gradient (an attack's or a sampler's) since the last zero_grad(): the latest
         # model call's leaf input that requires grad, the leaves back-propagated into, the first such line, and
         # (steps, its line, the loss line) once the loop's own backward followed them
@@ -309,6 +315,9 @@ class MissingZeroGrad(Check):
 
     # ------------------------------------------------------------------ steps and backwards
     def on_step_post(self, optimizer):
+        self._in_step, self._since_step = False, 0
+        if self._manual and self.g.has_optimizer:
+            self._manual = []  # the update ran: only backwards within one step are compared
         if self._input_backwards:
             self._forget_inputs()
         if self._zeroed_opts:
@@ -354,6 +363,10 @@ class MissingZeroGrad(Check):
         if not self._manual_told and not self.g.has_optimizer:
             self._loss_leaves = _graph_leaves(tensors) if not self.g.named_parameters() else []
             self._manual_backward()
+        elif self._multi and not self._manual_told and not self._in_step:
+            self._loss_leaves = []
+            self._manual_backward(later=False)
+        self._since_step += 1
         if self._during:
             for counts in self._during.values():
                 counts[0] += 1
@@ -422,7 +435,11 @@ class MissingZeroGrad(Check):
                            "first_backward": lines[0], "loop_backward": loop})
 
     # ------------------------------------------------------------------ no optimizer: updates by hand
-    def _manual_backward(self) -> None:
+    def on_backward_done(self, tensors, kwargs):
+        if self._multi and not self._manual_told and not self._in_step:
+            self._manual_after()  # (no resolution comes between two backwards of one optimizer step)
+
+    def _manual_backward(self, later: bool = True) -> None:
         """A backward with no optimizer seen: did the parameters change since the last one left their gradients,
         while those gradients stayed as they were? Then the update used them and nothing cleared them."""
         kept, self._manual = self._manual, []
@@ -439,9 +456,9 @@ class MissingZeroGrad(Check):
             # changed in place since (zero_(), or clip_grad_norm_/clip_grad_value_/clamp_ before the update): its
             # norm, read below, tells a cleared gradient (0) from one scaled and kept
             stale.append(p)
-            if p._version != pv:
+            if p._version != pv and not self._multi:
                 moved.add(id(p))
-            else:
+            else:  # (with an optimizer, values: a pruning mask multiplied in again moves the version, not the weights)
                 snaps.append((p, first))
         if stale and len(stale) == judged:
             # Zeroed through `.data` (`p.grad.data.zero_()`) keeps the version: only non-zero gradients count, and
@@ -466,11 +483,12 @@ class MissingZeroGrad(Check):
         if kept and self.following and not self.g.costly_step:
             self.follow(False)  # a budget samples this check: one backward after a sampled one was compared
             return
-        self.g.stage_batch(self._manual_after)
+        if later:
+            self.g.stage_batch(self._manual_after)
 
     def _manual_after(self) -> list:
         """At the backward's resolution (after it ran): note the state of up to 4 parameters with gradients."""
-        if self._manual_told or self.g.has_optimizer:
+        if self._manual_told or (self.g.has_optimizer and not self._multi):
             return []
         out = []
         leaf = self._hand_input() if self._hand_input is not None else None
@@ -675,6 +693,9 @@ class MissingZeroGrad(Check):
                                                                      "leaked_from": other, "leaking_backward": src})
 
     def on_step_pre(self, optimizer):
+        self._in_step = True
+        if self._since_step >= 2 and not self._multi and not self._manual_told:
+            self._multi = True  # several backwards a step (accumulation, SAM's two passes): compared from the next on
         if self._pre is not None and self.g.is_primary(optimizer):
             self._pre_step(optimizer)
         if self._zeroed_opts and not self._leak_told:

@@ -1158,7 +1158,13 @@ class NonFinite(Check):
         if module is not None and not bad_params and not huge:
             # (read when reporting only) a buffer of the module's own holding +-inf: a hard constraint (forbidden CRF
             # transitions) that a path the data takes meets, where -inf - -inf or 0 * -inf makes NaN
-            inf_buffers = [n for n, b in module.named_buffers() if screenable(b) and not bool(torch.isfinite(b).all())]
+            # Running statistics of a norm layer in training mode are written by this very call and unused by it: NaN
+            # there is the NaN made upstream in the module, not its cause.
+            written = {f"{n}.{b}" if n else b for n, m in module.named_modules()
+                       if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
+                       for b in ("running_mean", "running_var")}
+            inf_buffers = [n for n, b in module.named_buffers()
+                           if n not in written and screenable(b) and not bool(torch.isfinite(b).all())]
         nan_buffers = [n for n in inf_buffers if bool(torch.isnan(dict(module.named_buffers())[n]).any())]
         if nan_buffers:
             why = (f"its inputs were finite, but its buffer {', '.join(f'`{n}`' for n in nan_buffers[:3])} holds NaN "
