@@ -1637,6 +1637,34 @@ def test_normalisation_buffers_computed_from_data_with_nan_are_named_with_the_cl
     assert "nanmean" in f.hint and "CRF" not in f.message
 
 
+@pytest.mark.parametrize("loss_of", ["acos", "sqrt"])
+def test_nan_gradients_of_a_finite_loss_name_the_op_with_an_infinite_derivative(loss_of):
+    """A geodesic rotation loss acos((tr - 1) / 2) at a perfect match (acos' = -inf at 1), a Chamfer-style distance
+    sqrt(d2) between identical points (sqrt' = inf at 0): the forward is finite, the gradients NaN. The hint names the
+    op found in the loss graph and its clamp or eps (until stop 44 it led with torch.where and never said acos)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 3)
+    with guard(model, opt, live=False) as g:
+        out = model(x)
+        if loss_of == "acos":
+            cos = 1 - out.pow(2).sum(-1) / 2  # exactly 1 at the identity's zero offset
+            loss = torch.acos(cos).mean()
+        else:
+            loss = torch.sqrt(out.pow(2).sum(-1)).mean()  # the predicted offsets match: distance 0
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    [f] = g.findings
+    assert (f.kind, f.step) == ("nonfinite-grad", 0)
+    assert f.hint.startswith(f"{loss_of} (in the loss graph) has an infinite derivative")
+    assert ("1 - 1e-7" if loss_of == "acos" else "d2 + 1e-12") in f.hint
+
+
 def test_batchnorm_statistics_made_nan_by_the_same_call_are_not_blamed():
     """PointNet++ feature propagation, `1.0 / dists` with no epsilon at a distance of 0, then a BatchNorm in training
     mode inside the same module: the NaN also lands in the BatchNorm's running statistics during that call. They are

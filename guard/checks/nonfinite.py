@@ -1287,6 +1287,12 @@ class NonFinite(Check):
                     "exactly 0 has an infinite derivative (add an eps), and so does logsumexp over a row that is "
                     "all -inf. An overflow of the backward itself (an exploding loss) is rare in float32: clip "
                     "gradients (torch.nn.utils.clip_grad_norm_) if their norms grew before.")
+            if not graphs:
+                last = self._last_loss() if self._last_loss is not None else None
+                graphs = [last.grad_fn] if last is not None and last.grad_fn is not None else []
+            steep = _steep_ops(graphs) if graphs else []
+            if steep:
+                hint = ("; ".join(_STEEP_HINTS[o] for o in steep[:2]) + ". Otherwise: " + hint)
         else:
             hint = ("The backward pass overflowed (e.g. sqrt/log/pow at 0, division by a tiny value, or an exploding "
                     "loss): clip with torch.nn.utils.clip_grad_norm_, lower the learning rate, or use AMP's GradScaler "
@@ -1524,6 +1530,28 @@ _DOMAIN_HINTS = {
            "(a PPO ratio exp(logp - old_logp)), look at the values without gradient the loss multiplies by, which "
            "are not in the graph (advantages normalised by the std() of a minibatch of one sample: NaN)",
 }
+
+
+# Ops whose derivative is infinite at a finite point of their input, by autograd node: the forward is finite there and
+# the backward makes 0 * inf (read when gradients are NaN from a finite loss)
+# (torch's norms and cdist take a subgradient of 0 at a vector of zeros: not among them)
+_STEEP_OPS = {"AcosBackward0": "acos", "AsinBackward0": "asin", "SqrtBackward0": "sqrt"}
+_STEEP_HINTS = {
+    "acos": "acos (in the loss graph) has an infinite derivative at exactly 1 or -1, reached when two rotations or "
+            "directions match (a geodesic loss acos((tr(R1^T R2) - 1) / 2) at a perfect prediction): clamp its input "
+            "to [-1 + 1e-7, 1 - 1e-7]",
+    "asin": "asin (in the loss graph) has an infinite derivative at exactly 1 or -1: clamp its input to "
+            "[-1 + 1e-7, 1 - 1e-7]",
+    "sqrt": "sqrt (in the loss graph) has an infinite derivative at exactly 0, a distance between identical points "
+            "(a Chamfer or end-point error, an edge feature of a point to itself): add an eps inside, "
+            "torch.sqrt(d2 + 1e-12)",
+}
+
+
+def _steep_ops(graphs: List[Any], budget: int = 256) -> List[str]:
+    """The ops with an infinite derivative at a finite point (`_STEEP_OPS`) in the loss graph, in hint order."""
+    found = {op for n in walk(graphs, Budget(budget)) if (op := _STEEP_OPS.get(type(n).__name__)) is not None}
+    return [o for o in _STEEP_HINTS if o in found]
 
 
 _SOURCE_OPS = (("sqrt", re.compile(r"(?<!r)sqrt\(")), ("rsqrt", re.compile(r"rsqrt\(")),
