@@ -46,9 +46,38 @@ def test_unit_range_images_into_conv_net():
 
 
 def test_a_one_channel_input_is_not_told_to_use_imagenets_three_channel_statistics():
-    g = train(convnet(1), [(torch.rand(4, 1, 16, 16) > 0.5).float() for _ in range(3)])  # 0/1 grids
+    g = train(convnet(1), [torch.rand(4, 1, 16, 16) for _ in range(3)])  # grey images in [0, 1]
     hint = g.findings[0].hint
     assert "0.485" not in hint and "ImageNet" not in hint and "your dataset's own per-channel mean/std" in hint
+
+
+class _ScalesItself(nn.Module):
+    """RAFT / monodepth2 style: the model takes raw images and scales them itself, with numbers in its forward."""
+    def __init__(self, raw):
+        super().__init__()
+        self.raw, self.net = raw, convnet()
+
+    def forward(self, x):
+        if self.raw:
+            x = 2 * (x / 255.0) - 1.0
+        else:
+            x = (x - 0.45) / 0.225
+        return self.net(x)
+
+
+@pytest.mark.parametrize("case", ["binary mask", "forward scales 0-255", "forward normalizes [0, 1]"])
+def test_binary_masks_and_models_that_scale_their_own_input_are_not_reported(case):
+    """A silhouette's 0/1 mask into a conv net is no photo to normalize; a model whose forward scales its raw input
+    with literals (RAFT's `2 * (image1 / 255.0) - 1.0`, monodepth2's `(x - 0.45) / 0.225`) would be normalized
+    twice by the fix (both told until stop 44)."""
+    torch.manual_seed(0)
+    if case == "binary mask":
+        model, batches = convnet(1), [(torch.rand(4, 1, 16, 16) < 0.3).float() for _ in range(3)]
+    elif case == "forward scales 0-255":
+        model, batches = _ScalesItself(raw=True), [torch.rand(4, 3, 16, 16) * 255 for _ in range(3)]
+    else:
+        model, batches = _ScalesItself(raw=False), [torch.rand(4, 3, 16, 16) for _ in range(3)]
+    assert train(model, batches).findings == []
 
 
 def test_unit_range_into_mlp_and_mnist_like_are_not_reported():

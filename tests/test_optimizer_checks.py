@@ -338,6 +338,8 @@ def test_finetune_frozen_backbone_in_optimizer_and_new_head_missing():
     assert frozen.severity == "info" and frozen.where == "backbone" and frozen.step == 0
     assert frozen.details["modules"] == ["backbone"] and frozen.details["parameters"] == 4
     assert "filter(lambda p: p.requires_grad" in frozen.hint
+    opt_name = frozen.details["optimizer"]
+    assert f"torch.optim.{opt_name}(filter(" in frozen.hint and "torch.optim.X" not in frozen.hint
     missing = only(g, "param-not-in-optimizer")
     assert missing.severity == "warning" and missing.where == "head" and missing.step == 0
     assert missing.details["names"] == ["head.weight", "head.bias"]

@@ -7,6 +7,8 @@ are read only when the flag fired.
 """
 from __future__ import annotations
 
+import inspect
+import re
 import weakref
 from typing import Any, Optional
 
@@ -43,8 +45,23 @@ def _per_channel(name: str, t: Any) -> bool:
     return "mean" in low or "std" in low or (t.dim() >= 3 and tuple(t.shape[-2:]) == (1, 1))
 
 
+# `x / 255`, `(x - 0.45) / 0.225`, `2 * (x / 255.0) - 1.0`: a forward that scales its own input with literals
+_SCALES_ITSELF = re.compile(r"/\s*255\b|-\s*0?\.\d+\s*\)\s*/\s*0?\.\d+|\*\s*2(?:\.0*)?\s*-\s*1\b")
+
+
+def _scales_itself(model: nn.Module) -> bool:
+    """Whether the model's own forward scales its input with numbers written in it (RAFT's `2 * (image1 / 255.0) -
+    1.0`, monodepth2's `(x - 0.45) / 0.225`): read once per model."""
+    try:
+        return bool(_SCALES_ITSELF.search(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError):
+        return False
+
+
 def _first_layer(model: nn.Module) -> str:
     """``"conv"``, ``"norm"`` (the model normalizes its own input) or ``"other"``."""
+    if _scales_itself(model):
+        return "norm"
     for name, b in model.named_buffers():
         if _per_channel(name, b):
             return "norm"  # e.g. register_buffer("mean", ...) and (x - mean) / std inside forward
@@ -114,7 +131,11 @@ class InputStats(Check):
         mn, mx, mean = d.amin(), d.amax(), d.mean()
         # (an inf in the input, a range sensor's "no return" the model masks itself, says nothing of its scale)
         raw = (mn >= 0) & (mx > RAW_MAX) & torch.isfinite(mx)
-        bad = raw | ((mn >= 0) & (mx <= 1) & (mean > MEAN_01)) if conv else raw
+        if conv:  # (a binary mask, a silhouette's 0s and 1s, is no photo to normalize)
+            binary = ((d == 0) | (d == 1)).all()
+            bad = raw | ((mn >= 0) & (mx <= 1) & (mean > MEAN_01) & ~binary)
+        else:
+            bad = raw
         # per-channel numbers for the report, kept tiny on the device; read only if the flag fires
         stats = torch.stack([d.mean(dim=(0, 2, 3)), d.std(dim=(0, 2, 3)), d.amin(dim=(0, 2, 3)),
                              d.amax(dim=(0, 2, 3))])

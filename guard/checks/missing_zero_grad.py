@@ -465,6 +465,7 @@ class MissingZeroGrad(Check):
             # updates through `.data` keep the parameter's version: then its first values tell. Both are computed
             # now, before this backward adds to the gradients, and read with the step's other values.
             step, src = self.g.step, self.g.source()
+            within = self.g.has_optimizer  # (backwards within one optimizer step: SAM's two passes)
             with torch.no_grad():
                 values = [n.reshape(()).float() for n in fused_norms([p.grad.detach() for p in stale])[0]]
                 values += [(p.detach().reshape(-1)[:first.numel()] != first).any().float() for p, first in snaps]
@@ -477,7 +478,7 @@ class MissingZeroGrad(Check):
                 # backward(), zero_grad() before the training backward), is no hand-written update
                 now = moved | {id(p) for (p, _), v in zip(snaps, vals[n:]) if v}
                 left = [p for p, v in zip(stale, vals[:n]) if v != 0.0 and id(p) in now]
-                if left:
+                if left and (not within or self._owner(left) is not None):
                     self._manual_emit(left, step, src)
             self.g.stage_batch(lambda: [(staged, verdict)])
         if kept and self.following and not self.g.costly_step:
@@ -504,7 +505,13 @@ class MissingZeroGrad(Check):
         # embedding tables left out when there are other weights: FGM-style adversarial training perturbs only them
         # between its two backwards, whose gradients it sums on purpose (SAM perturbs every weight: the others tell it)
         _, table, renormed = self._embedding_ids
-        params = [p for _, p in named[:64]]
+        if self.g.has_optimizer:
+            # within one step of an optimizer: its own parameters (a model updated by hand beside it, or left from
+            # an earlier run in the process, steps nothing that would end the comparison)
+            leaf, leaves = None, []
+            params = [p for o in self.g.optimizers[:2] for grp in o.param_groups for p in grp["params"]][:64]
+        else:
+            params = [p for _, p in named[:64]]
         params = [p for p in params if id(p) not in table] or params
         for p in ([leaf] if leaf is not None else []) + params + leaves:
             if not p.is_leaf or id(p) in renormed:
@@ -522,15 +529,19 @@ class MissingZeroGrad(Check):
             self.follow(True)  # sampled by a budget: see the next backward too, to compare with this one
         return []
 
+    def _owner(self, params: List[torch.Tensor]) -> Optional[torch.optim.Optimizer]:
+        """The optimizer (watched, or in the user's frames) that holds one of `params`."""
+        ids = {id(p) for p in params}
+        return next((o for o in [*self.g.optimizers, *frame_optimizers()]
+                     if any(id(q) in ids for grp in o.param_groups for q in grp["params"])), None)
+
     def _manual_emit(self, stale: List[torch.Tensor], step: int, src: Optional[str]) -> None:
         if self._manual_told:
             return
         self._manual_told = True
         self._manual = []
         names = [self.g.param_name(p) for p in stale]
-        ids = {id(p) for p in stale}
-        opt = next((o for o in [*self.g.optimizers, *frame_optimizers()]
-                    if any(id(q) in ids for grp in o.param_groups for q in grp["params"])), None)
+        opt = self._owner(stale)
         if opt is not None:
             # Known only since its first step: the change in place between the two backwards was no update but a
             # perturbation (SAM's `p.add_(e)`), and the optimizer's step applies the sum of both gradients.

@@ -489,7 +489,8 @@ class OptimizerParams(Check):
             total = sum(len(g["params"]) for g in opt.param_groups)
             message = (f"{len(frozen)} of the {total} parameters handed to {name} have requires_grad=False "
                        f"({_listing(shown, more)}): they are frozen, yet the optimizer holds them")
-            hint = ("Pass only trainable parameters: torch.optim.X(filter(lambda p: p.requires_grad, "
+            ctor = f"torch.optim.{name}" if type(opt).__module__.startswith("torch.optim") else name
+            hint = (f"Pass only trainable parameters: {ctor}(filter(lambda p: p.requires_grad, "
                     "model.parameters()), ...). If you unfreeze them later on purpose, this is fine.")
         self.emit("frozen-param-in-optimizer", shown[0], message, hint, source=self.g.source(),
                   details={"optimizer": name, "modules": shown, "parameters": len(frozen), "names": names[:20],
