@@ -2136,11 +2136,12 @@ def test_sam_without_zero_grad_between_its_two_passes_names_the_optimizer(scope,
     assert "g(w) + g(w + e)" in f.message and "before the second backward()" in f.hint
 
 
-@pytest.mark.parametrize("loop", ["sam with zero_grad", "accumulation with a pruning mask"])
+@pytest.mark.parametrize("loop", ["sam with zero_grad", "accumulation with a pruning mask", "awp summing"])
 def test_backwards_within_one_step_that_change_weights_deliberately_are_silent(loop):
     """The clean twins of SAM without zero_grad under a model guard: SAM that clears the first pass's gradients,
     and gradient accumulation whose pruning mask is multiplied into the weights again before each micro-batch (the
-    weights' version moves, their values do not)."""
+    weights' version moves, their values do not); adversarial weight perturbation of the weight matrices only (not
+    the biases) that sums the adversarial gradient onto the clean one, as Kaggle's AWP does on purpose."""
     torch.manual_seed(0)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -2158,6 +2159,17 @@ def test_backwards_within_one_step_that_change_weights_deliberately_are_silent(l
                 F.mse_loss(model(x), y).backward()
                 with torch.no_grad():
                     for p, e in zip(model.parameters(), eps):
+                        p.sub_(e)
+            elif loop == "awp summing":
+                F.mse_loss(model(x), y).backward()
+                weights = [p for n, p in model.named_parameters() if "weight" in n]
+                with torch.no_grad():
+                    eps = [0.01 * p.grad / (p.grad.norm() + 1e-12) * p.norm() for p in weights]
+                    for p, e in zip(weights, eps):
+                        p.add_(e)
+                F.mse_loss(model(x), y).backward()  # added onto the clean gradient on purpose
+                with torch.no_grad():
+                    for p, e in zip(weights, eps):
                         p.sub_(e)
             else:
                 for xb, yb in zip(x.chunk(2), y.chunk(2)):

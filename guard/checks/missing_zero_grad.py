@@ -478,6 +478,10 @@ class MissingZeroGrad(Check):
                 # backward(), zero_grad() before the training backward), is no hand-written update
                 now = moved | {id(p) for (p, _), v in zip(snaps, vals[n:]) if v}
                 left = [p for p, v in zip(stale, vals[:n]) if v != 0.0 and id(p) in now]
+                if within and len(left) < sum(v != 0.0 for v in vals[:n]):
+                    # Part of the weights perturbed (AWP's weight matrices, not the biases; FGM's embeddings), with
+                    # the gradients summed on purpose: SAM perturbs every one
+                    return
                 if left and (not within or self._owner(left) is not None):
                     self._manual_emit(left, step, src)
             self.g.stage_batch(lambda: [(staged, verdict)])
@@ -521,7 +525,7 @@ class MissingZeroGrad(Check):
                 continue
             first = p.detach().reshape(-1)[:4].clone()
             out.append((weakref.ref(p), weakref.ref(g), g._version, p._version, first))
-            if len(out) == 4:
+            if len(out) == (8 if self.g.has_optimizer else 4):
                 break
         self._manual = out
         self._manual_step = self.g.step
