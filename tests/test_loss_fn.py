@@ -300,6 +300,22 @@ def test_ctc_healthy_padded_targets_are_silent_and_its_contract_is_checked():
     assert [f.details["looks_like"] for f in g.findings] == ["scores"]
 
 
+def test_ctc_log_probs_padded_with_zeros_past_each_input_length_are_silent():
+    """Per-utterance log_softmax, then pad_sequence (zeros past each utterance's length, which ctc_loss never reads):
+    told as not log-probabilities until stop 44 (an all-zero row has logsumexp log C). Probabilities padded the same
+    way are still told."""
+    from torch.nn.utils.rnn import pad_sequence
+    torch.manual_seed(0)
+    lens = [12, 5, 7, 9]
+    logits = [torch.randn(t, 6, requires_grad=True) for t in lens]
+    targets, tgt_len = torch.randint(1, 6, (4, 3)), torch.full((4,), 3)
+    for norm, told in ((lambda z: z.log_softmax(-1), []), (lambda z: z.softmax(-1), ["softmax-before-cross-entropy"])):
+        with guard(checks="all", live=False) as g:
+            lp = pad_sequence([norm(z) for z in logits])  # [T, N, C], zeros past each length
+            F.ctc_loss(lp, targets, torch.tensor(lens), tgt_len).backward()
+        assert [f.kind for f in g.findings] == told
+
+
 def test_ctc_targets_past_the_classes_or_on_the_blank():
     logits, targets, in_len, tgt_len = _ctc_batch()
     targets[0, 1] = 6  # C = 6: one label too many for the output layer

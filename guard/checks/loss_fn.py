@@ -225,7 +225,9 @@ class LossMisuse(Check):
         if self._want_prob and self.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0):
             rows = lp.detach().reshape(-1, c)[:ROWS].float()
             lse = torch.logsumexp(rows, dim=1)
-            fin = torch.isfinite(lse)
+            # (rows of zeros: frames past an utterance's input length, padded after log_softmax, which ctc_loss never
+            # reads; no row of log-probabilities or probabilities over C >= 2 classes is all 0)
+            fin = torch.isfinite(lse) & (rows != 0).any(1)
             bad = torch.where(fin, lse.abs(), 0.0).amax() > _tol(lp)
             probs = (rows.amin() >= 0) & (rows.amax() <= 1)
             code = bad.float() * (2.0 - probs.float())
