@@ -798,6 +798,38 @@ def test_monte_carlo_dropout_on_the_train_mode_left_from_training_is_deliberate(
     assert kinds(g) == ([] if samples == 10 else ["eval-in-train-mode"]), g.findings
 
 
+class _Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.src, self.tok, self.drop, self.out = nn.Linear(10, 16), nn.Embedding(5, 16), nn.Dropout(0.3), nn.Linear(16, 5)
+
+    def forward(self, src, tok):
+        return self.out(self.drop(torch.tanh(self.src(src) + self.tok(tok))))
+
+
+def test_a_greedy_decode_feeding_one_source_with_new_tokens_is_no_monte_carlo_sampling():
+    """`model(src, tok)` under no_grad, in train mode, 8 times from one line with the same source and the token just
+    decoded: Dropout is on while decoding. Taken as MC dropout sampling (the same first argument) until stop 44."""
+    torch.manual_seed(0)
+    model = _Decoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    src, tgt = torch.randn(32, 10), torch.randint(0, 5, (32,))
+    with guard(model, opt, live=False) as g:
+        for step in range(8):
+            loss = F.cross_entropy(model(src, tgt), tgt)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 3:
+                with torch.no_grad():
+                    hyp = [torch.zeros(32, dtype=torch.long)]
+                    for i in range(8):
+                        model(src, hyp[-1]).argmax(-1)
+                        hyp.append(torch.full((32,), (i + 1) % 5))  # (the decoded token: a new one each time)
+    [f] = g.findings
+    assert (f.kind, f.step) == ("eval-in-train-mode", 4) and "mc_sampling" not in f.details
+
+
 def _mc_scores_after_train(model, xv):
     model.train()  # "enable dropout for the MC samples"
     with torch.no_grad():

@@ -281,6 +281,7 @@ class EvalInTrainMode(Check):
         # (the last no_grad train-mode call's (site, step, input data, shape), how many calls in a row had it)
         self._mc_last: Optional[tuple] = None
         self._mc_x: Any = None  # that call's input (or its data pointer, when large)
+        self._mc_rest: list = []  # the other tensor arguments of that last call
         self._mc_bn: set = set()  # (id(model), line) sampling one input again and again with BatchNorm in train mode
         self._frozen_wait: List[tuple] = []  # recurring sites of a frozen model: (ref, path, info, values, due step)
         # (module, line) of the first functional dropout of the root call under way that ran in training mode
@@ -411,12 +412,20 @@ class EvalInTrainMode(Check):
             return True
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         sig = (key, self.g.step, tuple(x.shape), x.dtype, x.device) if x is not None and not x.is_meta else None
+        # the other tensor arguments too: a greedy decoder's `model(src, tok, state)` feeds one source with a new
+        # token at each call, which is no sampling
+        rest = [a for a in args[1:] if isinstance(a, torch.Tensor) and not a.is_meta] if sig is not None else []
         last, prev = self._mc_last, self._mc_x
         same = sig is not None and last is not None and last[0] == sig and prev is not None and self._same_input(prev, x)
+        if same and rest:
+            before = self._mc_rest
+            same = len(before) == len(rest) and all(shape == a.shape and self._same_input(b, a)
+                                                    for (shape, b), a in zip(before, rest))
         self._mc_last = (sig, last[1] + 1 if same else 1)
         # the last input itself, to compare with the next: `model(X[pool])` indexes a new copy for each sample
         # (kept up to MC_KEEP bytes; a larger one is compared by its storage only)
         self._mc_x = (x if x.numel() * x.element_size() <= MC_KEEP else x.data_ptr()) if sig is not None else None
+        self._mc_rest = [(a.shape, a if a.numel() * a.element_size() <= MC_KEEP else a.data_ptr()) for a in rest]
         if sig is None or self._mc_last[1] < MC_SAMPLES:
             return False
         mods = self._mods.get(module)
