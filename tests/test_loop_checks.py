@@ -3141,6 +3141,27 @@ class _Priorities:
             self.prio[i] = e
 
 
+def test_pcgrad_gradients_written_by_hand_then_wiped_are_told_once_not_also_as_never_back_propagated():
+    """PCGrad by hand: task gradients with torch.autograd.grad, projected, written to p.grad, then a zero_grad() moved
+    before step(). zero-grad-before-step tells it; grads-all-zero's "no loss was back-propagated" (the gradients were
+    there) contradicted it until stop 44."""
+    torch.manual_seed(0)
+    model = mlp()
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=1e-3)
+    with guard(live=False) as g:
+        for x, y in batches(8):
+            out = model(x)
+            la, lb = F.mse_loss(out, y), out.abs().mean()
+            ga = torch.autograd.grad(la, params, retain_graph=True)
+            gb = torch.autograd.grad(lb, params)
+            for p, a, b in zip(params, ga, gb):
+                p.grad = a + b
+            opt.zero_grad()  # the bug: wipes them
+            opt.step()
+    assert [(f.kind, f.step) for f in g.findings] == [("zero-grad-before-step", 0)]
+
+
 def test_a_list_row_written_with_a_live_tensor_gets_the_row_write_fix():
     """`self.prio[i] = e` keeps each step's graph in a prioritized replay's list: the fix said
     `self.prio.append(loss.item())` until stop 41; it is the row write's own `.item()`."""

@@ -104,6 +104,8 @@ class GradsAllZero(Check):
             return
         count, step, source = self._none
         self._none = False
+        if any(f.kind == "zero-grad-before-step" for f in self.g.findings):
+            return  # the gradients were there (written by hand, `p.grad = ...`), and that zero_grad() wiped them: told
         name = type(optimizer).__name__
         self.emit("grads-all-zero", "loss",
                   f"{name}.step() ran at each of the last {count} steps, with the model called before it, but none of "
