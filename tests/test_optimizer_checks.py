@@ -3001,3 +3001,25 @@ def test_a_head_zeroed_by_hand_after_it_trained_under_one_optimizer_is_told_duri
     [f] = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
     assert (f.where, f.step) == ("heads.0", 60) and f.details["zeroed_after_backward"] is True, f
     assert "zeroed in place after backward" in f.message and "p.grad = None" in f.hint
+
+
+def test_an_averaged_copy_forwarded_instead_of_the_model_is_told_once_as_disconnected():
+    """SWA: after swa_start the loop forwards the AveragedModel (a copy the optimizer does not hold) and keeps
+    averaging it toward the model. loss-disconnected says the optimizer trains nothing; param-not-in-optimizer's "a
+    target network updated by averaging" with a no_grad fix (told as well until stop 44) would break training."""
+    from torch.optim.swa_utils import AveragedModel
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    swa = AveragedModel(model)
+    x, y = torch.randn(120, 6), torch.randint(0, 3, (120,))
+    with guard(live=False) as g:
+        for epoch in range(6):
+            net = swa if epoch >= 2 else model  # the bug: always `model`
+            for i in range(0, 120, 20):
+                opt.zero_grad()
+                F.cross_entropy(net(x[i:i + 20]), y[i:i + 20]).backward()
+                opt.step()
+            if epoch >= 2:
+                swa.update_parameters(model)
+    assert [f.kind for f in g.findings if f.severity != "info"] == ["loss-disconnected"]

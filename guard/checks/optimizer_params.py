@@ -646,6 +646,8 @@ class OptimizerParams(Check):
             if not any(bool((p.grad != 0).any()) for p in params if p.grad.layout is torch.strided):
                 return False
         self._outside_told.update(id(p) for p in params)  # (told once: not again by a later look or walk)
+        if any(f.kind == "loss-disconnected" for f in self.g.findings):
+            return True  # the loss trains an averaged copy instead of the model (SWA's model forwarded): told so there
         named, owned, _ = _outside_names(params)  # the user's variables (`critic_t.q.0.weight`): clearer than paths
         if all(named):
             names, owner = named, owned or owner
