@@ -2135,6 +2135,26 @@ def test_the_averaged_model_evaluated_in_train_mode_is_told(kind):
     assert f[0].where == ("AveragedModel" if kind == "swa" else "Sequential#2")
 
 
+def test_sam_without_zero_grad_at_the_first_iteration_is_told_live_at_the_step_the_summary_gives(capsys):
+    """Under a global guard the optimizer is known from its first step: until then each backward() counts a step, and
+    that first step makes both of SAM's backwards step 0. The live line said step 1 (the summary 0) until stop 44."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(live=True) as g:
+        for x, y in batches(3):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * p.grad)
+            F.mse_loss(model(x), y).backward()  # the bug: no zero_grad() before it
+            opt.step()
+    err = capsys.readouterr().err
+    assert [(f.kind, f.step) for f in g.findings] == [("missing-zero-grad", 0)]
+    assert "guard WARNING missing-zero-grad at SGD, step 0 " in err
+
+
 @pytest.mark.parametrize("scope, sam_from", [("global", 0), ("global", 4), ("model", 0), ("model", 4)])
 def test_sam_without_zero_grad_between_its_two_passes_names_the_optimizer(scope, sam_from):
     """SAM written inline, no zero_grad() before the second backward: the step applies g(w) + g(w + e). The

@@ -466,6 +466,7 @@ class MissingZeroGrad(Check):
             # now, before this backward adds to the gradients, and read with the step's other values.
             step, src = self.g.step, self.g.source()
             within = self.g.has_optimizer  # (backwards within one optimizer step: SAM's two passes)
+            noted = self._manual_step  # the earlier backward's step
             with torch.no_grad():
                 values = [n.reshape(()).float() for n in fused_norms([p.grad.detach() for p in stale])[0]]
                 values += [(p.detach().reshape(-1)[:first.numel()] != first).any().float() for p, first in snaps]
@@ -483,7 +484,7 @@ class MissingZeroGrad(Check):
                     # the gradients summed on purpose: SAM perturbs every one
                     return
                 if left and (not within or self._owner(left) is not None):
-                    self._manual_emit(left, step, src)
+                    self._manual_emit(left, step, src, noted)
             self.g.stage_batch(lambda: [(staged, verdict)])
         if kept and self.following and not self.g.costly_step:
             self.follow(False)  # a budget samples this check: one backward after a sampled one was compared
@@ -539,7 +540,7 @@ class MissingZeroGrad(Check):
         return next((o for o in [*self.g.optimizers, *frame_optimizers()]
                      if any(id(q) in ids for grp in o.param_groups for q in grp["params"])), None)
 
-    def _manual_emit(self, stale: List[torch.Tensor], step: int, src: Optional[str]) -> None:
+    def _manual_emit(self, stale: List[torch.Tensor], step: int, src: Optional[str], noted: int = 0) -> None:
         if self._manual_told:
             return
         self._manual_told = True
@@ -549,6 +550,8 @@ class MissingZeroGrad(Check):
         if opt is not None:
             # Known only since its first step: the change in place between the two backwards was no update but a
             # perturbation (SAM's `p.add_(e)`), and the optimizer's step applies the sum of both gradients.
+            if not self.g.has_optimizer:
+                step = noted  # (steps counted by backward() until that first step, which makes both backwards one step)
             name = type(opt).__name__
             self.emit("missing-zero-grad", name,
                       f"{name}.step() applies the sum of two backward()s: the parameters were changed in place after "
