@@ -1391,17 +1391,23 @@ def test_an_optimised_input_made_nan_by_its_update_is_not_dirty_data():
     assert "SGD optimises" in f.message and "dirty" not in f.message and "clamp_min" in f.hint
 
 
-def test_a_module_whose_own_buffer_holds_minus_inf_is_named_with_that_buffer():
+@pytest.mark.parametrize("kept_as", ["buffer", "parameter"])
+def test_a_module_whose_own_buffer_holds_minus_inf_is_named_with_that_buffer(kept_as):
     """A CRF with hard constraints as a -inf buffer: a gold path that takes a forbidden transition scores -inf, and
-    the normaliser minus it is NaN. The module's inputs are finite; its buffer is the cause."""
+    the normaliser minus it is NaN. The module's inputs are finite; its buffer is the cause. The same constraint
+    written into the transitions parameter at init is named so too (the generic overflow hint until stop 44)."""
 
     class CRF(nn.Module):
         def __init__(self):
             super().__init__()
-            self.trans = nn.Parameter(torch.zeros(3, 3))
             c = torch.zeros(3, 3)
             c[0, 2] = float("-inf")  # tag 0 may not be followed by tag 2
-            self.register_buffer("constraint", c)
+            if kept_as == "buffer":
+                self.trans = nn.Parameter(torch.zeros(3, 3))
+                self.register_buffer("constraint", c)
+            else:
+                self.trans = nn.Parameter(c)
+                self.constraint = 0.0
 
         def forward(self, emissions, tags):
             t = self.trans + self.constraint
@@ -1422,7 +1428,11 @@ def test_a_module_whose_own_buffer_holds_minus_inf_is_named_with_that_buffer():
         loss.backward()
         opt.step()
     f = only(g, "nonfinite-output")
-    assert f.where == "crf" and f.details["nonfinite_buffers"] == ["constraint"] and "-1e4" in f.hint
+    assert f.where == "crf" and "-1e4" in f.hint
+    if kept_as == "buffer":
+        assert f.details["nonfinite_buffers"] == ["constraint"] and "buffer `constraint` holds -inf/inf" in f.message
+    else:
+        assert f.details["constraint_params"] == ["trans"] and "parameter `trans` holds -inf/inf" in f.message
 
 
 class _Distances(nn.Module):

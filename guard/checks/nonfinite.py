@@ -1154,7 +1154,7 @@ class NonFinite(Check):
                                **({"no_mask_in_forward": True} if no_mask else {})})
             return True
         huge = self._huge_weights(module) if module is not None and not bad_params else []
-        inf_buffers = []
+        inf_buffers, inf_params = [], []
         if module is not None and not bad_params and not huge:
             # (read when reporting only) a buffer of the module's own holding +-inf: a hard constraint (forbidden CRF
             # transitions) that a path the data takes meets, where -inf - -inf or 0 * -inf makes NaN
@@ -1165,6 +1165,9 @@ class NonFinite(Check):
                        for b in ("running_mean", "running_var")}
             inf_buffers = [n for n, b in module.named_buffers()
                            if n not in written and screenable(b) and not bool(torch.isfinite(b).all())]
+            # the same constraint kept as a parameter that held +-inf before any update (`transitions` of a CRF)
+            inf_params = [n for n, p in module.named_parameters()
+                          if self._born.get(p) == "inf" and screenable(p) and not bool(torch.isfinite(p.detach()).all())]
         nan_buffers = [n for n in inf_buffers if bool(torch.isnan(dict(module.named_buffers())[n]).any())]
         if nan_buffers:
             why = (f"its inputs were finite, but its buffer {', '.join(f'`{n}`' for n in nan_buffers[:3])} holds NaN "
@@ -1173,8 +1176,10 @@ class NonFinite(Check):
             hint = ("Compute the statistics from clean data: drop or impute the NaN readings first, or use "
                     "torch.nanmean and a NaN-aware std; then check the buffer once after filling it "
                     "(torch.isfinite(buf).all()).")
-        elif inf_buffers:
-            why = (f"its inputs were finite, but its buffer {', '.join(f'`{n}`' for n in inf_buffers[:3])} holds "
+        elif inf_buffers or inf_params:
+            held = (f"buffer {', '.join(f'`{n}`' for n in inf_buffers[:3])}" if inf_buffers else
+                    f"parameter {', '.join(f'`{n}`' for n in inf_params[:3])}")
+            why = (f"its inputs were finite, but its {held} holds "
                    f"-inf/inf (a hard constraint, such as forbidden CRF transitions): a path the data takes meets it, "
                    f"and -inf - -inf or 0 * -inf is NaN")
             hint = ("Use a large finite value for forbidden entries (-1e4 rather than -inf), or check that the gold "
@@ -1224,6 +1229,7 @@ class NonFinite(Check):
                            **({"fully_masked_rows": int(rows.sum())} if rows is not None else {}),
                            **({"huge_weights": {n: v for n, v, _ in huge[:20]}} if huge else {}),
                            **({"nonfinite_buffers": inf_buffers[:20]} if inf_buffers else {}),
+                           **({"constraint_params": inf_params[:20]} if inf_params and not inf_buffers else {}),
                            **({"zero_arguments": call.zeros} if call.zeros and not bad_params else {}),
                            **({"before_any_update": True} if bad_params and born_bad else {}),
                            **(details_extra or {})})
