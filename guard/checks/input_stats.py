@@ -132,7 +132,7 @@ class InputStats(Check):
         # (an inf in the input, a range sensor's "no return" the model masks itself, says nothing of its scale)
         raw = (mn >= 0) & (mx > RAW_MAX) & torch.isfinite(mx)
         if conv:  # (a binary mask, a silhouette's 0s and 1s, is no photo to normalize)
-            binary = ((d == 0) | (d == 1)).all()
+            binary = (d - d * d).amax() <= 0  # (within [0, 1], d - d^2 is 0 at 0 and 1 only)
             bad = raw | ((mn >= 0) & (mx <= 1) & (mean > MEAN_01) & ~binary)
         else:
             bad = raw
