@@ -19,11 +19,15 @@ that finds their gradients as the last one left them (same tensor, same version)
 while the parameters themselves changed in between (their version, or, for
 updates through ``.data``, their first values) adds onto gradients that were
 already applied. Several backwards before one update (accumulation) change no
-parameter in between and stay silent.
+parameter in between and stay silent. With an optimizer, the same comparison runs
+between the backwards of one step once a step has applied several (SAM's two
+passes without ``zero_grad()`` between them), over 8 of the optimizers' own
+parameters and by value; a perturbation of only part of them (AWP, FGM) is deliberate.
 
 Cost: nothing per module call and nothing per step while ``zero_grad()`` is
 called; the parameters are looked at only at a backward that follows a step
-without it (with no optimizer, 4 parameters' versions per backward).
+without it (with no optimizer, 4 parameters' versions per backward; in loops of
+several backwards a step, 8 parameters' first values per backward).
 """
 from __future__ import annotations
 
@@ -440,8 +444,9 @@ class MissingZeroGrad(Check):
             self._manual_after()  # (no resolution comes between two backwards of one optimizer step)
 
     def _manual_backward(self, later: bool = True) -> None:
-        """A backward with no optimizer seen: did the parameters change since the last one left their gradients,
-        while those gradients stayed as they were? Then the update used them and nothing cleared them."""
+        """A backward with no optimizer seen (or, `later` False, a later backward of one optimizer step): did the
+        parameters change since the last one left their gradients, while those gradients stayed as they were? Then
+        the update (or SAM's perturbation) used them and nothing cleared them."""
         kept, self._manual = self._manual, []
         stale, moved, snaps = [], set(), []
         judged = 0
@@ -493,7 +498,8 @@ class MissingZeroGrad(Check):
             self.g.stage_batch(self._manual_after)
 
     def _manual_after(self) -> list:
-        """At the backward's resolution (after it ran): note the state of up to 4 parameters with gradients."""
+        """At the backward's resolution (after it ran; with an optimizer, at its end): note the state of up to 4
+        parameters with gradients (8 of the optimizers' own with an optimizer)."""
         if self._manual_told or (self.g.has_optimizer and not self._multi):
             return []
         out = []
