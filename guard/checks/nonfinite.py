@@ -1269,6 +1269,9 @@ class NonFinite(Check):
             return  # (one finding a step: a global guard sees the gradients at backward() and again at step())
         self._grads_told = step
         nan = any(v != v for v in values)
+        if nan and not graphs:  # the last backward's graph, looked at on this error path only
+            last = self._last_loss() if self._last_loss is not None else None
+            graphs = [last.grad_fn] if last is not None and last.grad_fn is not None else []
         if not nan and taken_input is None and not masked:
             # an infinite norm of finite elements: float32's sum of squares overflows past 3.4e38 (|g| ~ 1e20)
             huge = _overflowed_norms(gn.params, values)
@@ -1293,9 +1296,6 @@ class NonFinite(Check):
                     "exactly 0 has an infinite derivative (add an eps), and so does logsumexp over a row that is "
                     "all -inf. An overflow of the backward itself (an exploding loss) is rare in float32: clip "
                     "gradients (torch.nn.utils.clip_grad_norm_) if their norms grew before.")
-            if not graphs:
-                last = self._last_loss() if self._last_loss is not None else None
-                graphs = [last.grad_fn] if last is not None and last.grad_fn is not None else []
             steep = _steep_ops(graphs) if graphs else []
             if steep:
                 hint = ("; ".join(_STEEP_HINTS[o] for o in steep[:2]) + ". Otherwise: " + hint)
@@ -1306,9 +1306,6 @@ class NonFinite(Check):
         if nan and taken_input is None:
             bad = [p for p, n in zip(gn.params, gn.names) if n in names]
             # (a parameter used k times in the loss graph has its gradient summed in place k - 1 times by autograd)
-            if not graphs:
-                last = self._last_loss() if self._last_loss is not None else None
-                graphs = [last.grad_fn] if last is not None and last.grad_fn is not None else []
             uses = _leaf_uses(graphs, {id(p) for p in bad}) if bad else {}
             if bad and all(p.grad is not None and p.grad._version > max(0, uses.get(id(p), 1) - 1) for p in bad):
                 # written in place since backward made them (or added to by several backwards): code that edits .grad
