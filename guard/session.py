@@ -112,6 +112,7 @@ class Guard(Wiring):
         self._root_seen = False  # a watched model was called (model mode)
         self._fresh_step = False  # a step just ended: no model call or backward() since (Wiring._hook_step_pre)
         self._lagging: Optional[Any] = None  # an optimizer stepping after the step it belongs to ended
+        self._handovers = 0  # optimizers that took the step count over (Wiring._hook_step_post)
         # the thread followed: (ident, thread, whether it stepped yet) (Wiring._foreign)
         self._owner: Optional[Tuple[int, threading.Thread, bool]] = None
         self._told_threads = False  # another thread's events were seen while one is followed
@@ -369,12 +370,13 @@ class Guard(Wiring):
         """`check` (or guard itself, None) failed: switch it off, say so once, keep training going."""
         self.router.contain(check, exc)
 
-    def notice(self, message: str) -> None:
-        """Say once (stderr and the dump's ``notices``) what guard cannot check; not a finding."""
+    def notice(self, message: str, *, console: bool = True) -> None:
+        """Say once what guard cannot check (stderr unless not `console`; always the dump's ``notices``)."""
         message = printable(message)
         if message not in self.record.notices:
             self.record.notices.append(message)
-            self.console().internal(message)
+            if console:
+                self.console().internal(message)
 
     # ------------------------------------------------------------------ findings
     def emit(self, kind: str, where: str, message: str, hint: str, *, check: Optional[Check] = None,

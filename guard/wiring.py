@@ -33,6 +33,9 @@ _NO_OUTPUT = object()
 #: that first steps within this many steps (watched.Watched.watch_optimizer)
 EARLY_STEPS = 64
 
+#: optimizers taking the step count over that are told on stderr (the rest go to the dump's notices only)
+HANDOVERS_TOLD = 2
+
 #: a parametrized weight read (``layer.weight`` under torch.nn.utils.parametrize) calls this module: it is a
 #: parameter read, never a model call, wherever it happens
 _PARAM_READ = torch.nn.utils.parametrize.ParametrizationList
@@ -526,10 +529,16 @@ class Wiring:
                                "successor": "which it replaces (it steps all of that one's parameters, or all of "
                                             "the model's after they were replaced: re-created to resume, or for "
                                             "the next round)"}[why]
+                        # A search or k-fold run hands over once per trial: the first few are told, the rest
+                        # only kept in the dump (each line is right; thirteen of them are noise).
+                        self._handovers += 1
+                        if self._handovers == HANDOVERS_TOLD + 1:
+                            self.notice("guard: more optimizers take the step count over (a new one per trial, "
+                                        "fold or model): they are listed in the report's notices, not here.")
                         self.notice(f"guard: {type(opt).__name__} has stepped {n} times without a step of the "
                                     f"optimizer guard counted steps by, {why}: its steps count from now on"
                                     + (f" (findings of steps {self.step}-{self.step + n - 1} carry step {self.step})"
-                                       if n > 1 else "") + ".")
+                                       if n > 1 else "") + ".", console=self._handovers <= HANDOVERS_TOLD)
                     self._resolve()
                     self.step += n - 1  # the steps it made meanwhile count too: numbers follow the loop again
                     self._end_step(t0)

@@ -211,6 +211,27 @@ def test_an_optimizer_replaced_mid_run_takes_over_the_step_count():
     assert any("SGD has stepped 2 times" in n and "which it replaces" in n for n in g.notices), g.notices
 
 
+def test_a_search_of_many_trials_tells_the_first_hand_overs_and_keeps_the_rest_in_the_dump(capsys):
+    """A successive-halving search (a new model and optimizer per trial, under one global guard): each trial's
+    optimizer takes the step count over; thirteen lines of it were noise. The first two are told, then one line
+    says the rest are in the report's notices."""
+    torch.manual_seed(0)
+    trials = []  # every trial's model and optimizer kept, to pick the best at the end
+    with guard(live=True) as g:
+        for trial in range(6):
+            model = mlp()
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            trials.append((model, opt))
+            for step in range(10):
+                nan_step(model, opt, step, bad_step=-1)
+    err = capsys.readouterr().err
+    handed = [n for n in g.notices if "has stepped" in n and "count from now on" in n]
+    assert len(handed) == 5, g.notices
+    assert err.count("count from now on") == 2, err
+    assert err.count("listed in the report's notices, not here") == 1, err
+    assert g.findings == []
+
+
 @pytest.mark.parametrize("keep_old", [True, False])
 def test_an_optimizer_recreated_over_the_same_model_is_followed_under_a_model_guard(keep_old):
     """guard(model, opt), then a new optimizer over the same model (resume: state loaded; or a new round): its steps
