@@ -112,7 +112,6 @@ class Guard(Wiring):
         self._root_seen = False  # a watched model was called (model mode)
         self._fresh_step = False  # a step just ended: no model call or backward() since (Wiring._hook_step_pre)
         self._lagging: Optional[Any] = None  # an optimizer stepping after the step it belongs to ended
-        self._handovers = 0  # optimizers that took the step count over (Wiring._hook_step_post)
         # the thread followed: (ident, thread, whether it stepped yet) (Wiring._foreign)
         self._owner: Optional[Tuple[int, threading.Thread, bool]] = None
         self._told_threads = False  # another thread's events were seen while one is followed

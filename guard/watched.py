@@ -164,6 +164,7 @@ class Watched:
         self.module_ids = WeakIdMap()
         self.module_paths: set = set()
         self._param_names = WeakIdMap()  # param -> name; an entry dies with its parameter (ids are reused)
+        self._stale_names = False  # a known module moved within a watched one: names to take afresh
         self.stepped_in: Dict[int, int] = {}  # id(optimizer) -> ident of the thread it last stepped in
         self.primary_called = True  # a model the primary optimizer trains was called since the last step
         self.quiet = 0  # steps of other optimizers in a row with no call of the primary's models
@@ -374,6 +375,8 @@ class Watched:
 
     def param_name(self, param: torch.Tensor, optimizers: List[torch.optim.Optimizer]) -> str:
         """A parameter's qualified name in the watched model(s), or a positional fallback."""
+        if self._stale_names:
+            self._stale_names, self._param_names = False, WeakIdMap()
         names = self._param_names
         name = names.data.get(id(param))
         if name is None:
@@ -507,6 +510,11 @@ class Watched:
         ppath = self.known_path(parent)
         if ppath is None:
             return []
+        if self.known_path(module) is not None or self.known_path(parent._modules.get(name)) is not None:
+            # A known module moved (`model.old_head = model.head`, then a new `model.head`): its parameters'
+            # names, cached from first sight, are taken afresh at the next name asked (the hook runs before
+            # the assignment, so not now).
+            self._stale_names = True
         if id(parent) in self.root_ids or parent in self.roots_seen:
             label = self._prefix.get(id(parent))
             base = f"{label}.{name}" if label else name

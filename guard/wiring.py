@@ -93,6 +93,7 @@ class Wiring:
     # ------------------------------------------------------------------ installation
     def _install(self) -> None:
         inst = self._installer
+        self._handovers = 0  # optimizers that took the step count over (_hook_step_post)
         router = self.router
         if self._models:
             # Every module's first call is seen from its start (pre-hook) and end (post-hook: the module

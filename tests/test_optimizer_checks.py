@@ -249,6 +249,45 @@ def test_an_idle_expert_shrunk_by_weight_decay_names_the_routing():
     assert f.where == "experts.1" and f.details["expert"] is True and "collapsed expert" in f.hint
 
 
+@pytest.mark.parametrize("given", [True, False])
+def test_an_old_head_kept_registered_after_surgery_is_named_where_it_is_now(given):
+    """Head surgery for a second task keeps the old head registered (`model.old_head = model.head`), then a new
+    `model.head`; AdamW over model.parameters() decays the unused old head. Its parameters were named at first
+    sight, when they were `head`: the finding named the new, training head."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(12, 48), nn.ReLU())
+            self.head = nn.Linear(48, 2)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    x = torch.randn(400, 12)
+    ya, yb = (x[:, 0] > 0).long(), (x[:, 1] > 0).long() + (x[:, 2] > 0).long()
+    model = Net()
+    with guard(model if given else None, live=False) as g:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+        for i in range(0, 400, 40):
+            opt.zero_grad(set_to_none=False)
+            F.cross_entropy(model(x[i:i + 40]), ya[i:i + 40]).backward()
+            opt.step()
+        model.old_head = model.head
+        model.head = nn.Linear(48, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+        for _ in range(3):
+            for i in range(0, 400, 40):
+                opt.zero_grad(set_to_none=False)
+                F.cross_entropy(model(x[i:i + 40]), yb[i:i + 40]).backward()
+                opt.step()
+    f = only(g, "weight-decay-without-grad")
+    assert f.where == "old_head", f
+    assert f.message.startswith("old_head: 2 parameter(s)"), f.message
+    assert sorted(f.details["names"]) == ["old_head.bias", "old_head.weight"], f.details
+
+
 def test_none_grads_and_weight_decay_free_group_are_clean():
     g = weight_decay_no_grad.train(fixed=True, live=False, checks="all")
     assert g.findings == [] and g.internal_errors == []
