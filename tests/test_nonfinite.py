@@ -1675,6 +1675,35 @@ def test_nan_gradients_of_a_finite_loss_name_the_op_with_an_infinite_derivative(
     assert ("1 - 1e-7" if loss_of == "acos" else "d2 + 1e-12") in f.hint
 
 
+@pytest.mark.parametrize("bug", ["filtered", "masked"])
+def test_nan_gradients_through_ctc_name_zero_infinity_or_the_minus_inf_mask(bug):
+    """CTC: utterances too short for their transcripts filtered out by hand (`loss[torch.isfinite(loss)].mean()`),
+    or a language's classes masked with -inf before log_softmax. The loss is finite, ctc_loss's backward makes NaN.
+    The hint led with torch.where and never said zero_infinity (stop 45)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(12, 4, 8)  # (T, N, features)
+    targets = torch.randint(1, 6, (4, 5))
+    in_lens = torch.tensor([12, 12, 3, 12]) if bug == "filtered" else torch.full((4,), 12)
+    with guard(model, opt, live=False) as g:
+        logits = model(x)
+        if bug == "masked":
+            logits = logits.masked_fill(torch.tensor([False] * 5 + [True]), float("-inf"))
+            targets = targets.clamp(max=4)
+        lp = logits.log_softmax(-1)
+        loss = F.ctc_loss(lp, targets, in_lens, torch.full((4,), 5), reduction="none")
+        loss = loss[torch.isfinite(loss)].mean()
+        assert torch.isfinite(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    [f] = g.findings
+    assert (f.kind, f.step) == ("nonfinite-grad", 0)
+    assert f.hint.startswith("ctc_loss (in the loss graph) gives NaN gradients")
+    assert "zero_infinity=True" in f.hint and "torch.finfo(x.dtype).min" in f.hint
+
+
 def test_batchnorm_statistics_made_nan_by_the_same_call_are_not_blamed():
     """PointNet++ feature propagation, `1.0 / dists` with no epsilon at a distance of 0, then a BatchNorm in training
     mode inside the same module: the NaN also lands in the BatchNorm's running statistics during that call. They are

@@ -1538,8 +1538,15 @@ _DOMAIN_HINTS = {
 # Ops whose derivative is infinite at a finite point of their input, by autograd node: the forward is finite there and
 # the backward makes 0 * inf (read when gradients are NaN from a finite loss)
 # (torch's norms and cdist take a subgradient of 0 at a vector of zeros: not among them)
-_STEEP_OPS = {"AcosBackward0": "acos", "AsinBackward0": "asin", "SqrtBackward0": "sqrt"}
+_STEEP_OPS = {"CtcLossBackward0": "ctc", "AcosBackward0": "acos", "AsinBackward0": "asin", "SqrtBackward0": "sqrt"}
 _STEEP_HINTS = {
+    # (first: an infinite CTC loss is there to be found, and a filter after it hides it from the forward)
+    "ctc": "ctc_loss (in the loss graph) gives NaN gradients for an utterance whose loss is inf (no valid alignment: "
+           "its input, after the model's subsampling, shorter than its target plus one frame between repeated "
+           "labels), even when that loss is dropped afterwards (an isfinite filter or torch.where over the "
+           "per-utterance losses): pass zero_infinity=True (nn.CTCLoss(zero_infinity=True) zeroes such losses and "
+           "their gradients); and for log-probs of -inf (classes masked with -inf before log_softmax), which "
+           "zero_infinity does not cover: mask with torch.finfo(x.dtype).min instead of -inf",
     "acos": "acos (in the loss graph) has an infinite derivative at exactly 1 or -1, reached when two rotations or "
             "directions match (a geodesic loss acos((tr(R1^T R2) - 1) / 2) at a perfect prediction): clamp its input "
             "to [-1 + 1e-7, 1 - 1e-7]",
