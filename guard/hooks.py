@@ -81,7 +81,7 @@ def eager_frames() -> None:
 
         strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
         with _lock:
-            codes = {_HOOK_CODE} | _EAGER_CODES | {p.wrapper.__code__ for p in list(_patches.values()) + _orphans}
+            codes = {_HOOK_CODE, _STEP_HOOK_CODE} | _EAGER_CODES | {p.wrapper.__code__ for p in list(_patches.values()) + _orphans}
         for code in codes:
             set_code_exec_strategy(code, strategy)
     except Exception:  # a torch without these internals: hooks entered that way are skipped, nothing breaks
@@ -89,6 +89,27 @@ def eager_frames() -> None:
 
 
 _HOOK_CODE = _eager_only(len).__code__
+
+
+def _outside_graphs(fn: Callable) -> Callable:
+    """`fn` as an optimizer step hook that a compiled ``opt.step()`` (torch.compile over a function that steps,
+    the compiled-optimizer recipe) runs eagerly at a graph break of its own, around the step's graph.
+
+    Dynamo does not inline a function marked ``_torchdynamo_disable`` (the mark torch.compiler.disable sets;
+    set here without importing dynamo): traced, guard's step hooks made some twenty graph breaks and a
+    recompile per step on guard's state. `eager_frames` has the hook's frame, and what it calls, run
+    uncompiled. Unlike a module hook, a step hook cannot fold to nothing: the step is what guard counts by.
+    """
+
+    def step_hook(*args: Any) -> Any:
+        return fn(*args)
+
+    step_hook._torchdynamo_disable = True  # type: ignore[attr-defined]
+    step_hook.__wrapped__ = fn  # type: ignore[attr-defined]
+    return step_hook
+
+
+_STEP_HOOK_CODE = _outside_graphs(len).__code__
 
 
 def caller_frame() -> Any:
@@ -644,14 +665,16 @@ def _forward_hook_registrar() -> Callable[[Callable], Any]:
     return register
 
 
-_OPT_PRE = _SharedHook(lambda: _optim_mod.register_optimizer_step_pre_hook, _run_pre)
-_OPT_POST = _SharedHook(lambda: _optim_mod.register_optimizer_step_post_hook, _run_post)
+_OPT_PRE = _SharedHook(lambda: lambda hook: _optim_mod.register_optimizer_step_pre_hook(_outside_graphs(hook)),
+                       _run_pre)
+_OPT_POST = _SharedHook(lambda: lambda hook: _optim_mod.register_optimizer_step_post_hook(_outside_graphs(hook)),
+                        _run_post)
 _REGISTRATION = _SharedHook(lambda: _module_mod.register_module_module_registration_hook, _run_registration)
 # torch calls these for every module call in the process, with the dynamo and jit.trace test in front of the loop
 _FORWARD_PRE = _SharedHook(lambda: lambda hook: _module_mod.register_module_forward_pre_hook(_eager_only(hook)),
                            _run_each)
 _FORWARD_POST = _SharedHook(_forward_hook_registrar, _run_each)
-_PASS_CODES = {_HOOK_CODE, _SharedHook.hook.__code__, _run_each.__code__}  # frames between torch and a hook
+_PASS_CODES = {_HOOK_CODE, _STEP_HOOK_CODE, _SharedHook.hook.__code__, _run_each.__code__}  # frames between torch and a hook
 
 
 # --------------------------------------------------------------------------- installer
@@ -764,8 +787,8 @@ class Installer:
             self._keep(_OPT_PRE.subscribe(pre))
             self._keep(_OPT_POST.subscribe(post))
         else:
-            self._keep(optimizer.register_step_pre_hook(pre))
-            self._keep(optimizer.register_step_post_hook(post))
+            self._keep(optimizer.register_step_pre_hook(_outside_graphs(pre)))
+            self._keep(optimizer.register_step_post_hook(_outside_graphs(post)))
 
     def grad_hook(self, param: torch.Tensor, fn: Callable) -> _Handle:
         """A post-accumulate-grad hook on `param`, until close or the handle's ``remove()``.

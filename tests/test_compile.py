@@ -125,3 +125,48 @@ def test_compiled_model_parameters_and_eval_mode_are_named_as_in_the_users_model
     assert found["nonfinite-param"].where == "c.weight"  # not _orig_mod.c.weight
     assert found["eval-in-train-mode"].where == "Net"
     dynamo.reset()
+
+
+def _compiled_step_run(guarded, mode, nan_at=None, steps=10):
+    """The compiled-optimizer recipe: `@torch.compile def step_fn(): opt.step()`, the model eager."""
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3))  # a tensor lr: no recompile as it changes
+    g = (guard.guard(model, opt, live=False) if mode == "model" else guard.guard(live=False)).start() if guarded else None
+
+    @torch.compile(backend="eager")
+    def step_fn():
+        opt.step()
+
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+    try:
+        for i in range(steps):
+            out = model(x)
+            loss = nn.functional.mse_loss(out, y)
+            if i == nan_at:  # finite, with an infinite derivative: NaN gradients, a finite loss
+                loss = loss + torch.sqrt((out - out.detach()).pow(2).sum())
+            opt.zero_grad()
+            loss.backward()
+            step_fn()
+    finally:
+        if g is not None:
+            g.close()
+    breaks = sum(counters["graph_break"].values())
+    return model, g, breaks, counters["stats"].get("unique_graphs"), dict(counters.get("recompiles", {}))
+
+
+@pytest.mark.parametrize("mode", ["model", "global"])
+def test_a_compiled_optimizer_step_runs_guards_step_hooks_eagerly_without_tracing_them(mode):
+    """Dynamo traced guard's step hooks inside a compiled `opt.step()`: some twenty graph breaks in guard's code
+    (sys._getframe, thread ids, .item()) and a graph per step (recompiles on guard's state). The hooks now run
+    eagerly at one break around the step's graph: the graphs are the unguarded run's, nothing recompiles, and the
+    NaN gradients of step 6 are told at step 6, before the compiled update."""
+    plain, _, plain_breaks, plain_graphs, _ = _compiled_step_run(False, mode)
+    model, g, breaks, graphs, recompiles = _compiled_step_run(True, mode, nan_at=6)
+    assert graphs == plain_graphs and not recompiles, (graphs, plain_graphs, recompiles)
+    assert breaks <= max(plain_breaks, 1), breaks
+    assert g.step == 10
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-grad", 6)], g.findings
+    assert g.findings[0].where == "0.weight"
