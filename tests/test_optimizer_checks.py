@@ -488,6 +488,33 @@ def test_a_group_of_frozen_parameters_added_mid_run_is_told():
     assert run(unfreeze=True).findings == []
 
 
+@pytest.mark.parametrize("unfreeze", [True, False])
+def test_gradual_unfreezing_is_not_told_and_a_backbone_frozen_all_run_is_told_from_the_first_step(unfreeze):
+    """ULMFiT-style gradual unfreezing: the optimizer holds every layer group from the start, frozen ones included,
+    and one group is unfrozen per epoch. That is the method, yet `frozen-param-in-optimizer` was told at the first
+    step (stop 45: told at the end, and only when none of them was unfrozen meanwhile, still with the first step)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    m[0].requires_grad_(False)
+    m[2].requires_grad_(False)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.0)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    with guard(m, opt, live=False) as g:
+        for epoch in range(3):
+            if unfreeze and epoch >= 1:
+                m[4 - 2 * epoch].requires_grad_(True)  # epoch 1: the middle layer, epoch 2: the first
+            for _ in range(5):
+                opt.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+    if unfreeze:
+        assert g.findings == []
+    else:
+        f = only(g, "frozen-param-in-optimizer")
+        assert (f.severity, f.step, f.details["parameters"]) == ("info", 0, 4), f
+        assert f.source and f.source.startswith("tests/test_optimizer_checks.py")
+
+
 def test_frozen_backbone_done_right_is_clean():
     g = finetune_optimizer.train(fixed=True, live=False, checks="all")
     assert g.findings == [] and g.internal_errors == []

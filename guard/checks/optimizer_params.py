@@ -128,6 +128,9 @@ class OptimizerParams(Check):
     def __init__(self, guard):
         super().__init__(guard)
         self._seen = WeakIdMap()  # optimizer -> how many of its param groups were looked at
+        # frozen parameters an optimizer was built with, told at the end unless some were unfrozen meanwhile
+        # (gradual unfreezing, ULMFiT's one layer group per epoch: holding them from the start is the method)
+        self._frozen_later: list = []
         self._missing_done = False
         self._cand = None  # (names missing at a look, that step, its line): confirmed CONFIRM_STEPS later
         self._first_look: Optional[Tuple[int, set]] = None  # (step, ids of trainable parameters) of the first look
@@ -396,6 +399,10 @@ class OptimizerParams(Check):
     def on_exit(self):
         if not self._missing_done and self._cand is not None:
             self._confirm()  # a run of one step
+        for refs, step, source, (kind, where, message, hint, details) in self._frozen_later:
+            params = [p for p in (r() for r in refs) if p is not None]
+            if params and not any(p.requires_grad for p in params):
+                self.emit(kind, where, message, hint, step=step, source=source, details=details)
 
     def _confirm(self) -> None:
         self._missing_done = True
@@ -492,9 +499,14 @@ class OptimizerParams(Check):
             ctor = f"torch.optim.{name}" if type(opt).__module__.startswith("torch.optim") else name
             hint = (f"Pass only trainable parameters: {ctor}(filter(lambda p: p.requires_grad, "
                     "model.parameters()), ...). If you unfreeze them later on purpose, this is fine.")
-        self.emit("frozen-param-in-optimizer", shown[0], message, hint, source=self.g.source(),
-                  details={"optimizer": name, "modules": shown, "parameters": len(frozen), "names": names[:20],
-                           **({"added_group": True} if added else {})})
+        args = ("frozen-param-in-optimizer", shown[0], message, hint)
+        details = {"optimizer": name, "modules": shown, "parameters": len(frozen), "names": names[:20],
+                   **({"added_group": True} if added else {})}
+        if added:
+            self.emit(*args, source=self.g.source(), details=details)
+        else:
+            self._frozen_later.append(([weakref.ref(p) for p in frozen], self.g.step, self.g.source(),
+                                       args + (details,)))
 
     def _missing_names(self) -> List[str]:
         """Trainable parameters of the watched models with a gradient that no watched optimizer holds."""
