@@ -1056,6 +1056,47 @@ def test_a_no_grad_pass_inside_each_training_step_is_no_evaluation(every):
     assert [(f.kind, f.step) for f in g.findings] == [("eval-in-train-mode", 12)]
 
 
+@pytest.mark.parametrize("bug", [False, True])
+def test_batchnorm_adaptation_switching_each_batchnorm_on_inside_an_eval_model_is_deliberate(bug):
+    """The 'Norm' baseline of test-time adaptation (the tent repository): `model.eval()`, then `m.train()` for each
+    BatchNorm, in a wrapper module (new, so in training mode) called under no_grad on test batches. BatchNorm
+    layers in training mode inside a block in eval mode were switched on by themselves: no `model.train()` does
+    that. It was told as an evaluation in train mode (stop 45). The wrapper over a model left training is."""
+    torch.manual_seed(0)
+
+    class Norm(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+            for m in model.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.train()
+
+        def forward(self, x):
+            return self.model(x)
+
+    base = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(base.parameters(), lr=0.05)
+    x, y = torch.randn(32, 3, 8, 8), torch.randint(0, 4, (32,))
+    with guard(live=False) as g:
+        for _ in range(5):
+            opt.zero_grad()
+            F.cross_entropy(base(x), y).backward()
+            opt.step()
+        if not bug:
+            base.eval()
+        model = Norm(base)
+        with torch.no_grad():
+            for _ in range(4):
+                model(torch.randn(16, 3, 8, 8) * 2 + 1)
+    if bug:
+        f = next(f for f in g.findings if f.kind == "eval-in-train-mode")
+        assert f.details["modules"] == ["model.1"], f.details
+    else:
+        assert g.findings == [], g.findings
+
+
 def test_eval_in_train_mode_leaves_swa_update_bn_alone():
     from torch.optim.swa_utils import update_bn
 

@@ -229,6 +229,19 @@ def _train_called_before(frame: Any) -> bool:
     return False
 
 
+def _parent_training(root: nn.Module, name: str) -> bool:
+    """Whether the block holding layer `name` of `root` is in training mode. A BatchNorm or Dropout training
+    inside a block in eval mode was switched on by itself, on purpose: `model.train()` sets every layer
+    alike (BN adaptation and TENT: `model.eval()`, then `bn.train()` for each BatchNorm, then a wrapper)."""
+    parent = name.rpartition(".")[0]
+    if not parent:
+        return True  # a child of the root: the root's own mode is what is judged
+    try:
+        return root.get_submodule(parent).training
+    except AttributeError:
+        return True
+
+
 class EvalInTrainMode(Check):
     name = "eval-in-train-mode"
     kinds = {
@@ -476,7 +489,7 @@ class EvalInTrainMode(Check):
                         self._reset.pop(m, None)
             return  # a statistics pass (momentum=None: AdaBN, precise BN by hand): its outputs are thrown away
         live = [(n, m) for n, r in mods if (m := r()) is not None and m.training
-                and not getattr(m, OPT_OUT, False) and not _recalibrating(m)]
+                and not getattr(m, OPT_OUT, False) and not _recalibrating(m) and _parent_training(module, n)]
         if self._reset.data:
             live = self._reestimation(module, path, live)
         if deliberate and (id(module), source) not in self._mc_bn:
