@@ -2685,6 +2685,28 @@ def test_langevin_backwards_on_a_model_left_in_train_mode_are_input_gradient_pas
         assert f.step == 0 and f.details["input_backwards"] == 4 and "sampler" in f.message
 
 
+def test_a_tower_accumulating_the_shared_loss_over_four_of_the_other_towers_steps_is_no_leak():
+    """Two-tower retrieval, one in-batch loss: the user tower steps every batch, the item tower accumulates the same
+    loss over 4 batches (its own optimizer, `iopt.step(); iopt.zero_grad()` every 4). Every backward is a joint one,
+    followed by the user tower's step, yet it was told as the user loss's gradients leaking into the item tower
+    (stop 45). A backward of D's own after the generator's is still told (the test below)."""
+    torch.manual_seed(0)
+    user, item = nn.Sequential(nn.Embedding(40, 8), nn.Linear(8, 8)), nn.Sequential(nn.Embedding(90, 8), nn.Linear(8, 8))
+    uopt, iopt = torch.optim.Adam(user.parameters(), 2e-3), torch.optim.Adam(item.parameters(), 2e-3)
+    with guard(live=False) as g:
+        iopt.zero_grad()
+        for k in range(24):
+            u, i = torch.randint(0, 40, (16,)), torch.randint(0, 90, (16,))
+            q, v = F.normalize(user(u), dim=-1), F.normalize(item(i), dim=-1)
+            uopt.zero_grad()
+            F.cross_entropy(q @ v.T / 0.1, torch.arange(16)).backward()
+            uopt.step()
+            if (k + 1) % 4 == 0:
+                iopt.step()
+                iopt.zero_grad()
+    assert g.findings == [], g.findings
+
+
 @pytest.mark.parametrize("order", ["leak", "leak-module-zero", "standard", "zero-before-own"])
 def test_a_generator_loss_left_in_the_discriminator_after_its_zero_grad_is_told(order):
     """`opt_d.zero_grad()` at the top, then the generator's backward (through D) and its step, then D's own

@@ -687,7 +687,14 @@ class MissingZeroGrad(Check):
             if other is None:
                 del self._zeroed_opts[key]
                 continue
-            if other is optimizer or self._backwards <= n or key in self._leaked:
+            if other is optimizer or self._backwards <= n:
+                continue
+            leak = self._leaked.get(key)
+            if leak is not None:
+                if leak[1] == self._label(optimizer):
+                    # this optimizer stepped again after more backwards into them: one loss for both, the other
+                    # accumulating it over several of this one's steps (a tower stepped every 4 batches)
+                    self._leaked[key] = (self._backwards,) + leak[1:]
                 continue
             first = _first_param(other)
             snap = self._at_zero.pop((id(optimizer), key), None)
