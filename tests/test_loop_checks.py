@@ -2441,6 +2441,45 @@ def test_test_time_adaptation_that_skips_unreliable_batches_is_no_evaluation(sel
         assert kinds(g) == ["eval-without-no-grad"]
 
 
+class _PriorBN(nn.BatchNorm1d):
+    """MEMO's prior BatchNorm: the running statistics mixed with the batch's, in either mode."""
+
+    def forward(self, x):
+        mean = 0.9 * self.running_mean + 0.1 * x.mean(0)
+        var = 0.9 * self.running_var + 0.1 * x.var(0, unbiased=False)
+        return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+
+class _CastBN(nn.BatchNorm1d):
+    """A BatchNorm run in float32 under mixed precision: torch's forward, through super()."""
+
+    def forward(self, x):
+        return super().forward(x.float()).type_as(x)
+
+
+@pytest.mark.parametrize("bn", ["prior", "cast"])
+def test_training_in_eval_mode_over_a_batchnorm_whose_own_forward_ignores_the_mode_is_not_told(bn):
+    """MEMO adapts at test time in eval mode on purpose, its BatchNorm replaced by one mixing the running statistics
+    with the test batch's (a subclass, or `nn.BatchNorm2d.forward = ...` as its repository does): nothing there
+    depends on the mode, yet it was told as training in eval mode with "frozen running statistics" (stop 45). A
+    subclass that hands over to torch's forward (`super().forward(x.float())`) is still told."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), (_PriorBN if bn == "prior" else _CastBN)(32), nn.ReLU(),
+                          nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 10)), torch.randint(0, 3, (8,))).backward()
+            opt.step()
+        model.eval()
+        for _ in range(6):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 10)), torch.randint(0, 3, (8,))).backward()
+            opt.step()
+    assert kinds(g) == ([] if bn == "prior" else ["train-in-eval-mode"]), g.findings
+
+
 @pytest.mark.parametrize("frozen", [True, False])
 def test_last_layer_retraining_of_a_frozen_model_kept_in_eval_mode_is_deliberate(frozen):
     """Deep feature reweighting: the model frozen and in eval mode (its BatchNorm statistics fixed), only the last

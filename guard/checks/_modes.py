@@ -2,6 +2,7 @@
 module's forward called a functional dropout."""
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import weakref
@@ -30,9 +31,33 @@ def mode_sensitive(model: nn.Module) -> List[Tuple[str, weakref.ref]]:
             if float(getattr(m, "dropout", 0.0) or 0.0) > 0:
                 out.append((name or type(m).__name__, weakref.ref(m)))
         elif isinstance(m, _BatchNorm):
-            if getattr(m, "track_running_stats", True):
+            if getattr(m, "track_running_stats", True) and _mode_read(type(m).forward):
                 out.append((name or type(m).__name__, weakref.ref(m)))
     return out
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_read_cache: dict = {}
+
+
+def _mode_read(forward: Any) -> bool:
+    """Whether a BatchNorm's `forward` depends on train/eval mode: torch's does; one of the user's own (a subclass, or
+    a patch of ``nn.BatchNorm2d.forward``: MEMO's prior BN, which mixes the running and the batch statistics in
+    both modes) only when it reads ``self.training`` or hands over to ``super()``."""
+    hit = _read_cache.get(forward)
+    if hit is None:
+        code = getattr(forward, "__code__", None)
+        if code is None or os.path.abspath(code.co_filename).startswith(_TORCH_DIR):
+            hit = True
+        else:
+            try:
+                src = inspect.getsource(forward)
+            except (OSError, TypeError):
+                src = None
+            hit = src is None or "training" in src or "super(" in src
+        if len(_read_cache) < 256:
+            _read_cache[forward] = hit
+    return hit
 
 
 #: the functional dropouts, patched for the mode checks (shared with dropout-in-eval: one wrapper each)
