@@ -59,6 +59,41 @@ def test_double_log_softmax_is_named_with_both_fixes(log_probs):
     assert f.details["looks_like"] == "log-probabilities"
 
 
+@pytest.mark.parametrize("bug", [True, False])
+def test_a_loss_call_that_starts_after_training_is_probed_on_its_first_calls(bug):
+    """Test-time pseudo-labelling after 60 steps of training through `nll_loss(log(p))`: the model returns
+    probabilities, and the adaptation phase feeds them to `cross_entropy`. The probe ran on steps 0-4 and every
+    50th only, so a 20-step phase from step 60 was never looked at (stop 45); a loss function on an input made by
+    an op not probed there before is now probed on its first calls. The clean twin takes the log first."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.f(x).softmax(-1)
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guard(model, opt, live=False) as g:
+        for _ in range(60):
+            one_step(model, F.nll_loss(model(torch.randn(32, 8)).clamp_min(1e-8).log(), torch.randint(0, 4, (32,))),
+                     opt)
+        for _ in range(20):
+            p = model(torch.randn(64, 8) + 1)
+            conf, pl = p.max(1)
+            mask = conf > 0.0
+            x = p[mask] if bug else p[mask].clamp_min(1e-8).log()
+            one_step(model, F.cross_entropy(x, pl[mask]) if bug else F.nll_loss(x, pl[mask]), opt)
+    if bug:
+        f = g.findings[0]
+        assert (f.kind, f.step) == ("softmax-before-cross-entropy", 60), g.findings
+    else:
+        assert g.findings == [], g.findings
+
+
 def test_a_single_class_log_softmax_is_not_double_log_softmax():
     """C = 1: log_softmax gives zeros (loss-constant's case), not a second log_softmax."""
     model = nn.Linear(3, 1)

@@ -124,6 +124,7 @@ class LossMisuse(Check):
         self._copies: Deque[Tuple[torch.Tensor, int, int, str, int, Optional[str]]] = deque(maxlen=MAX_COPIES)
         self._exc: Optional[BaseException] = None  # the exception being explained, if any
         self._ctc_told = False  # a CTC target finding was made (once per run)
+        self._firsts: Dict[Tuple[str, type], int] = {}  # (loss function, its input's grad_fn type) -> probes made
 
     # ------------------------------------------------------------------ cross_entropy / nll_loss
     def on_cross_entropy(self, args, kwargs):
@@ -132,26 +133,39 @@ class LossMisuse(Check):
     def on_nll_loss(self, args, kwargs):
         self._class_loss("nll_loss", args, kwargs)
 
-    def _class_loss(self, fn: str, args: tuple, kwargs: dict) -> None:
+    def _due(self, fn: str, x: Any) -> bool:
+        """Whether a probability probe is due: on the run's first steps, every PROB_EVERY-th, and on the first
+        PROB_STEPS calls of a loss function on an input made by an op not probed there before (a phase that starts
+        after training: test-time pseudo-labels through `cross_entropy` at step 60)."""
+        if not (self._want_prob and self.sampling):
+            return False
+        key = (fn, type(getattr(x, "grad_fn", None)))
+        n = self._firsts.get(key, 0)
+        if n < PROB_STEPS and len(self._firsts) < 256:
+            self._firsts[key] = n + 1
+            return True
         step = self.g.step
-        if not ((step < PROB_STEPS or step % PROB_EVERY == 0) and self._want_prob and self.sampling):
+        return step < PROB_STEPS or step % PROB_EVERY == 0
+
+    def _class_loss(self, fn: str, args: tuple, kwargs: dict) -> None:
+        probe = self._due(fn, args[0] if args else kwargs.get("input"))
+        if not probe:
             # The usual call: no probe due, and targets on the CPU (they raise by themselves): nothing to do.
             t = args[1] if len(args) > 1 else kwargs.get("target")
             if not (self._want_tgt and isinstance(t, torch.Tensor) and t.device.type not in SYNC_RAISING):
                 return
         try:
-            self._class_loss_checks(fn, args, kwargs)
+            self._class_loss_checks(fn, args, kwargs, probe)
         except Exception:
             # an earlier device-side assert surfacing here (sticky CUDA error): the host copies made before
             # it are complete, so explain first; then the error takes its course
             self._scan_copies(wait=False)
             raise
 
-    def _class_loss_checks(self, fn: str, args: tuple, kwargs: dict) -> None:
+    def _class_loss_checks(self, fn: str, args: tuple, kwargs: dict, probe: bool) -> None:
         x = _arg(args, kwargs, 0, "input")
         t = _arg(args, kwargs, 1, "target")
         step = self.g.step
-        probe = self._want_prob and self.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0)
         # Targets on the CPU raise by themselves (explained on the error path): the usual healthy call
         # on the host ends here, before any look at the tensors.
         copy = self._want_tgt and isinstance(t, torch.Tensor) and t.device.type not in SYNC_RAISING
@@ -196,10 +210,10 @@ class LossMisuse(Check):
     def on_kl_div(self, args, kwargs):
         """``kl_div(input, target)`` takes log-probabilities as its input (the target is in log space only with
         ``log_target=True``): an input that is non-negative with values above 0 (a softmax's output) is none."""
-        step = self.g.step
-        if not (self._want_prob and self.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0)):
-            return
         x = _arg(args, kwargs, 0, "input")
+        if not self._due("kl_div", x):
+            return
+        step = self.g.step
         if not isinstance(x, torch.Tensor) or not _checkable(x) or not x.is_floating_point() or x.dim() < 1:
             return
         d = x.detach()
@@ -222,7 +236,7 @@ class LossMisuse(Check):
             self._ctc_targets(t, _arg(args, kwargs, 3, "target_lengths"), c,
                               int(_arg(args, kwargs, 4, "blank", 0)))
         step = self.g.step
-        if self._want_prob and self.sampling and (step < PROB_STEPS or step % PROB_EVERY == 0):
+        if self._due("ctc_loss", lp):
             rows = lp.detach().reshape(-1, c)[:ROWS].float()
             lse = torch.logsumexp(rows, dim=1)
             # (rows of zeros: frames past an utterance's input length, padded after log_softmax, which ctc_loss never
