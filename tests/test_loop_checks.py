@@ -2714,6 +2714,52 @@ def _mining(evaluate):
     return g, skipped
 
 
+@pytest.mark.parametrize("adapts", [True, False])
+def test_a_wrapper_whose_forward_adapts_is_no_evaluation_when_its_filter_rejects_every_sample(adapts):
+    """SAR under a strong shift: its wrapper's forward runs the model with grad (`@torch.enable_grad()`), keeps the
+    confident samples and back-propagates their entropy, but here no sample passes, so no backward ever comes. It
+    was told as an evaluation outside no_grad, whose fix would switch the method off (stop 45). A wrapper whose
+    forward never back-propagates anything, called the same way, is still told."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    class Adapt(nn.Module):
+        def __init__(self, model, optimizer):
+            super().__init__()
+            self.model, self.optimizer = model, optimizer
+
+        @torch.enable_grad()
+        def forward(self, x):
+            out = self.model(x)
+            ent = -(out.softmax(1) * out.log_softmax(1)).sum(1)
+            kept = ent[ent < -1.0]  # (an impossible margin: the filter rejects every sample)
+            if kept.numel():
+                kept.mean().backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+            return out
+
+    class Predict(nn.Module):  # an evaluation wrapper: its forward only predicts
+        def __init__(self, model, optimizer):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(x)
+
+    with guard(live=False) as g:
+        for _ in range(10):
+            opt.zero_grad()
+            F.cross_entropy(net(torch.randn(16, 8)), torch.randint(0, 4, (16,))).backward()
+            opt.step()
+        adapt = (Adapt if adapts else Predict)(net, opt)
+        for _ in range(25):
+            adapt(torch.randn(16, 8) * 3)
+    found = [f for f in g.findings if f.kind == "eval-without-no-grad"]
+    assert (found == []) == adapts, g.findings
+
+
 def test_batches_skipped_after_the_forward_are_no_evaluation():
     """Runs of batches skipped on what their forward showed, between backwards of the same line: silent. An
     evaluation outside no_grad elsewhere in the loop is still told."""

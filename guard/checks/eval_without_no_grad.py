@@ -24,6 +24,8 @@ Reported once; afterwards the check stops tracking.
 """
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -56,6 +58,26 @@ FIRST_RUN = 8  # forwards dropped in the first run of a back-propagated line, to
 
 def _NONE() -> None:
     return None  # the weak reference of a model without BatchNorm
+
+
+_adapting: Dict[type, bool] = {}
+_BACKWARD = re.compile(r"\.backward\(|autograd\.backward\(")
+
+
+def _adapts_in_forward(module: Any) -> bool:
+    """Whether `module`'s class runs a backward in its own forward: a test-time adaptation wrapper (TENT, SAR,
+    EATA's forward-and-adapt) whose graphs its forward back-propagates, or leaves on purpose when its filter keeps no
+    sample (SAR under a strong shift rejects every one). Read once per class, on the report path."""
+    cls = type(module)
+    hit = _adapting.get(cls)
+    if hit is None:
+        try:
+            hit = bool(_BACKWARD.search(inspect.getsource(cls.forward)))
+        except (OSError, TypeError, AttributeError):
+            hit = False
+        if len(_adapting) < 256:
+            _adapting[cls] = hit
+    return hit
 
 
 class _Tag:
@@ -489,6 +511,7 @@ class EvalWithoutNoGrad(Check):
             # torch.tensor(loss.item(), ...)), dropped at once or still held by the last step's variables: that
             # finding is their cause
             unused = [r for r in unused if r.eval_mode]
+        unused = [r for r in unused if r.module is None or (m := r.module()) is None or not _adapts_in_forward(m)]
         drops = self._drops  # counted over the run: once per epoch recurs as surely as thrice in a step
         runs: Dict[Any, int] = {}  # (site, backward() calls before them) -> forwards dropped at once
         for r in unused:
