@@ -918,6 +918,41 @@ def test_a_trailing_optimizer_without_zero_grad_is_told_at_the_loops_step():
     assert g.report()["steps"] == 6
 
 
+@pytest.mark.parametrize("spike", [False, True])
+def test_a_warm_up_of_one_table_then_the_whole_model_is_no_explosion(spike):
+    """A new item table trained alone for 20 steps (`loss.backward(inputs=[model.items.weight])`), then the whole
+    model: the MLP's gradients join the total at step 20, which was told as a 74x explosion with a clip-to-0.02 fix
+    (stop 45). The window starts again when more parameters have gradients than ever before; a real spike later
+    is still told."""
+    torch.manual_seed(0)
+
+    class Rec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.items = nn.Embedding(50, 8)
+            nn.init.normal_(self.items.weight, std=0.01)
+            self.mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+        def forward(self, i):
+            return self.mlp(self.items(i)).squeeze(-1)
+
+    model = Rec()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for step in range(60):
+            i = torch.randint(0, 50, (64,))
+            y = torch.randn(64) * (300.0 if spike and step == 45 else 1.0)
+            loss = F.mse_loss(model(i), y)
+            opt.zero_grad()
+            if step < 20:
+                loss.backward(inputs=[model.items.weight])
+            else:
+                loss.backward()
+            opt.step()
+    found = [(f.kind, f.step) for f in g.findings]
+    assert found == ([("grad-explosion", 45)] if spike else []), g.findings
+
+
 def test_grad_explosion_is_reported_once_per_burst_and_follows_the_runs_spread():
     """Five exploding steps in a row are one report (count 1); a second burst later counts again.
     The bar follows the run: its ratio to the median is in the details and the message."""

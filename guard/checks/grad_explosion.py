@@ -74,9 +74,11 @@ RAMP_MIN = 1.02  # the least growth factor per step of such a test (fastai and t
 
 
 class _State:
-    __slots__ = ("window", "top", "where", "burst", "highs", "diverged", "early", "pushed", "losses", "first_loss")
+    __slots__ = ("window", "top", "where", "burst", "highs", "diverged", "early", "pushed", "losses", "first_loss",
+                 "most")
 
-    def __init__(self) -> None:
+    def __init__(self, most: int = 0) -> None:
+        self.most = most  # the most parameters with a gradient in one step so far
         self.window: deque = deque(maxlen=WINDOW)  # log norms
         self.top = -math.inf  # max(window), kept as values come and go (not recomputed every step)
         self.where: Optional[str] = None
@@ -203,6 +205,14 @@ class GradExplosion(Check):
         st = self._state.data.get(id(opt))
         if st is None:
             st = self._state[opt] = _State()
+        n = len(gn.params)
+        if n > st.most:
+            if st.most:
+                # More parameters have gradients than ever before: a warm-up that trained a new table alone
+                # (`backward(inputs=[emb.weight])`), then everything; a layer unfrozen. The total's level changes
+                # by design: its window starts again.
+                st = self._state[opt] = _State(n)
+            st.most = n
         if v == 0.0:
             return  # all-zero gradients are the grads-all-zero check's business (grads_all_zero.py)
         # The bar is never below HIGH x the window's largest norm: a total under that cannot fire, and the
