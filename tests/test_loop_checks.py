@@ -1735,6 +1735,40 @@ def test_updates_by_hand_that_never_clear_the_gradients_are_found(update, model_
     assert g.internal_errors == []
 
 
+@pytest.mark.parametrize("clear", [None, none])
+def test_sparse_updates_by_hand_that_never_clear_the_gradients_are_found(clear):
+    """word2vec with `nn.Embedding(sparse=True)` tables updated by hand (`p.add_(p.grad, alpha=-lr)`) and `.grad`
+    never cleared: each update adds every earlier gradient. Sparse gradients were left out of the comparison
+    (stop 45), so only the weights' blow-up 100 steps later was told, with a lower-the-learning-rate fix."""
+    torch.manual_seed(0)
+
+    class W2V(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Embedding(50, 8, sparse=True)
+            self.out = nn.Embedding(50, 8, sparse=True)
+
+        def forward(self, c, o):
+            return (self.inp(c) * self.out(o)).sum(-1)
+
+    model = W2V()
+    with guard(model, live=False) as g:
+        for _ in range(6):
+            c, o = torch.randint(0, 50, (32,)), torch.randint(0, 50, (32,))
+            F.binary_cross_entropy_with_logits(model(c, o), torch.ones(32)).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.1)
+                    if clear is not None:
+                        clear(p)
+    found = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    if clear is None:
+        assert len(found) == 1 and found[0].where == "parameters (no optimizer)" and found[0].step == 1, g.findings
+        assert "inp.weight" in found[0].message and "p.grad = None" in found[0].hint
+    else:
+        assert g.findings == [], g.findings
+
+
 @pytest.mark.parametrize("clear", [none, zero, zero_data])
 @pytest.mark.parametrize("update", [sub, sub_data])
 def test_updates_by_hand_that_clear_the_gradients_are_silent(update, clear):

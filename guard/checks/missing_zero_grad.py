@@ -473,7 +473,10 @@ class MissingZeroGrad(Check):
             within = self.g.has_optimizer  # (backwards within one optimizer step: SAM's two passes)
             noted = self._manual_step  # the earlier backward's step
             with torch.no_grad():
-                values = [n.reshape(()).float() for n in fused_norms([p.grad.detach() for p in stale])[0]]
+                grads = [p.grad.detach() for p in stale]
+                dense = iter(fused_norms([g for g in grads if g.layout is torch.strided])[0])
+                values = [(next(dense) if g.layout is torch.strided else
+                           torch.linalg.vector_norm(as_float(g._values()))).reshape(()).float() for g in grads]
                 values += [(p.detach().reshape(-1)[:first.numel()] != first).any().float() for p, first in snaps]
                 staged = torch.stack(values)
             n = len(stale)
@@ -528,8 +531,8 @@ class MissingZeroGrad(Check):
             if not p.is_leaf or id(p) in renormed:
                 continue  # a frozen weight updated in place with autograd on: no .grad to read (torch warns)
             g = p.grad
-            if g is None or g.layout is not torch.strided or g.is_meta or not p.requires_grad:
-                continue
+            if g is None or g.layout not in (torch.strided, torch.sparse_coo) or g.is_meta or not p.requires_grad:
+                continue  # (a sparse gradient, nn.Embedding(sparse=True)'s, accumulates in place as a dense one does)
             first = p.detach().reshape(-1)[:4].clone()
             out.append((weakref.ref(p), weakref.ref(g), g._version, p._version, first))
             if len(out) == (8 if self.g.has_optimizer else 4):
