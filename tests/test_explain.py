@@ -1604,6 +1604,41 @@ def test_hashed_ids_far_past_an_embedding_table_get_the_modulo_fix(layer):
     assert f.details["hashed_ids"] is True and "`ids % 4096`" in f.hint and "ids % 4096" in _notes(ei.value)
 
 
+def test_ids_numbered_from_one_get_the_shift_not_a_bigger_table():
+    """User ids 1..N into `nn.Embedding(N, d)`: the fix was a table of N + 1 rows, which turns the crash into a silent
+    row 0 that never trains (stop 45: the shift `ids - 1`)."""
+    emb = nn.Embedding(50, 4)
+    ids = torch.cat([torch.randint(1, 50, (15,)), torch.tensor([50])])
+    with pytest.raises((IndexError, RuntimeError)) as ei:
+        with guard(emb, live=False) as g:
+            emb(ids).sum().backward()
+    (f,) = _explained(g)
+    assert "numbered from 1" in f.message and "`ids - 1`" in f.hint and "at least 51" not in f.hint
+    assert "`ids - 1`" in _notes(ei.value)
+
+
+def test_embedding_bag_lengths_passed_as_offsets_are_named_as_offsets():
+    """Bag lengths passed as EmbeddingBag offsets ("Expected i < index_size"): every index fits the table, yet the
+    message said "got index 4,
+    outside [0, 1000) ...: a negative index" with a bigger table as the fix (stop 45: the offsets, with the cumsum fix)."""
+    bag = nn.EmbeddingBag(100, 4, mode="mean")
+    lengths = torch.tensor([5, 3, 7, 2])
+    flat = torch.randint(0, 100, (int(lengths.sum()),))
+    offsets = torch.cat([lengths.new_zeros(1), lengths[:-1]])  # the lengths shifted, not summed: 0, 5, 3, 7
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (with one thread the CPU kernel reads the bags silently; with more it raises)
+    try:
+        with pytest.raises((IndexError, RuntimeError)) as ei:
+            with guard(bag, live=False) as g:
+                bag(flat, offsets).sum().backward()
+    finally:
+        torch.set_num_threads(threads)
+    (f,) = _explained(g)
+    assert "offsets" in f.message and "lengths.cumsum(0)" in f.hint and "num_embeddings" not in f.hint
+    assert f.details["offsets_first"] == 0 and f.details["offsets_rising"] is False
+    assert "lengths.cumsum(0)" in _notes(ei.value)
+
+
 @pytest.mark.parametrize("arg", ["pos_weight", "weight"])
 def test_a_bce_weight_of_the_wrong_shape_is_named(arg):
     """`pos_weight` (or `weight`) shaped [N, 1] for [N] logits: "output with shape [8] doesn't match the broadcast

@@ -1012,8 +1012,11 @@ class ExplainErrors(Check):
             return None
         lo, hi = int(idx.min()), int(idx.max())
         n = mod.num_embeddings
-        bad = hi if hi >= n else lo
         shape = list(idx.shape)
+        if 0 <= lo and hi < n:
+            # every index fits: an EmbeddingBag's offsets are what is out of range (bag lengths passed as offsets)
+            return self._bag_offsets(path, mod, args) if isinstance(mod, nn.EmbeddingBag) else None
+        bad = hi if hi >= n else lo
         cause = (f"`{path}` ({type(mod).__name__}({n}, {mod.embedding_dim})) got index {bad}, outside [0, {n}) "
                  f"(indices of shape {shape} range over [{lo}, {hi}]): " +
                  ("a position past the longest sequence it was built for, or a token id past the vocabulary"
@@ -1022,6 +1025,13 @@ class ExplainErrors(Check):
                f"at least {hi + 1}), or truncate/clip the inputs to it (x[:, :{n}] for positions); for padding, use "
                f"an id inside the table with padding_idx=... .")
         hashed = bad >= 10 * n
+        if hi == n and lo >= 1 and idx.dim() <= 2:
+            # ids 1..N into a table of N rows: numbered from 1 (a database's ids, ranks); a bigger table would leave
+            # row 0 untrained and every id one row off its meaning nowhere
+            cause += (f"; the largest is exactly {n}, the table's size, and none is 0: ids numbered from 1 (1..{n}) "
+                      f"look like this")
+            fix = (f"Shift ids numbered from 1 to 0..{n - 1} (`ids - 1`); a table of {n + 1} rows instead leaves row 0 "
+                   f"untrained (fine only as padding, with padding_idx=0).")
         if hashed:
             # ids far past the table (raw hashes, user or item ids of the whole catalogue): the hashing trick's modulo
             cause += (f"; the indices reach {hi / n:,.0f}x the table's size, which looks like raw hashed or "
@@ -1030,6 +1040,27 @@ class ExplainErrors(Check):
                    f"vocabulary lookup to 0..N-1; a table of {hi + 1:,} rows is rarely what was meant.")
         return path or "embedding", cause, fix, {"num_embeddings": n, "index_min": lo, "index_max": hi,
                                                   "index_shape": shape, **({"hashed_ids": True} if hashed else {})}
+
+    @staticmethod
+    def _bag_offsets(path: str, mod: nn.EmbeddingBag, args: tuple) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
+        """An EmbeddingBag whose indices all fit, given offsets that are not the start of each bag (the bags'
+        lengths): 0 first, non-decreasing, none past the number of indices."""
+        off = args[1] if len(args) > 1 else None
+        if not isinstance(off, torch.Tensor) or off.dim() != 1 or off.numel() == 0 or off.is_floating_point():
+            return None
+        total = args[0].numel()
+        vals = off.detach().cpu()
+        first, last = int(vals[0]), int(vals[-1])
+        rising = bool((vals[1:] >= vals[:-1]).all()) if vals.numel() > 1 else True
+        if first == 0 and rising and last <= total:
+            return None
+        cause = (f"`{path}` (EmbeddingBag) got offsets that are not where each bag starts (first {first}, last {last}, "
+                 f"{'non-decreasing' if rising else 'not non-decreasing'}; {total} indices): offsets must start at 0 "
+                 f"and rise to at most the number of indices; bag lengths passed as offsets look like this")
+        fix = ("Pass each bag's start: offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]]) (not "
+               "the lengths), or give a 2-D input of equal-length bags with no offsets.")
+        return path or "embedding_bag", cause, fix, {"offsets_first": first, "offsets_last": last,
+                                                     "offsets_rising": rising, "indices": total}
 
     def _dtype_mismatch(self, exc: BaseException, text: str, module: Optional[str]) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
         """Float and Double met in one op: name the odd parameters of the failing module, or its input."""
