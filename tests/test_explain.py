@@ -1604,6 +1604,33 @@ def test_hashed_ids_far_past_an_embedding_table_get_the_modulo_fix(layer):
     assert f.details["hashed_ids"] is True and "`ids % 4096`" in f.hint and "ids % 4096" in _notes(ei.value)
 
 
+@pytest.mark.parametrize("given", [True, False])
+def test_a_max_norm_embedding_used_before_its_lookup_is_named_as_renormalising_itself(given):
+    """`proj(emb.weight)` then `emb(ids)` with max_norm: the lookup renormalises the rows in place inside its own
+    forward. The message said a `torch.no_grad()` block sat between the loss and backward(), with a move-it fix; no
+    such block exists (stop 45: the max_norm renormalisation and the documented `.clone()`)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(30, 8, max_norm=1.0)
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, ids):
+            return self.proj(self.emb.weight).sum() + self.emb(ids).sum()
+
+    model = Net()
+    with torch.no_grad():
+        model.emb.weight.mul_(5)  # rows above the max norm: the lookup renormalises them
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model if given else None, live=False) as g:
+            model(torch.arange(10)).backward()
+    (f,) = _explained(g)
+    assert "max_norm=1" in f.message and "`emb.weight`" in f.message and "emb.weight.clone()" in f.hint
+    assert "no_grad" not in f.hint and f.details["max_norm"] == 1.0
+    assert "emb.weight.clone()" in _notes(ei.value)
+
+
 def test_ids_numbered_from_one_get_the_shift_not_a_bigger_table():
     """User ids 1..N into `nn.Embedding(N, d)`: the fix was a table of N + 1 rows, which turns the crash into a silent
     row 0 that never trains (stop 45: the shift `ids - 1`)."""

@@ -788,6 +788,14 @@ class ExplainErrors(Check):
                 fix = ("Detach what is carried from one step to the next (truncated BPTT: state = state.detach(), "
                        "or tuple(s.detach() for s in state) for an LSTM) and drop retain_graph=True, so each "
                        "backward() ends at its own step's start.")
+            elif info and "parameter" in info and self._max_norm_table(info["parameter"]) is not None:
+                emb = self._max_norm_table(info["parameter"])
+                cause += (f": it is the weight `{info['parameter']}` of an nn.Embedding with max_norm={emb.max_norm:g}, "
+                          f"which renormalises the rows it looks up in place, inside its own forward: the weight was "
+                          f"used in this graph before that lookup (a tied projection, a regulariser over the table)")
+                fix = ("Use a copy of the weight where it is used outside the lookup (`emb.weight.clone()`, as the "
+                       "nn.Embedding documentation says for max_norm), or do the lookup before that use.")
+                details = {**details, "max_norm": emb.max_norm}
             elif info and "parameter" in info:
                 cause += (f": it is the weight `{info['parameter']}`, changed in place after the forward that saved "
                           f"it and before this backward() (a renormalisation, clamp or copy under torch.no_grad() "
@@ -1040,6 +1048,17 @@ class ExplainErrors(Check):
                    f"vocabulary lookup to 0..N-1; a table of {hi + 1:,} rows is rarely what was meant.")
         return path or "embedding", cause, fix, {"num_embeddings": n, "index_min": lo, "index_max": hi,
                                                   "index_shape": shape, **({"hashed_ids": True} if hashed else {})}
+
+    def _max_norm_table(self, name: str) -> Optional[nn.Embedding]:
+        """The nn.Embedding with max_norm whose weight is the parameter `name` (it renormalises in its forward)."""
+        param = dict(self.g.named_parameters()).get(name)
+        if param is None:
+            return None
+        for root in self.g.watched.roots:
+            for mod in root.modules():
+                if isinstance(mod, nn.Embedding) and mod.max_norm is not None and mod.weight is param:
+                    return mod
+        return None
 
     @staticmethod
     def _bag_offsets(path: str, mod: nn.EmbeddingBag, args: tuple) -> Optional[Tuple[str, str, str, Dict[str, Any]]]:
