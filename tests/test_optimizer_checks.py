@@ -2181,6 +2181,71 @@ def test_a_loss_that_is_zero_at_every_step_of_the_run_is_told_at_its_end():
     assert _masked_depth(empty_until=6).findings == []
 
 
+def _triplet_run(margin, steps=60, wd=0.0, sep=3.0):
+    """A batch-hard triplet hinge on two well-separated classes: with a small margin it converges to exactly 0 after
+    some training; with a margin of -1 the untrained embeddings meet it from the second step on."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=wd)
+    centers = torch.randn(2, 6) * sep
+    with guard(net, opt, live=False) as g:
+        for step in range(steps):
+            y = torch.arange(16) % 2
+            x = centers[y] + 0.1 * torch.randn(16, 6)
+            e = net(x)
+            d = torch.cdist(e, e)
+            same = y[:, None] == y[None, :]
+            d_ap = (d * same).amax(1)
+            d_an = (d + 1e3 * same).amin(1)
+            loss = F.relu(d_ap - d_an + (0.5 if step == 0 and margin < 0 else margin)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return g, loss.item()
+
+
+def test_a_triplet_hinge_that_converged_to_zero_is_no_parameter_left_without_gradient():
+    """Batch-all plus batch-hard triplet losses on well-separated identities: after some training every margin is met,
+    the loss and every gradient are exactly 0 for the rest of the run, and Adam's momentum still moves the weights a
+    little. `weight-decay-without-grad` told each layer as left without a gradient while momentum moves it (stop 45);
+    nothing is left out there, and a converged hinge is no stopped run."""
+    torch.manual_seed(51)
+    x = torch.randn(12, 20).repeat_interleave(6, 0) * 1.5 + torch.randn(72, 20)
+    y = torch.arange(12).repeat_interleave(6)
+    emb = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 16))
+    opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
+
+    def batch_all(e, t, margin=0.5):
+        d = torch.cdist(e, e)
+        same = t[:, None] == t[None, :]
+        valid = (same & ~torch.eye(len(t), dtype=torch.bool)).unsqueeze(2) & (~same).unsqueeze(1)
+        trip = F.relu(d.unsqueeze(2) - d.unsqueeze(1) + margin) * valid
+        return trip.sum() / (trip > 1e-16).sum().clamp_min(1)
+
+    zero = 0
+    with guard(emb, opt, live=False) as g:
+        for _ in range(200):
+            idx = torch.cat([torch.nonzero(y == c).squeeze(1) for c in torch.randperm(12)[:6]])
+            loss = batch_all(emb(x[idx]), y[idx])
+            zero += loss.item() == 0.0
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert zero >= 40
+    assert g.findings == [], g.findings
+
+
+def test_a_margin_met_from_the_second_step_is_a_run_that_trains_nothing():
+    """A margin the untrained embeddings meet from the second step on (here -1): one step trained, then the loss is
+    exactly 0. It was told by `weight-decay-without-grad` as gradients zeroed in place after backward (stop 45:
+    `grads-all-zero`, a loss of 0 at every step, judged at the run's end as for a run that never trained)."""
+    g, last = _triplet_run(margin=-1.0, wd=0.01)
+    assert last == 0.0
+    (f,) = g.findings
+    assert (f.kind, f.where) == ("grads-all-zero", "loss") and f.details["loss_always_zero"] is True
+    assert "hinge or margin that every sample meets" in f.hint
+
+
 @pytest.mark.parametrize("scale", [80.0, 1.0])
 def test_a_run_that_diverges_within_its_first_steps_is_told(scale):
     """Depth regressed in raw metres (0-80) with SGD at lr 0.01 and momentum: the norm goes 127 -> 1e6 by step 2 and

@@ -25,6 +25,9 @@ from .._weak import WeakIdMap
 
 STEPS = 5  # consecutive steps with all-zero gradients before reporting
 IDLE_RUN = 20  # steps with a loss of exactly 0 and zero gradients, every step of a run, before it is told at its end
+#: steps with a gradient that still leave a run idle: a margin met from the second step on (a triplet loss whose
+#: margin the untrained embeddings already meet, bar a first batch) trained nothing either
+IDLE_TRAINED = 2
 
 
 class _Run:
@@ -51,6 +54,7 @@ class GradsAllZero(Check):
         self._trains = False  # whether an optimizer's gradients were not all zero in this step
         self._grad_seen = WeakIdMap()  # optimizer -> (its first gradient, that gradient's version) at the last look
         self._ever = False  # some step had a non-zero gradient
+        self._trained = 0  # steps with a non-zero gradient
         self._idle: Optional[list] = None  # [(first idle step's zeros entry), steps with loss 0 and zero gradients]
         self._clip_zero: Optional[tuple] = None  # (function, argument, its line) of a clip to 0 seen
         # steps in a row, from the run's start, whose optimizer held no gradient at all although the model was
@@ -127,6 +131,7 @@ class GradsAllZero(Check):
             self._break(run)
             self._trains = self._trains or v == v
             self._ever = True
+            self._trained += 1
             return
         self._zeros.append((oref, step, source, n))  # counted in on_resolved, once the step's loss is known
 
@@ -144,7 +149,7 @@ class GradsAllZero(Check):
         # cannot change at all (loss-constant: cross_entropy over one class), which is the bug.
         idle = (entry.get("loss") == 0.0 and entry.get("step") == zeros[0][1]
                 and not any(f.kind == "loss-constant" for f in self.g.findings))
-        if idle and not self._ever:
+        if idle and self._trained <= IDLE_TRAINED:
             # nothing trained so far, the loss 0 at every such step: judged when the run ends (a mask that selects
             # nothing makes every step's loss 0; an episode without reward, a met margin, is a step, not a run)
             if self._idle is None:
@@ -183,7 +188,7 @@ class GradsAllZero(Check):
         return last is None or last[0]() is not g or g._version - last[1] >= 2
 
     def on_exit(self):
-        if self._idle is not None and not self._ever and self._idle[1] >= IDLE_RUN:
+        if self._idle is not None and self._trained <= IDLE_TRAINED and self._idle[1] >= IDLE_RUN:
             self._report_idle(*self._idle)
         # A part that got only zero gradients while another optimizer trained, to the end of the run: dead (a
         # decoder behind a saturated clamp). One whose zeros ended was waiting (a loss term weighted 0 for a warm-up).

@@ -233,6 +233,8 @@ class WeightDecayWithoutGrad(Check):
                 opt = oref()
                 if opt is None or not self._tracks.data.get(id(opt)):
                     return  # the healthy step (no zero gradient, no run under way): no per-parameter pass
+            if self._converged(values[:n_g]):
+                return
             by_param = dict(zip(gids, values))
             g_vals = [by_param[c[1]] for c in cands]
             p_vals = [0.0] * len(pids)
@@ -253,10 +255,18 @@ class WeightDecayWithoutGrad(Check):
                 opt = oref()
                 if opt is None or not self._tracks.data.get(id(opt)):
                     return  # the healthy step
+            if self._converged(values):
+                return
             by_param = dict(zip(gids, values))
             self._update(oref, cands, [], [by_param[c[1]] for c in cands], step, source, set(), set())
 
         self.g.stage_batch(lambda: [(gstack, seen)])
+
+    def _converged(self, grad_norms) -> bool:
+        """Every gradient of the optimizer exactly 0 with a loss of exactly 0: a hinge or margin loss that every
+        sample meets (a triplet loss converged). Nothing is left without a gradient that others get; whether the
+        run trains at all is `grads-all-zero`'s question."""
+        return all(v == 0.0 for v in grad_norms) and self.g.step_loss == 0.0
 
     def _candidates(self, optimizer, gn) -> List[Tuple[torch.Tensor, int, int, str, float]]:
         """(param, norm index, group, why, wd) of the parameters a step would move without a gradient.
