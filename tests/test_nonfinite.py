@@ -754,6 +754,25 @@ def test_a_mixture_likelihood_in_linear_space_that_underflows_gets_the_logsumexp
     assert f.details["log_of"].startswith("sum of exponentials") and "torch.logsumexp" in f.hint
 
 
+def test_a_cox_partial_likelihood_through_log_cumsum_exp_gets_the_logcumsumexp_fix():
+    """A Cox model's risk sets written as `log(cumsum(exp(eta)))` (samples sorted by descending time): exp overflows
+    for a risk score above 88. It was told as a log outside its domain with an epsilon fix (stop 45: the cumulative
+    sum of exponentials, with torch.logcumsumexp)."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, event = torch.randn(32, 5) * 40, (torch.rand(32) < 0.7).float()
+    with guard(model, opt, live=False) as g:
+        eta = model(x).squeeze(-1) * 10
+        risk = torch.log(torch.cumsum(torch.exp(eta), 0))
+        loss = -((eta - risk) * event).sum() / event.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    f = next(f for f in g.findings if f.kind == "nonfinite-loss")
+    assert f.details["log_of"].startswith("cumulative sum of exponentials") and "torch.logcumsumexp" in f.hint
+
+
 class _RowSoftmax(nn.Module):
     def forward(self, s):
         return s.softmax(-1)

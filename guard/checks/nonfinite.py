@@ -1687,6 +1687,10 @@ def _log_of(fn: Any, budget: int = 64) -> Optional[Tuple[str, str]]:
                     # log(sum(pi * exp(...))): a mixture's likelihood in linear space, 0 when every term underflows
                     return ("sum of exponentials (a mixture's likelihood computed in linear space)",
                             "torch.logsumexp(log_weights + log_densities, dim)")
+                if type(n).__name__ == "CumsumBackward0" and _exp_below(n, 4):
+                    # log(cumsum(exp(eta))): a Cox partial likelihood's risk sets, inf once exp overflows (or 0)
+                    return ("cumulative sum of exponentials (a Cox model's risk sets: log(cumsum(exp(eta))))",
+                            "torch.logcumsumexp(eta, dim=0)")
         stack.extend(nxt)
     return None
 
