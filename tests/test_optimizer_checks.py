@@ -515,6 +515,23 @@ def test_gradual_unfreezing_is_not_told_and_a_backbone_frozen_all_run_is_told_fr
         assert f.source and f.source.startswith("tests/test_optimizer_checks.py")
 
 
+def test_pretrained_vectors_frozen_by_from_pretrained_get_the_freeze_false_hint():
+    """`nn.Embedding.from_pretrained(vectors)` freezes by default; fine-tuning them was meant, and the optimizer over
+    model.parameters() holds them. The hint said only to leave them out of the optimizer (stop 45: freeze=False)."""
+    torch.manual_seed(0)
+    emb = nn.Embedding.from_pretrained(torch.randn(20, 4))
+    head = nn.Linear(4, 2)
+    model = nn.Sequential(emb, head)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(model, opt, live=False) as g:
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randint(0, 20, (8,))), torch.randint(0, 2, (8,))).backward()
+            opt.step()
+    f = only(g, "frozen-param-in-optimizer")
+    assert "freeze=False" in f.hint and "filter(lambda p: p.requires_grad" in f.hint
+
+
 def test_frozen_backbone_done_right_is_clean():
     g = finetune_optimizer.train(fixed=True, live=False, checks="all")
     assert g.findings == [] and g.internal_errors == []

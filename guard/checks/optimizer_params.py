@@ -499,6 +499,12 @@ class OptimizerParams(Check):
             ctor = f"torch.optim.{name}" if type(opt).__module__.startswith("torch.optim") else name
             hint = (f"Pass only trainable parameters: {ctor}(filter(lambda p: p.requires_grad, "
                     "model.parameters()), ...). If you unfreeze them later on purpose, this is fine.")
+            tables = {id(m.weight) for root in self.g.watched.roots for m in root.modules()
+                      if isinstance(m, nn.Embedding)}
+            if frozen and all(id(p) in tables for p in frozen):
+                # (pretrained vectors meant to be fine-tuned: from_pretrained freezes them unless told not to)
+                hint += (" Embedding tables frozen by nn.Embedding.from_pretrained(vectors), whose freeze=True is "
+                         "the default: pass freeze=False if they were meant to be fine-tuned.")
         args = ("frozen-param-in-optimizer", shown[0], message, hint)
         details = {"optimizer": name, "modules": shown, "parameters": len(frozen), "names": names[:20],
                    **({"added_group": True} if added else {})}
