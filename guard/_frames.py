@@ -149,6 +149,27 @@ def short_path(path: str) -> str:
     return hit
 
 
+_sources: Dict[Any, Optional[str]] = {}
+
+
+def source_text(fn: Any) -> Optional[str]:
+    """The source of a function (a module class's ``forward``), read once and kept; None when it cannot be read
+    (C code, a class typed into a notebook cell). The checks that judge a forward by what it says use it."""
+    try:
+        return _sources[fn]
+    except KeyError:
+        pass
+    except TypeError:  # (an unhashable callable)
+        return None
+    try:
+        src: Optional[str] = inspect.getsource(fn)
+    except (OSError, TypeError):
+        src = None
+    if len(_sources) < 1024:
+        _sources[fn] = src
+    return src
+
+
 def source_match(obj: Any, test: Callable[[str], bool]) -> Optional[str]:
     """``file:line`` of the first line of `obj`'s source (a class or a function) that passes `test`; None when none
     does or the source cannot be read (a class defined in a notebook cell, C code)."""

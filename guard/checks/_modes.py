@@ -2,7 +2,6 @@
 module's forward called a functional dropout."""
 from __future__ import annotations
 
-import inspect
 import linecache
 import os
 import weakref
@@ -11,7 +10,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._frames import short_path
+from .._frames import short_path, source_text
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
@@ -50,10 +49,7 @@ def _mode_read(forward: Any) -> bool:
         if code is None or os.path.abspath(code.co_filename).startswith(_TORCH_DIR):
             hit = True
         else:
-            try:
-                src = inspect.getsource(forward)
-            except (OSError, TypeError):
-                src = None
+            src = source_text(forward)
             hit = src is None or "training" in src or "super(" in src
         if len(_read_cache) < 256:
             _read_cache[forward] = hit

@@ -24,7 +24,6 @@ Reported once; afterwards the check stops tracking.
 """
 from __future__ import annotations
 
-import inspect
 import re
 import sys
 import weakref
@@ -34,7 +33,7 @@ import torch
 
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .._frames import frame_locals
+from .._frames import frame_locals, source_text
 from ._graphs import Budget, fmt_bytes, graph_holders, graph_outputs, graph_size, user_frames, walk
 from ._modes import mode_sensitive
 from .base import Check
@@ -60,24 +59,15 @@ def _NONE() -> None:
     return None  # the weak reference of a model without BatchNorm
 
 
-_adapting: Dict[type, bool] = {}
 _BACKWARD = re.compile(r"\.backward\(|autograd\.backward\(")
 
 
 def _adapts_in_forward(module: Any) -> bool:
     """Whether `module`'s class runs a backward in its own forward: a test-time adaptation wrapper (TENT, SAR,
     EATA's forward-and-adapt) whose graphs its forward back-propagates, or leaves on purpose when its filter keeps no
-    sample (SAR under a strong shift rejects every one). Read once per class, on the report path."""
-    cls = type(module)
-    hit = _adapting.get(cls)
-    if hit is None:
-        try:
-            hit = bool(_BACKWARD.search(inspect.getsource(cls.forward)))
-        except (OSError, TypeError, AttributeError):
-            hit = False
-        if len(_adapting) < 256:
-            _adapting[cls] = hit
-    return hit
+    sample (SAR under a strong shift rejects every one). Read on the report path."""
+    src = source_text(getattr(type(module), "forward", None))
+    return src is not None and bool(_BACKWARD.search(src))
 
 
 class _Tag:

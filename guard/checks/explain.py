@@ -788,8 +788,7 @@ class ExplainErrors(Check):
                 fix = ("Detach what is carried from one step to the next (truncated BPTT: state = state.detach(), "
                        "or tuple(s.detach() for s in state) for an LSTM) and drop retain_graph=True, so each "
                        "backward() ends at its own step's start.")
-            elif info and "parameter" in info and self._max_norm_table(info["parameter"]) is not None:
-                emb = self._max_norm_table(info["parameter"])
+            elif info and "parameter" in info and (emb := self._max_norm_table(info["parameter"])) is not None:
                 cause += (f": it is the weight `{info['parameter']}` of an nn.Embedding with max_norm={emb.max_norm:g}, "
                           f"which renormalises the rows it looks up in place, inside its own forward: the weight was "
                           f"used in this graph before that lookup (a tied projection, a regulariser over the table)")

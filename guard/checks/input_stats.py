@@ -7,7 +7,6 @@ are read only when the flag fired.
 """
 from __future__ import annotations
 
-import inspect
 import re
 import weakref
 from typing import Any, Optional
@@ -17,6 +16,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from .base import Check
+from .._frames import source_text
 
 STEPS = 3
 CHANNELS = (1, 3)
@@ -52,10 +52,8 @@ _SCALES_ITSELF = re.compile(r"/\s*255\b|-\s*0?\.\d+\s*\)\s*/\s*0?\.\d+|\*\s*2(?:
 def _scales_itself(model: nn.Module) -> bool:
     """Whether the model's own forward scales its input with numbers written in it (RAFT's `2 * (image1 / 255.0) -
     1.0`, monodepth2's `(x - 0.45) / 0.225`): read once per model."""
-    try:
-        return bool(_SCALES_ITSELF.search(inspect.getsource(type(model).forward)))
-    except (OSError, TypeError):
-        return False
+    src = source_text(type(model).forward)
+    return src is not None and bool(_SCALES_ITSELF.search(src))
 
 
 def _first_layer(model: nn.Module) -> str:
