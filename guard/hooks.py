@@ -81,7 +81,8 @@ def eager_frames() -> None:
 
         strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
         with _lock:
-            codes = {_HOOK_CODE, _STEP_HOOK_CODE} | _EAGER_CODES | {p.wrapper.__code__ for p in list(_patches.values()) + _orphans}
+            codes = ({_HOOK_CODE, _STEP_HOOK_CODE} | _EAGER_CODES
+                     | {p.wrapper.__code__ for p in list(_patches.values()) + _orphans})
         for code in codes:
             set_code_exec_strategy(code, strategy)
     except Exception:  # a torch without these internals: hooks entered that way are skipped, nothing breaks
@@ -674,7 +675,8 @@ _REGISTRATION = _SharedHook(lambda: _module_mod.register_module_module_registrat
 _FORWARD_PRE = _SharedHook(lambda: lambda hook: _module_mod.register_module_forward_pre_hook(_eager_only(hook)),
                            _run_each)
 _FORWARD_POST = _SharedHook(_forward_hook_registrar, _run_each)
-_PASS_CODES = {_HOOK_CODE, _STEP_HOOK_CODE, _SharedHook.hook.__code__, _run_each.__code__}  # frames between torch and a hook
+# frames between torch and a hook
+_PASS_CODES = {_HOOK_CODE, _STEP_HOOK_CODE, _SharedHook.hook.__code__, _run_each.__code__}
 
 
 # --------------------------------------------------------------------------- installer

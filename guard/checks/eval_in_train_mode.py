@@ -22,8 +22,8 @@ also trained under the guard, i.e. that has had a grad-enabled forward (before o
 after), and only while the model itself is in training mode: after ``model.eval()``
 a Dropout or BatchNorm switched back to ``train()`` is deliberate (Monte Carlo
 dropout samples predictions that way). So is one training inside a block in eval mode (switched on by
-itself: BatchNorm adaptation's ``bn.train()`` per layer, called through a new wrapper). A momentum/EMA teacher or a DQN target
-network that only ever runs under ``no_grad`` is never reported, nor are model calls made by ``torch.optim``
+itself: BatchNorm adaptation's ``bn.train()`` per layer, called through a new wrapper). A momentum/EMA teacher
+or a DQN target network that only ever runs under ``no_grad`` is never reported, nor are model calls made by ``torch.optim``
 (``swa_utils.update_bn`` recomputes BatchNorm statistics in train mode), nor a BatchNorm with
 ``momentum=None`` (a cumulative average: statistics recomputed by hand), nor calls while an optimizer is
 switched to its evaluation weights (schedule-free's ``optimizer.eval()``: its recipe recomputes BatchNorm

@@ -789,8 +789,8 @@ class ExplainErrors(Check):
                        "or tuple(s.detach() for s in state) for an LSTM) and drop retain_graph=True, so each "
                        "backward() ends at its own step's start.")
             elif info and "parameter" in info and (emb := self._max_norm_table(info["parameter"])) is not None:
-                cause += (f": it is the weight `{info['parameter']}` of an nn.Embedding with max_norm={emb.max_norm:g}, "
-                          f"which renormalises the rows it looks up in place, inside its own forward: the weight was "
+                cause += (f": it is the weight `{info['parameter']}` of an nn.Embedding with "
+                          f"max_norm={emb.max_norm:g}, which renormalises the rows it looks up in place, inside its own forward: the weight was "
                           f"used in this graph before that lookup (a tied projection, a regulariser over the table)")
                 fix = ("Use a copy of the weight where it is used outside the lookup (`emb.weight.clone()`, as the "
                        "nn.Embedding documentation says for max_norm), or do the lookup before that use.")
