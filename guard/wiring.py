@@ -580,10 +580,11 @@ class Wiring:
                             f"copy's parameters (or train the original), and guard the module that is trained.")
             elif "torch._dynamo" in sys.modules:
                 self.notice("guard: optimizer steps ran but no call of the watched model was seen: if it runs "
-                            "through a torch.compile'd wrapper (compiled code skips module hooks), guard that "
-                            "compiled module instead; if another module computes the loss (a half-precision copy "
-                            "of fp32 master weights), guard that one; until then only gradients and parameters "
-                            "are checked.")
+                            "inside torch.compile (compiled code skips module hooks), guard the compiled module "
+                            "instead (`guard(torch.compile(model), opt)`), or, for a compiled function that calls "
+                            "the model, call the model outside it; if another module computes the loss (a "
+                            "half-precision copy of fp32 master weights), guard that one; until then only "
+                            "gradients and parameters are checked, not the inputs, outputs or loss.")
         self.dispatch("step_end", self.step)
         meter = self.meter
         if t0 is not None:

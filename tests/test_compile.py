@@ -170,3 +170,33 @@ def test_a_compiled_optimizer_step_runs_guards_step_hooks_eagerly_without_tracin
     assert g.step == 10
     assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-grad", 6)], g.findings
     assert g.findings[0].where == "0.weight"
+
+
+def test_a_compiled_train_step_function_is_told_and_its_nan_gradients_still_found():
+    # A torch.compile'd function that calls the model and backward(): the module hooks are compiled away, so the
+    # notice says what to do for a compiled function (not only for a compiled module), and the gradients are
+    # still screened before the update.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @torch.compile(backend="eager")
+    def train_step(x, y):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with guard.guard(model, opt, live=False) as g:
+        for i in range(6):
+            x, y = torch.randn(4, 8), torch.randn(4, 1)
+            if i == 4:
+                y[0, 0] = float("nan")
+            opt.zero_grad()
+            train_step(x, y)
+            opt.step()
+    (note,) = [n for n in g.notices if "no call of the watched model" in n]
+    assert "a compiled function that calls the model, call the model outside it" in note
+    assert "not the inputs, outputs or loss" in note
+    assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-grad", 4)]
+    torch._dynamo.reset()
