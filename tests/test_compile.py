@@ -199,4 +199,7 @@ def test_a_compiled_train_step_function_is_told_and_its_nan_gradients_still_foun
     assert "a compiled function that calls the model, call the model outside it" in note
     assert "not the inputs, outputs or loss" in note
     assert [(f.kind, f.step) for f in g.findings] == [("nonfinite-grad", 4)]
+    # the NaN came from the unscreened batch: the hint does not say the forward was finite
+    hint = g.findings[0].hint
+    assert hint.startswith("No call of the watched model was seen at this step") and "finite" not in hint.split(":")[0]
     torch._dynamo.reset()

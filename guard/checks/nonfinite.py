@@ -855,7 +855,7 @@ class NonFinite(Check):
                     return  # this step's NaN input, output or loss was reported (resolved in an earlier read)
                 self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
                                    graphs=list(window[5].values()),
-                                   loss_seen=bool(losses))
+                                   loss_seen=bool(losses), model_unseen=not window[0] and self._model_unseen())
                 return
 
     def _target(self, fn: str, args: tuple, kwargs: dict) -> None:
@@ -1262,7 +1262,7 @@ class NonFinite(Check):
 
     def _report_grads(self, gn, step: int, source: Optional[str], masked: bool = False,
                       taken_input: Optional[Tuple[str, List[str]]] = None, loss_seen: bool = True,
-                      graphs: Optional[list] = None) -> None:
+                      graphs: Optional[list] = None, model_unseen: bool = False) -> None:
         values = gn.per_param()
         names = [n for n, v in zip(gn.names, values) if v != v or v in (float("inf"), float("-inf"))]
         if not names or step == self._grads_told:
@@ -1299,6 +1299,12 @@ class NonFinite(Check):
             steep = _steep_ops(graphs) if graphs else []
             if steep:
                 hint = ("; ".join(_STEEP_HINTS[o] for o in steep[:2]) + ". Otherwise: " + hint)
+            if model_unseen:
+                # a compiled train step (module hooks compiled away) or a module guard never saw: nothing was screened
+                hint = ("No call of the watched model was seen at this step (compiled code skips module hooks, see "
+                        "guard's notice), so its inputs, outputs and loss were not screened: look first for NaN/Inf "
+                        "in the batch and the loss (torch.isfinite(x).all()), or call the model outside the compiled "
+                        "function for guard to name the origin. Otherwise: " + hint[0].lower() + hint[1:])
         else:
             hint = ("The backward pass overflowed (e.g. sqrt/log/pow at 0, division by a tiny value, or an exploding "
                     "loss): clip with torch.nn.utils.clip_grad_norm_, lower the learning rate, or use AMP's GradScaler "
@@ -1329,6 +1335,11 @@ class NonFinite(Check):
                   hint, step=step, source=source,
                   details={"parameters": names[:20], "count": len(names), **({"masked_outputs": True} if masked else {}),
                            **({"taken_input": taken_input[1]} if taken_input is not None else {})})
+
+    def _model_unseen(self) -> bool:
+        """Whether guard watches models of which no call was seen at all in this run (compiled away)."""
+        w = self.g.watched
+        return bool(self.g.roots) and not w.module_ids and not w.scripted
 
     def _report_huge_grads(self, gn, huge: List[Tuple[int, float]], step: int, source: Optional[str]) -> None:
         names = [gn.names[i] for i, _ in huge]
