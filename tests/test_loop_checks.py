@@ -3603,3 +3603,27 @@ def test_frames_rendered_with_grad_and_kept_get_a_fix_that_detaches_what_the_lin
     appended = "render_video() if nested else model(torch.randn(32, 3)) * 2"  # what the line appends, as written
     assert f.where == "videos" and "z.detach()" not in f.hint, f
     assert (f"[t.detach() for t in {appended}]" if nested else f"({appended}).detach()") in f.hint, f.hint
+
+
+def test_a_left_over_gradient_that_is_exactly_zero_is_not_taken_for_a_partial_zero_grad():
+    """No zero_grad() at all, in an online loop whose GRUCell starts from a zero hidden state: `weight_hh`'s first
+    gradient is exactly 0 (it multiplies h = 0), so nothing was added onto it. The finding names the other five and
+    does not say a zero_grad() covered part of the parameters."""
+    torch.manual_seed(0)
+    cell, fc = nn.GRUCell(1, 8), nn.Linear(8, 1)
+    opt = torch.optim.SGD(list(cell.parameters()) + list(fc.parameters()), lr=0.01)
+    stream = torch.sin(torch.arange(40.0) / 4)
+    with guard(live=False) as g:
+        h, pending = torch.zeros(1, 8), None
+        for i in range(39):
+            x = stream[i].view(1, 1)
+            if pending is not None:
+                (pending - x).pow(2).mean().backward()
+                opt.step()
+                h = h.detach()
+            h = cell(x, h)
+            pending = fc(h)
+    (f,) = g.findings
+    assert (f.kind, f.step) == ("missing-zero-grad", 1)
+    assert "cell.weight_hh" not in f.details["names"] and "cleared or new" not in f.message
+    assert f.hint.startswith("Call optimizer.zero_grad() once per optimizer step")

@@ -774,18 +774,23 @@ class MissingZeroGrad(Check):
         if st.added_by is None:
             self._note_added()  # the last backward before this step added onto them
         stale = []
+        zero_left = 0  # left over too, but exactly 0 (a GRU's weight_hh at a zero initial state): not cleared
         for (pref, gref), left in zip(st.cands, st.verdict or ()):
             p = pref()
-            if left and p is not None and p.grad is not None and p.grad is gref():
-                stale.append(p)
+            if p is not None and p.grad is not None and p.grad is gref():
+                if left:
+                    stale.append(p)
+                else:
+                    zero_left += 1
         total = sum(1 for g in opt.param_groups for p in g["params"] if p.grad is not None)
         since, bsrc = st.since, st.added_by or st.backward_source
         st.clear()
         self._pending = any(other.cands for other in self._st.values())
         if stale:
-            self._emit(opt, stale, total, since, bsrc)
+            self._emit(opt, stale, total, since, bsrc, zero_left)
 
-    def _emit(self, opt, stale: List[torch.Tensor], total: int, since: int, bsrc: Optional[str]) -> None:
+    def _emit(self, opt, stale: List[torch.Tensor], total: int, since: int, bsrc: Optional[str],
+              zero_left: int = 0) -> None:
         where = self._label(opt)
         group = self._per_parameter(opt)
         if group:
@@ -810,9 +815,9 @@ class MissingZeroGrad(Check):
         hint = ("Call optimizer.zero_grad() once per optimizer step (before backward() or right after step()). "
                 "To accumulate over micro-batches on purpose, step every N backwards and zero_grad() after "
                 "that step.")
-        if len(stale) < total:
+        if len(stale) + zero_left < total:
             # Some of the optimizer's gradients were cleared and these were not: a zero_grad() over part of them.
-            message += (f" (the other {total - len(stale)} were cleared or new: a zero_grad() that covers only part "
+            message += (f" (the other {total - len(stale) - zero_left} were cleared or new: a zero_grad() that covers only part "
                         f"of the optimizer's parameters, such as model.zero_grad() on a module that does not hold "
                         f"these, leaves them to pile up)")
             hint = ("model.zero_grad() clears only that module's parameters: call optimizer.zero_grad(), which "
