@@ -3627,3 +3627,40 @@ def test_a_left_over_gradient_that_is_exactly_zero_is_not_taken_for_a_partial_ze
     assert (f.kind, f.step) == ("missing-zero-grad", 1)
     assert "cell.weight_hh" not in f.details["names"] and "cleared or new" not in f.message
     assert f.hint.startswith("Call optimizer.zero_grad() once per optimizer step")
+
+
+def test_the_carried_state_is_named_rather_than_a_shorter_output_that_also_holds_the_graph():
+    """ES-RNN's smoothing level fed back, `pred, level = model(chunk, level)`, with backward(retain_graph=True):
+    `pred` holds the same steps and has the shorter name, but the line passes `level` back in, so `level` is the
+    state to detach (the fix `pred = pred.detach()` changed nothing)."""
+
+    class Smoother(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.alpha = nn.Parameter(torch.zeros(4, 1))
+            self.fc = nn.Linear(1, 1)
+
+        def forward(self, chunk, level):
+            a, levels = torch.sigmoid(self.alpha), []
+            for k in range(chunk.shape[1]):
+                level = a * chunk[:, k:k + 1] + (1 - a) * level
+                levels.append(level)
+            levels = torch.cat(levels, 1)
+            return self.fc((chunk / levels).unsqueeze(-1)).squeeze(-1) * levels, level
+
+    torch.manual_seed(0)
+    model = Smoother()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    y = 10 + torch.sin(torch.arange(400.0) / 5).repeat(4, 1)
+    level = y[:, :1].clone()
+    with guard(model, opt, live=False) as g:
+        for i in range(0, 380, 10):
+            chunk, target = y[:, i:i + 10], y[:, i + 1:i + 11]
+            pred, level = model(chunk, level)
+            loss = F.mse_loss(pred, target)
+            opt.zero_grad()
+            loss.backward(retain_graph=True)
+            opt.step()
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("loss-graph-retained", "level", 0)
+    assert f.details["carried"] is True and "`level = level.detach()`" in f.hint

@@ -220,6 +220,21 @@ def _carry_over(holders: list) -> Optional[Tuple[Any, str, str]]:
     return None
 
 
+def _fed_back(holders: list, line: str) -> Optional[Any]:
+    """The holder that the model call's line both passes in and assigns (`pred, level = model(chunk, level)`): the
+    state carried into the next call, rather than an output also holding the graph (`pred`)."""
+    m = re.match(r"\s*([^=()]+?)\s*=(?!=)(.*)$", line)
+    if m is None:
+        return None
+    lhs, rhs = m.group(1), m.group(2)
+    args = rhs[rhs.find("("):] if "(" in rhs else ""
+    for h in holders:
+        if re.fullmatch(r"[A-Za-z_]\w*", h[0]) and re.search(r"\b" + h[0] + r"\b", lhs) \
+                and re.search(r"\b" + h[0] + r"\b", args):
+            return h
+    return None
+
+
 def _code_range(code: types.CodeType) -> Tuple[int, int]:
     lines = [ln for _, _, ln in code.co_lines() if ln is not None]
     return code.co_firstlineno, max(lines) if lines else code.co_firstlineno
@@ -329,6 +344,7 @@ class LossGraph(Check):
         self._key = f"{KEY}.{id(self)}"  # per guard: nested guards keep their own marks
         self._marks: List[Tuple[int, weakref.ref]] = []
         self._step_mark: Optional[Tuple[int, weakref.ref]] = None  # (step, its one mark)
+        self._call_line: Optional[str] = None  # the last model call's line (`pred, level = model(chunk, level)`)
         self._deep_step = -1  # the last step whose graph was walked and marked
         self._deep_next = False  # walk the next backward's graph whatever its step (woken by a budget)
         self._done = False
@@ -635,6 +651,7 @@ class LossGraph(Check):
         backward()), keeps them alive. One metadata write per output of a model call."""
         if not is_root or self._done or not torch.is_grad_enabled():
             return
+        self._call_line = self.g.root_source  # the model call's line (root_source moves to backward()'s line)
         outs = graph_outputs(output)
         if not outs:
             return
@@ -765,6 +782,10 @@ class LossGraph(Check):
         if carry is not None:
             holders = [carry[0]] + [h for h in holders if h is not carry[0]]
             carried = True
+        elif carried and len(holders) > 1 and self._call_line:
+            fed = _fed_back(holders, _line_at(self._call_line))
+            if fed is not None:
+                holders = [fed] + [h for h in holders if h is not fed]
         if holders:
             name, frame, steps, ts = holders[0]
             roots = {self.g.path_of(m): m for m in self.g.roots}
