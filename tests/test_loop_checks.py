@@ -3664,3 +3664,43 @@ def test_the_carried_state_is_named_rather_than_a_shorter_output_that_also_holds
     (f,) = g.findings
     assert (f.kind, f.where, f.step) == ("loss-graph-retained", "level", 0)
     assert f.details["carried"] is True and "`level = level.detach()`" in f.hint
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_a_last_partial_tbptt_window_never_back_propagated_is_told_as_such(flush):
+    """An LSTMCell unrolled by hand, back-propagated every K steps: the run's last 19 steps (T - 1 = 159 = 7 * 20 + 19)
+    are never back-propagated. That is told as the loop's leftover window, not as an evaluation to put under no_grad;
+    flushing the remainder is clean."""
+    torch.manual_seed(0)
+    T, K = 160, 20
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell, self.head = nn.LSTMCell(1, 8), nn.Linear(8, 1)
+
+        def forward(self, x, hc):
+            h, c = self.cell(x, hc)
+            return self.head(h).squeeze(-1), (h, c)
+
+    net = Step()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    y = torch.sin(torch.arange(T * 1.0) / 4).repeat(4, 1)
+    with guard(live=False) as g:
+        h = c = torch.zeros(4, 8)
+        losses = []
+        for i in range(1, T):
+            pred, (h, c) = net(y[:, i - 1:i], (h, c))
+            losses.append(F.mse_loss(pred, y[:, i]))
+            if len(losses) == K or (flush and i == T - 1):
+                opt.zero_grad()
+                torch.stack(losses).mean().backward()
+                opt.step()
+                h, c, losses = h.detach(), c.detach(), []
+    if flush:
+        assert g.findings == []
+        return
+    (f,) = g.findings
+    assert (f.kind, f.where) == ("eval-without-no-grad", "Step")
+    assert f.details["last_window"] is True and f.message.startswith("the run ended with")
+    assert "last partial window" in f.message and "i == T - 1" in f.hint and "model.eval()" not in f.hint

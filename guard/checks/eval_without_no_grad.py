@@ -615,6 +615,20 @@ class EvalWithoutNoGrad(Check):
                 hint = (f"Put {first.path} in eval mode once (.eval()) and query it under `with torch.no_grad():` "
                         f"(`with torch.no_grad(): targets = teacher(x)`): no graph, and deterministic outputs; "
                         f".detach() alone keeps its Dropout and BatchNorm in training mode.")
+        elif final and not any(r.eval_mode for r in same) and (ent := self._skips.get(first.site)) and ent[0]:
+            # the run ended with training forwards of a line whose forwards were back-propagated before: the loop's
+            # last partial window (truncated BPTT every K steps, a remainder of accumulation) never trained
+            sampled = any(r.trusted for r in same)
+            n = details["forwards"] = sum(SAMPLE if r.trusted else 1 for r in same)
+            details["last_window"] = True
+            message = (f"the run ended with {'about ' if sampled else ''}{n} forward passes of {first.path} at "
+                       f"{first.source} that no backward() used: training-mode forwards of a line whose forwards were "
+                       f"back-propagated before, so the loop's last partial window (truncated BPTT's remainder, "
+                       f"micro-batches left over from accumulation) is never back-propagated, and that data never "
+                       f"trains{mem}")
+            hint = ("Back-propagate the remainder too when the data ends (`if len(losses) == K or i == T - 1:` before "
+                    "backward() and step()); if the partial window is dropped on purpose, run it under "
+                    "`with torch.no_grad():` or leave it out of the loop.")
         else:
             waste = ("keeps every activation for a backward that never comes" if details["graphs_alive"] else
                      "saves activations and spends time on graphs for a backward that never comes")
