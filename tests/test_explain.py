@@ -590,6 +590,29 @@ def test_backward_on_a_tensor_without_a_graph_is_explained(case, scope):
         assert "create_graph=True" in note and f.details["model_frozen"] is False
 
 
+@pytest.mark.parametrize("scope", ["model", "global"])
+def test_a_loss_from_a_no_grad_helper_names_the_model_call_made_without_gradients(scope):
+    """An inference helper decorated @torch.no_grad() reused in the training loop: the model call inside it is named
+    with its line, and the fix is to call the model with gradients on, not the generic list of ways to cut a graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @torch.no_grad()
+    def forecast(x):
+        return model(x)  # the call named
+
+    line = forecast.__wrapped__.__code__.co_firstlineno + 2  # (the first line is the decorator's)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(*((model, opt) if scope == "model" else ()), checks=["explain"], live=False) as g:
+            loss = F.mse_loss(forecast(torch.randn(4, 3)), torch.randn(4, 1))
+            loss.backward()
+    note = _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "loss" and f.details["model_call_without_grad"].endswith(f"test_explain.py:{line}")
+    assert "ran with gradient recording off" in note and "torch.enable_grad()" in f.hint
+
+
 def test_a_weight_renormalised_between_forward_and_backward_is_named():
     """DistMult scores against `E.weight.t()` (saved for backward); the entity renormalisation under no_grad sits
     between the loss and backward(): the weight is named, and the fix moves the block below optimizer.step()."""

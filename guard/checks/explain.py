@@ -520,6 +520,9 @@ class ExplainErrors(Check):
         self._thread = threading.get_ident()
         self._inplace: Optional[Dict[str, Any]] = None
         self._batch: Optional[List[int]] = None
+        # the line of the last model call when it ran with gradient recording off (an evaluation helper decorated
+        # @torch.no_grad() reused for training), else None: a backward() of a loss without graph names it
+        self._nograd_call: Optional[str] = None
         self._pushed: List[Any] = []  # one entry per root call: its saved_tensors_hooks context, or None
 
     # ------------------------------------------------------------------ saved tensors
@@ -618,6 +621,7 @@ class ExplainErrors(Check):
             if isinstance(a, torch.Tensor) and not a.is_nested:
                 self._batch = list(a.shape)
                 break
+        self._nograd_call = None if torch.is_grad_enabled() else self.g.root_source
         # Hooks only around model calls, and only where allowed (torch.func transforms refuse them).
         cm = None
         # never over the user's own saved-tensor hooks (activation offload with save_on_cpu, fp16 packing): the
@@ -1183,6 +1187,12 @@ class ExplainErrors(Check):
             why = "every parameter of the model has requires_grad=False (frozen), so nothing in it needs a gradient"
             fix = ("Unfreeze what should train (module.requires_grad_(True)), or, for a frozen feature extractor, train "
                    "a head whose parameters require grad.")
+        elif self._nograd_call is not None and not fn:
+            why = (f"the model's last call ({self._nograd_call}) ran with gradient recording off (inside "
+                   f"torch.no_grad(), torch.inference_mode() or a function decorated with them, such as an evaluation "
+                   f"helper reused for training), so its output, and the loss computed from it, carry no graph")
+            fix = ("Call the model with gradients on for training: drop the @torch.no_grad() decorator from that "
+                   "function (keep a decorated copy for inference), or wrap the call in `with torch.enable_grad():`.")
         else:
             why = ("it was cut from the model's graph: computed from .detach(), .item(), .numpy(), .data or "
                    "torch.tensor(...), under torch.no_grad() earlier, or from torch.autograd.grad(...) without "
@@ -1191,7 +1201,10 @@ class ExplainErrors(Check):
                    "torch.autograd.grad(..., create_graph=True) for terms built from gradients; do not wrap it in "
                    "torch.tensor(..., requires_grad=True) (that trains nothing).")
         cause = f"{'torch.autograd.grad' if fn else 'backward()'} got a tensor with no autograd graph: {why}"
-        return "loss", cause, fix, {"grad_enabled": not grad_off, "model_frozen": frozen}
+        details = {"grad_enabled": not grad_off, "model_frozen": frozen}
+        if not grad_off and not frozen and self._nograd_call is not None and not fn:
+            details["model_call_without_grad"] = self._nograd_call
+        return "loss", cause, fix, details
 
     def _optimised_saved(self, exc: BaseException, text: str) -> Optional[Tuple[str, str]]:
         """(name, optimizer class) of the one tensor an optimizer holds that matches the in-place error's shape and
