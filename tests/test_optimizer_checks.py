@@ -3228,3 +3228,38 @@ def test_an_averaged_copy_forwarded_instead_of_the_model_is_told_once_as_disconn
             if epoch >= 2:
                 swa.update_parameters(model)
     assert [f.kind for f in g.findings if f.severity != "info"] == ["loss-disconnected"]
+
+
+def test_a_parameter_left_out_of_hand_listed_groups_is_named_with_the_add_param_group_fix():
+    """Deep kernel learning with hand-listed parameter groups that leave the likelihood's `log_noise` out: the
+    finding names that parameter (not only its module `m`), says the module's other parameters train, and gives
+    add_param_group first, not the target-network advice."""
+
+    class DKL(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+            self.log_ls = nn.Parameter(torch.zeros(()))
+            self.log_noise = nn.Parameter(torch.tensor(0.0))
+
+        def nmll(self, x, y):  # the loss is a method: `m` itself is never called
+            f = self.features(x)
+            k = torch.exp(-0.5 * torch.cdist(f, f).pow(2) / self.log_ls.exp() ** 2)
+            k = k + (self.log_noise.exp() + 1e-5) * torch.eye(len(x))
+            chol = torch.linalg.cholesky(k)
+            return (0.5 * y @ torch.cholesky_solve(y[:, None], chol)[:, 0] + chol.diagonal().log().sum()) / len(x)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(200, 4), torch.randn(200)
+    m = DKL()
+    opt = torch.optim.Adam([{"params": m.features.parameters(), "lr": 3e-3}, {"params": [m.log_ls], "lr": 3e-2}])
+    with guard(live=False) as g:
+        for _ in range(12):
+            idx = torch.randperm(200)[:32]
+            loss = m.nmll(x[idx], y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f.where == "m.log_noise" and "of m, whose other parameters train" in f.message
+    assert f.hint.startswith("Add them to the optimizer: optimizer.add_param_group({'params': [m.log_noise]})")

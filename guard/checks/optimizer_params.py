@@ -104,6 +104,16 @@ def _outside_names(params: List[torch.Tensor]) -> Tuple[List[str], Optional[str]
     return out, owner, plain
 
 
+def _module_named(var: str) -> Optional[nn.Module]:
+    """The module bound to the user's variable `var` (the owner `_outside_names` found), or None."""
+    for fr in user_frames(12):
+        for scope in (frame_locals(fr), fr.f_globals):
+            value = scope.get(var)
+            if isinstance(value, nn.Module):
+                return value
+    return None
+
+
 def _listing(prefixes: List[str], more: bool) -> str:
     return ", ".join(prefixes) + (", ..." if more else "")
 
@@ -295,17 +305,28 @@ class OptimizerParams(Check):
             return
         names, owner, plain = _outside_names(params)
         prefixes = module_prefixes(names, names, limit=11)
-        shown, more = prefixes[:10], len(prefixes) > 10
+        # a few parameters are named themselves (`m.log_noise`, not the module `m` that holds it)
+        shown, more = (names, False) if len(names) <= 3 else (prefixes[:10], len(prefixes) > 10)
         opts = ", ".join(type(o).__name__ for o in self.g.optimizers)
         if plain and all(any(n.startswith(b + "[") for b in plain) for n in names):
             self._plain_container(params, names, plain, step, opts)
             return
-        what = f"of {owner}, which guard does not watch, " if owner else "outside the watched models "
+        held = self._held()
+        mod = _module_named(owner) if owner else None
+        partly = mod is not None and any(id(q) in held for q in mod.parameters())  # its other parameters train
+        what = (f"of {owner}, whose other parameters train, " if partly else
+                f"of {owner}, which guard does not watch, " if owner else "outside the watched models ")
         message = (f"{len(params)} parameter(s) {what}get gradients from the loss but are in no optimizer ({opts}): "
                    f"{_listing(shown, more)}; backward() computes gradients for them that nothing uses, and they pile "
                    f"up (zero_grad() of the optimizer does not clear them)")
         add = "optimizer.add_param_group({'params': [" + ", ".join(names[:3]) + "]})"
-        if all("." not in n and not n.startswith("parameter ") for n in names):
+        if partly:
+            # the optimizer holds the owner's other parameters: groups listed by hand that left these out, no
+            # target network (whose parameters are in no optimizer at all)
+            hint = (f"Add them to the optimizer: {add}; its parameter groups list {owner}'s other parameters by hand "
+                    f"and leave these out (or build the groups from {owner}.named_parameters()). If they are meant to "
+                    f"stay fixed, set requires_grad=False.")
+        elif all("." not in n and not n.startswith("parameter ") for n in names):
             # bare nn.Parameters (a soft prompt, learnable loss weights): meant to train, left out of the optimizer
             hint = (f"Add them to the optimizer: {add} (or list them when building it). If they are meant to stay "
                     f"fixed, set requires_grad=False.")
