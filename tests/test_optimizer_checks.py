@@ -3263,3 +3263,27 @@ def test_a_parameter_left_out_of_hand_listed_groups_is_named_with_the_add_param_
     (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
     assert f.where == "m.log_noise" and "of m, whose other parameters train" in f.message
     assert f.hint.startswith("Add them to the optimizer: optimizer.add_param_group({'params': [m.log_noise]})")
+
+
+def test_an_ensemble_whose_optimizers_were_all_built_over_one_member_is_told_so():
+    """Deep ensemble, `opts = [Adam(model.parameters()) for m in members]`: the comprehension reads the last loop's
+    `model`, so all five optimizers hold the last member and the first member's loss reaches no optimizer. The
+    message says the optimizers share one model's parameters (not that a copy was made after the optimizer), and
+    the fix builds each over its own member."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 3), torch.randn(64, 1)
+    members = []
+    for _ in range(5):
+        model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+        members.append(model)
+    opts = [torch.optim.Adam(model.parameters(), lr=1e-3) for m in members]  # the bug
+    with guard(live=False) as g:
+        for _ in range(3):
+            for m, opt in zip(members, opts):
+                loss = F.mse_loss(m(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    (f,) = [f for f in g.findings if f.kind == "loss-disconnected"]
+    assert f.step == 0 and "5 optimizers hold the same parameters, one model's" in f.message
+    assert "for m in members" in f.hint and "deep-copied" not in f.message

@@ -32,6 +32,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ._graphs import user_frames
+from .._frames import frame_locals
 from .base import Check
 
 MAX_NODES = 20_000
@@ -126,6 +128,24 @@ def _leaves(roots: List[torch.Tensor], paths: Optional[List[Tuple[Tuple[int, ...
         return None
     return found
 
+
+
+def _sharing(optimizer: Any) -> int:
+    """How many optimizers (the user's variables, lists of them included) hold `optimizer`'s first parameter: 2 or
+    more when an ensemble's optimizers were all built over one member (`[Adam(model.parameters()) for m in members]`).
+    Report-time only."""
+    first = next((p for grp in optimizer.param_groups for p in grp["params"]), None)
+    if first is None:
+        return 0
+    found: Dict[int, Any] = {}
+    for fr in user_frames():
+        for scope in (frame_locals(fr), fr.f_globals):
+            for v in list(scope.values()):
+                vals = v if isinstance(v, (list, tuple)) else v.values() if isinstance(v, dict) else (v,)
+                for o in list(vals)[:256]:
+                    if isinstance(o, torch.optim.Optimizer):
+                        found[id(o)] = o
+    return sum(1 for o in found.values() if any(p is first for grp in o.param_groups for p in grp["params"]))
 
 class LossDisconnected(Check):
     name = "loss-disconnected"
@@ -374,6 +394,15 @@ class LossDisconnected(Check):
                     f"the same way: group['params'][i] = new; {opt.lower()}.state[new] = {{k: v[keep] ...}} for the "
                     f"old tensor's state (or del its state to restart it); or build the optimizer again after each "
                     f"densification.")
+        elif whole and all(d.startswith("a parameter") for d in descr) and (n := _sharing(optimizer)) >= 2:
+            message = message.replace(
+                f"{opt} trains a copy of the model, deep-copied or built again after {opt} was built, while the loss "
+                f"is computed with the other one",
+                f"{n} optimizers hold the same parameters, one model's: an ensemble's optimizers were all built over "
+                f"one member, and the others train with none")
+            hint = (f"Build each optimizer over its own member: [torch.optim.{opt}(m.parameters(), ...) for m in "
+                    f"members] (a comprehension over `m` that reads the last loop's `model` builds them all over one "
+                    f"model).")
         elif whole and all(d.startswith("a parameter") for d in descr):
             hint = (f"Build the optimizer over the model the loss is computed with, after its last re-assignment: "
                     f"optimizer = torch.optim.{opt}(model.parameters(), ...). A copy kept aside (a best checkpoint, an "
