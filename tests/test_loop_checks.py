@@ -3704,3 +3704,25 @@ def test_a_last_partial_tbptt_window_never_back_propagated_is_told_as_such(flush
     assert (f.kind, f.where) == ("eval-without-no-grad", "Step")
     assert f.details["last_window"] is True and f.message.startswith("the run ended with")
     assert "last partial window" in f.message and "i == T - 1" in f.hint and "model.eval()" not in f.hint
+
+
+def test_a_loss_built_from_a_forward_mode_tangent_is_no_evaluation_outside_no_grad():
+    """A PINN's derivative by forward-mode AD (dual numbers): the loss is built from the output's tangent, whose
+    backward reaches the weights, while the primal output's own graph goes unused. That is no evaluation to put
+    under no_grad (which would leave the tangent without a graph)."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with guard(model, opt, live=False) as g:
+        for _ in range(12):
+            x = torch.rand(32, 2)
+            with fwAD.dual_level():
+                _, du = fwAD.unpack_dual(model(fwAD.make_dual(x, torch.ones_like(x))))
+            loss = (du - 1).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert model[0].weight.grad.abs().sum() > 0  # trained through the tangent
+    assert g.findings == []

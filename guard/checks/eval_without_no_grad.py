@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -152,6 +153,8 @@ class EvalWithoutNoGrad(Check):
         if self._backwards != self._backwards_at_call:
             return  # back-propagated inside the call itself (Lightning manual optimization in training_step,
             # a force field's autograd.grad of its energy)
+        if _forward_ad._current_level >= 0:
+            return  # under forward-mode AD the loss may be built from the output's tangent, not its primal graph
         source = self.g.root_source
         site = (id(module), module.training, source)
         trusted = self._streak.get(site, 0) >= TRUST
