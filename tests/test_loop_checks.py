@@ -3726,3 +3726,42 @@ def test_a_loss_built_from_a_forward_mode_tangent_is_no_evaluation_outside_no_gr
             opt.step()
     assert model[0].weight.grad.abs().sum() > 0  # trained through the tangent
     assert g.findings == []
+
+
+@pytest.mark.parametrize("second", ["lbfgs", "adam"])
+def test_an_lbfgs_refinement_in_eval_mode_is_no_forgotten_train_call(second):
+    """A PINN trained with dropout under Adam, then put in eval mode on purpose for an L-BFGS refinement (its closure,
+    evaluated again and again by the line search, must be deterministic): silent. The same eval() followed by more
+    Adam steps is the forgotten model.train() and is still told."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Dropout(0.05), nn.Linear(16, 1))
+    x = torch.linspace(0, 1, 64).unsqueeze(1)
+
+    def loss_fn():
+        return (model(x) - torch.sin(3 * x)).pow(2).mean()
+
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(model, adam, live=False) as g:
+        for _ in range(20):
+            adam.zero_grad()
+            loss_fn().backward()
+            adam.step()
+        model.eval()
+        if second == "lbfgs":
+            lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=5, line_search_fn="strong_wolfe")
+
+            def closure():
+                lbfgs.zero_grad()
+                loss = loss_fn()
+                loss.backward()
+                return loss
+
+            for _ in range(3):
+                lbfgs.step(closure)
+        else:
+            for _ in range(5):
+                adam.zero_grad()
+                loss_fn().backward()
+                adam.step()
+    kinds = [f.kind for f in g.findings]
+    assert kinds == ([] if second == "lbfgs" else ["train-in-eval-mode"])

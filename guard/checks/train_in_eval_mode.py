@@ -123,6 +123,11 @@ class TrainInEvalMode(Check):
                     self.g.seen_again("train-in-eval-mode", path)
         if not self._eval_calls.data:
             return
+        if isinstance(optimizer, torch.optim.LBFGS):
+            # L-BFGS evaluates its closure again and again within a step (line search, curvature pairs): a model put
+            # in eval mode for it on purpose keeps the closure deterministic (no fresh dropout mask per evaluation)
+            self._eval_calls.clear()
+            return
         for model, call_src in list(self._eval_calls.items()):
             del self._eval_calls[model]
             if model in self._reported or model.training or getattr(model, OPT_OUT, False):
