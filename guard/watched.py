@@ -211,7 +211,13 @@ class Watched:
     @property
     def stand_in(self) -> bool:
         """Whether the optimizer steps are counted by is a stand-in over plain tensors only (an inner solve stepping
-        before the model's optimizer's first step, under a global guard: see `watch_optimizer`)."""
+        before the model's optimizer's first step, under a global guard: see `watch_optimizer`). Looked at again while
+        it holds: an optimizer stepped with a closure (``opt.step(closure)``) takes its first step before the model's
+        first call, inside that step, so its parameters were no model's yet when it was judged."""
+        if self._plain_primary:
+            primary = self.primary() if self.primary is not None else None
+            if primary is not None and self._holds_model_parameters(primary):
+                self._plain_primary = False
         return self._plain_primary
 
     def is_primary(self, optimizer: torch.optim.Optimizer) -> bool:

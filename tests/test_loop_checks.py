@@ -3765,3 +3765,32 @@ def test_an_lbfgs_refinement_in_eval_mode_is_no_forgotten_train_call(second):
                 adam.step()
     kinds = [f.kind for f in g.findings]
     assert kinds == ([] if second == "lbfgs" else ["train-in-eval-mode"])
+
+
+@pytest.mark.parametrize("kept", ["tensor", "item"])
+def test_losses_kept_inside_an_optimizer_closure_are_found_under_a_global_guard(kept):
+    """`opt.step(closure)` with `hist.append(loss)` inside the closure, under a global guard: the optimizer's first
+    step comes before the model's first call (inside that step), so it was taken for a stand-in over plain tensors
+    and the leak was never told. `loss.item()` is clean."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    hist = []
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        hist.append(loss if kept == "tensor" else loss.item())
+        return loss
+
+    with guard(live=False) as g:
+        for _ in range(20):
+            opt.step(closure)
+    if kept == "item":
+        assert g.findings == []
+        return
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("loss-graph-retained", "hist", 0)
+    assert "`hist.append(loss.item())`" in f.hint
