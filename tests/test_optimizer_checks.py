@@ -3287,3 +3287,29 @@ def test_an_ensemble_whose_optimizers_were_all_built_over_one_member_is_told_so(
     (f,) = [f for f in g.findings if f.kind == "loss-disconnected"]
     assert f.step == 0 and "5 optimizers hold the same parameters, one model's" in f.message
     assert "for m in members" in f.hint and "deep-copied" not in f.message
+
+
+def test_an_optimizer_over_a_copy_is_told_as_such_beside_collocation_points_that_require_grad():
+    """A PINN whose L-BFGS was built over `copy.deepcopy(model)` while the closure evaluates `model`: the loss also
+    reaches the collocation points (a leaf with requires_grad=True, for autograd.grad). They used to make it "tensors
+    that are not parameters ... the graph was cut by .detach()"; it is the optimizer training a copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.linspace(0, 1, 50).unsqueeze(1).requires_grad_(True)
+    init = copy.deepcopy(model)
+    lbfgs = torch.optim.LBFGS(init.parameters(), max_iter=5)  # the bug: over the copy
+
+    def closure():
+        lbfgs.zero_grad()
+        u = model(x)
+        ux = torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)[0]
+        loss = (ux - torch.cos(x)).pow(2).mean() + model(torch.zeros(1, 1)).pow(2).sum()
+        loss.backward()
+        return loss
+
+    with guard(live=False) as g:
+        for _ in range(3):
+            lbfgs.step(closure)
+    (f,) = [f for f in g.findings if f.kind == "loss-disconnected"]
+    assert "parameter(s) that no optimizer holds" in f.message and "trains a copy of the model" in f.message
+    assert "a tensor" not in f.message and ".detach()" not in f.message.split("reaches only")[1]

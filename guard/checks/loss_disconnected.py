@@ -283,6 +283,13 @@ class LossDisconnected(Check):
                 # it trains a plain tensor an optimizer holds (style transfer), or one that an optimizer guard does
                 # not see (given one optimizer, guard hooks that one only) updated in place since that backward
                 continue
+            if any(isinstance(l, nn.Parameter) for l, _ in live) and not all(isinstance(l, nn.Parameter) for l, _ in live):
+                # inputs that require grad beside them (a PINN's collocation points, differentiated by autograd.grad)
+                # are no part of the story: the parameters no optimizer holds are
+                keep = [i for i, (l, _) in enumerate(live) if isinstance(l, nn.Parameter)]
+                if len(descr) == len(live):
+                    descr = [descr[i] for i in keep]
+                live = [live[i] for i in keep]
             shapes = {tuple(p.shape) for grp in optimizer.param_groups for p in grp["params"]}
             copies = bool(live) and all(l.grad_fn is None and l.dim() and tuple(l.shape) in shapes for l, _ in live)
             # `torch.func.stack_module_state(members)`: the K members' parameters stacked along a new first dimension,
