@@ -590,6 +590,25 @@ def test_backward_on_a_tensor_without_a_graph_is_explained(case, scope):
         assert "create_graph=True" in note and f.details["model_frozen"] is False
 
 
+def test_a_second_derivative_of_a_first_one_taken_without_create_graph_is_explained_at_autograd_grad():
+    """A PINN residual helper passing create_graph=False to the first derivative: u_x carries no graph, and the
+    second torch.autograd.grad raises. Told at `torch.autograd.grad` with the create_graph fix, not at `loss` with
+    the list of ways a loss loses its graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(RuntimeError) as ei:
+        with guard(model, opt, checks=["explain"], live=False) as g:
+            x = torch.rand(16, 1, requires_grad=True)
+            u = model(x)
+            u_x = torch.autograd.grad(u, x, torch.ones_like(u))[0]  # the bug: no create_graph=True
+            torch.autograd.grad(u_x, x, torch.ones_like(u_x))
+    note = _notes(ei.value)
+    (f,) = _explained(g)
+    assert f.where == "torch.autograd.grad" and f.details["autograd_grad"] is True
+    assert "without create_graph=True" in note and "create_graph=True)[0], then u_xx" in f.hint
+
+
 @pytest.mark.parametrize("scope", ["model", "global"])
 def test_a_loss_from_a_no_grad_helper_names_the_model_call_made_without_gradients(scope):
     """An inference helper decorated @torch.no_grad() reused in the training loop: the model call inside it is named

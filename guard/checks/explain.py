@@ -1179,6 +1179,16 @@ class ExplainErrors(Check):
                    "detach the samples it returns.")
             cause = f"torch.autograd.grad got a tensor with no autograd graph: {why}"
             return "torch.autograd.grad", cause, fix, {"grad_enabled": False, "model_frozen": frozen, "autograd_grad": True}
+        if fn == "grad" and not grad_off and not frozen:
+            why = ("the tensor it differentiates carries no graph: most often a derivative taken by an earlier "
+                   "torch.autograd.grad without create_graph=True (a PINN's u_x, whose own derivative u_xx is taken "
+                   "next), else a tensor cut by .detach(), .item() or torch.no_grad()")
+            fix = ("Take every derivative that is differentiated again with create_graph=True: u_x = "
+                   "torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)[0], then u_xx from u_x (even "
+                   "where only values are needed, such as residuals for resampling: detach the result afterwards).")
+            cause = f"torch.autograd.grad got a tensor with no autograd graph: {why}"
+            return "torch.autograd.grad", cause, fix, {"grad_enabled": True, "model_frozen": False,
+                                                       "autograd_grad": True}
         if grad_off:
             why = ("gradient recording is off where it ran (inside torch.no_grad(), torch.inference_mode() or a "
                    "function decorated with them, such as an evaluation helper reused for training)")
