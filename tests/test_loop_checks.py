@@ -3794,3 +3794,39 @@ def test_losses_kept_inside_an_optimizer_closure_are_found_under_a_global_guard(
     (f,) = g.findings
     assert (f.kind, f.where, f.step) == ("loss-graph-retained", "hist", 0)
     assert "`hist.append(loss.item())`" in f.hint
+
+
+@pytest.mark.parametrize("restored_first", [False, True])
+def test_gradients_written_by_hand_after_zero_grad_are_no_wiped_backward(restored_first):
+    """Reptile with an outer optimizer: the inner SGD adapts the model in place (backward, step), then
+    `outer.zero_grad()` and a pseudo-gradient written by hand, `p.grad = before - after`, before `outer.step()`. The
+    zero_grad() wiped nothing the step needed, whatever the pseudo-gradient's value: with the weights restored before
+    the difference is taken it is exactly 0 (a bug of its own), which was told as zero_grad() between backward() and
+    step(), a fix that changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    outer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(live=False) as g:
+        for _ in range(12):
+            x = torch.rand(16, 1) * 4 - 2
+            y = torch.sin(x + torch.rand(1))
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            inner = torch.optim.SGD(model.parameters(), lr=0.02)
+            for _ in range(3):
+                inner.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                inner.step()
+            after = {n: p.detach().clone() for n, p in model.named_parameters()}
+            if restored_first:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(before[n])
+            outer.zero_grad()
+            for n, p in model.named_parameters():
+                p.grad = before[n] - (p.detach() if restored_first else after[n])
+            if not restored_first:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(before[n])
+            outer.step()
+    assert not [f for f in g.findings if f.kind == "zero-grad-before-step"]

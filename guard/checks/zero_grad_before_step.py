@@ -227,6 +227,10 @@ class ZeroGradBeforeStep(Check):
         if not present:
             self._emit(optimizer, st, none=True, info=info)
             return
+        if st.to_none and not between and not st.module_zero:
+            # zero_grad(set_to_none=True) left None and no backward came since: these gradients were written by hand
+            # after it (Reptile's pseudo-gradient `p.grad = before - after`), as the recipe has it, whatever their value
+            return
         if any(g.layout is not torch.strided and not g.is_meta and _stored(g) for g in present):
             return  # a sparse gradient holding values after zero_grad(): set by hand (surgery on an embedding's)
         grads = [g for g in present if g.layout is torch.strided and not g.is_meta]
