@@ -3830,3 +3830,34 @@ def test_gradients_written_by_hand_after_zero_grad_are_no_wiped_backward(restore
                         p.copy_(before[n])
             outer.step()
     assert not [f for f in g.findings if f.kind == "zero-grad-before-step"]
+
+
+def test_nan_gradients_written_by_hand_with_no_backward_point_at_that_arithmetic():
+    """DP-SGD by hand: per-sample gradients from torch.func (vmap(grad)) "clipped" as g / ||g||, written into .grad;
+    a padding row's gradient is exactly 0, so 0/0 is NaN. No backward() ran: the hint is about the hand-written
+    arithmetic, not "NaN made by the backward"."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    y = x @ torch.randn(6, 1)
+    x[::16], y[::16] = 0.0, 0.0  # padding rows: all-zero per-sample gradients (no bias)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.ReLU(), nn.Linear(8, 1, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def loss_of(p, xi, yi):
+        return F.mse_loss(functional_call(model, p, (xi[None],)), yi[None])
+
+    per_sample = vmap(grad(loss_of), in_dims=(None, 0, 0))
+    with guard(live=False) as g:
+        for step in range(2):
+            idx = torch.arange(step * 32, step * 32 + 32)
+            gs = per_sample({n: p.detach() for n, p in model.named_parameters()}, x[idx], y[idx])
+            norm = torch.cat([t.flatten(1) for t in gs.values()], 1).norm(dim=1)
+            opt.zero_grad()
+            for n, p in model.named_parameters():
+                p.grad = (gs[n] * (1.0 / norm).view(-1, *[1] * (gs[n].dim() - 1))).sum(0) / 32
+            opt.step()
+    (f,) = [f for f in g.findings if f.kind == "nonfinite-grad"]
+    assert f.step == 0 and f.hint.startswith("No backward() ran at this step")
+    assert "0/0" in f.hint and "NaN made by the backward" not in f.hint

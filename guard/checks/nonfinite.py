@@ -855,7 +855,8 @@ class NonFinite(Check):
                     return  # this step's NaN input, output or loss was reported (resolved in an earlier read)
                 self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
                                    graphs=list(window[5].values()),
-                                   loss_seen=bool(losses), model_unseen=not window[0] and self._model_unseen())
+                                   loss_seen=bool(losses), model_unseen=not window[0] and self._model_unseen(),
+                                   by_hand=not losses and not window[0] and not self._model_unseen())
                 return
 
     def _target(self, fn: str, args: tuple, kwargs: dict) -> None:
@@ -1262,7 +1263,7 @@ class NonFinite(Check):
 
     def _report_grads(self, gn, step: int, source: Optional[str], masked: bool = False,
                       taken_input: Optional[Tuple[str, List[str]]] = None, loss_seen: bool = True,
-                      graphs: Optional[list] = None, model_unseen: bool = False) -> None:
+                      graphs: Optional[list] = None, model_unseen: bool = False, by_hand: bool = False) -> None:
         values = gn.per_param()
         names = [n for n, v in zip(gn.names, values) if v != v or v in (float("inf"), float("-inf"))]
         if not names or step == self._grads_told:
@@ -1299,7 +1300,14 @@ class NonFinite(Check):
             steep = _steep_ops(graphs) if graphs else []
             if steep:
                 hint = ("; ".join(_STEEP_HINTS[o] for o in steep[:2]) + ". Otherwise: " + hint)
-            if model_unseen:
+            if by_hand:
+                # no backward() and no model call at this step: torch.func per-sample gradients written into .grad
+                hint = ("No backward() ran at this step: these gradients were written into .grad by hand (per-sample "
+                        "gradients from torch.func.grad/vmap, clipped and noised for DP-SGD; a Reptile or evolution-"
+                        "strategies update). Look at that arithmetic first: a normalisation by a norm that can be 0 "
+                        "(g / g.norm() of an all-zero per-sample gradient is 0/0); clip with "
+                        "g * (C / (norm + 1e-6)).clamp(max=1.0), and add an eps inside any log or sqrt there.")
+            elif model_unseen:
                 # a compiled train step (module hooks compiled away) or a module guard never saw: nothing was screened
                 hint = ("No call of the watched model was seen at this step (compiled code skips module hooks, see "
                         "guard's notice), so its inputs, outputs and loss were not screened: look first for NaN/Inf "
