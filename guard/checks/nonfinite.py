@@ -163,6 +163,7 @@ class NonFinite(Check):
         self._grads_told = -1  # the step of the last nonfinite-grad finding
         self._post_version: Tuple[int, int] = (0, 0)  # (id, version counter) of the first weight after the last update
         self._last_loss: Optional[weakref.ref] = None  # the tensor of the last backward()
+        self._bw_steps: Deque[int] = deque(maxlen=4)  # the last steps at which a backward() ran
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -387,6 +388,8 @@ class NonFinite(Check):
     def on_backward(self, tensors, kwargs):
         # before any optimizer step, the gradients of a backward are judged at once (below: unless scaled by hand)
         self._by_hand = not self.g.has_optimizer and self._scaled_by_hand(tensors)
+        if not self._bw_steps or self._bw_steps[-1] != self.g.step:
+            self._bw_steps.append(self.g.step)  # (NaN gradients of a step without backward were written by hand)
         if not self.g.sampling:
             return
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
@@ -856,7 +859,7 @@ class NonFinite(Check):
                 self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
                                    graphs=list(window[5].values()),
                                    loss_seen=bool(losses), model_unseen=not window[0] and self._model_unseen(),
-                                   by_hand=not losses and not window[0] and not self._model_unseen())
+                                   by_hand=step not in self._bw_steps and not window[0] and not self._model_unseen())
                 return
 
     def _target(self, fn: str, args: tuple, kwargs: dict) -> None:
