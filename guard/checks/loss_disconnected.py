@@ -283,7 +283,8 @@ class LossDisconnected(Check):
                 # it trains a plain tensor an optimizer holds (style transfer), or one that an optimizer guard does
                 # not see (given one optimizer, guard hooks that one only) updated in place since that backward
                 continue
-            if any(isinstance(l, nn.Parameter) for l, _ in live) and not all(isinstance(l, nn.Parameter) for l, _ in live):
+            kinds = {isinstance(l, nn.Parameter) for l, _ in live}
+            if kinds == {True, False}:
                 # inputs that require grad beside them (a PINN's collocation points, differentiated by autograd.grad)
                 # are no part of the story: the parameters no optimizer holds are
                 keep = [i for i, (l, _) in enumerate(live) if isinstance(l, nn.Parameter)]

@@ -817,9 +817,9 @@ class MissingZeroGrad(Check):
                 "that step.")
         if len(stale) + zero_left < total:
             # Some of the optimizer's gradients were cleared and these were not: a zero_grad() over part of them.
-            message += (f" (the other {total - len(stale) - zero_left} were cleared or new: a zero_grad() that covers only part "
-                        f"of the optimizer's parameters, such as model.zero_grad() on a module that does not hold "
-                        f"these, leaves them to pile up)")
+            message += (f" (the other {total - len(stale) - zero_left} were cleared or new: a zero_grad() that covers "
+                        f"only part of the optimizer's parameters, such as model.zero_grad() on a module that does "
+                        f"not hold these, leaves them to pile up)")
             hint = ("model.zero_grad() clears only that module's parameters: call optimizer.zero_grad(), which "
                     "clears every parameter the optimizer holds, once per optimizer step. " + hint.split(". ", 1)[1])
         self.emit("missing-zero-grad", where, message, hint, step=step, source=src,

@@ -856,10 +856,10 @@ class NonFinite(Check):
             if flag in bad and not params_known_bad:  # NaN weights from an earlier window make NaN grads: not news
                 if any(f.kind in _FORWARD_KINDS and f.step == step for f in self.g.findings):
                     return  # this step's NaN input, output or loss was reported (resolved in an earlier read)
+                unseen = not window[0] and self._model_unseen()
                 self._report_grads(gn, step, source, masked=any(i in known for c in calls for _, i in c.outputs),
-                                   graphs=list(window[5].values()),
-                                   loss_seen=bool(losses), model_unseen=not window[0] and self._model_unseen(),
-                                   by_hand=step not in self._bw_steps and not window[0] and not self._model_unseen())
+                                   graphs=list(window[5].values()), loss_seen=bool(losses), model_unseen=unseen,
+                                   by_hand=step not in self._bw_steps and not window[0] and not unseen)
                 return
 
     def _target(self, fn: str, args: tuple, kwargs: dict) -> None:
