@@ -3861,3 +3861,31 @@ def test_nan_gradients_written_by_hand_with_no_backward_point_at_that_arithmetic
     (f,) = [f for f in g.findings if f.kind == "nonfinite-grad"]
     assert f.step == 0 and f.hint.startswith("No backward() ran at this step")
     assert "0/0" in f.hint and "NaN made by the backward" not in f.hint
+
+
+def test_a_list_of_fast_weight_dicts_is_named_as_the_list_with_a_dict_detach_fix():
+    """MAML keeping each task's adapted fast weights, `adapted.append(p)` with `p` a dict of tensors that carry the
+    inner loop's graph: named `adapted` (not one entry, `adapted[0]['0.bias']`), with a fix that detaches each value
+    of the dict rather than a template for a tensor."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
+    meta_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adapted = []
+    with guard(model, meta_opt, live=False) as g:
+        for _ in range(12):
+            x = torch.rand(20, 1) * 4 - 2
+            y = torch.sin(x + torch.rand(1))
+            p = dict(model.named_parameters())
+            grads = torch.autograd.grad(F.mse_loss(functional_call(model, p, (x[:10],)), y[:10]), p.values(),
+                                        create_graph=True)
+            p = {n: w - 0.01 * gi for (n, w), gi in zip(p.items(), grads)}
+            adapted.append(p)
+            loss = F.mse_loss(functional_call(model, p, (x[10:],)), y[10:])
+            meta_opt.zero_grad()
+            loss.backward()
+            meta_opt.step()
+    (f,) = g.findings
+    assert (f.kind, f.where, f.step) == ("loss-graph-retained", "adapted", 0)
+    assert "`adapted.append({k: v.detach() for k, v in p.items()})`" in f.hint and "also held by" not in f.message

@@ -101,6 +101,11 @@ def graph_holders(name: str, value: Any, depth: int = 0) -> Iterator[Tuple[str, 
             inner = [t for r in rows for t in r[-MAX_ITEMS:] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             if inner:
                 yield f"{name}[...][...]", value, inner
+        # dicts of tensors (a MAML loop's fast weights per task, `history.append(params)`): the list holds them all
+        dicts = [t for v in items if isinstance(v, dict) for t in list(v.values())[:256]
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if dicts:
+            yield f"{name}[...]", value, dicts
         for i, v in enumerate(items[:64]):
             if isinstance(v, (dict, list, tuple)) or hasattr(v, "__dict__"):
                 if not isinstance(v, torch.Tensor):

@@ -235,6 +235,14 @@ def _fed_back(holders: list, line: str) -> Optional[Any]:
     return None
 
 
+def _holds_dicts(frame: Any, name: str) -> bool:
+    """Whether the list the user's variable `name` (in `frame`) holds has dicts as entries."""
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        return False
+    value = frame_locals(frame).get(name, frame.f_globals.get(name))
+    return isinstance(value, list) and bool(value) and isinstance(value[-1], dict)
+
+
 def _code_range(code: types.CodeType) -> Tuple[int, int]:
     lines = [ln for _, _, ln in code.co_lines() if ln is not None]
     return code.co_firstlineno, max(lines) if lines else code.co_firstlineno
@@ -852,6 +860,8 @@ class LossGraph(Check):
                     arg = app[1] if app and app[0].rsplit(".", 1)[-1] == said_bare.rsplit(".", 1)[-1] else None
                     if arg is not None and name.endswith("[...][...]"):
                         value = f"[t.detach() for t in {arg}]"
+                    elif arg is not None and _holds_dicts(frame, said_bare):
+                        value = f"{{k: v.detach() for k, v in {arg}.items()}}"  # a dict per entry (fast weights)
                     elif arg is None:
                         value = "value.detach()"
                     else:
@@ -879,7 +889,9 @@ class LossGraph(Check):
                 hint = (f"Detach the carried state once per iteration, `{said}` before it is used "
                         f"again (truncated backpropagation through time), and drop retain_graph=True: it only hid "
                         f"the error the second backward through the old steps would raise.")
-            others = [h[0] for h in holders[1:4] if h[0] != name]
+            # (the entries of a list named as a whole, `hist[0]['w']` beside `hist[...]`, are not other holders)
+            others = [h[0] for h in holders[1:] if h[0] != name and not (
+                name.endswith("[...]") and h[0].startswith(name[:-5] + "["))][:3]
             if others:
                 message += f"; also held by {', '.join(f'`{o}`' for o in others)}"
             where = base
