@@ -3313,3 +3313,82 @@ def test_an_optimizer_over_a_copy_is_told_as_such_beside_collocation_points_that
     (f,) = [f for f in g.findings if f.kind == "loss-disconnected"]
     assert "parameter(s) that no optimizer holds" in f.message and "trains a copy of the model" in f.message
     assert "a tensor" not in f.message and ".detach()" not in f.message.split("reaches only")[1]
+
+
+def _fomaml(copy_back):
+    """First-order MAML with a deep-copied learner: the query loss is back-propagated into the copy; without
+    `copy_back` its gradients never reach the meta-model, whose optimizer steps over parameters with no gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 1))
+    meta_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with guard(live=False) as g:
+        for _ in range(24):
+            meta_opt.zero_grad()
+            x = torch.rand(20, 1) * 10 - 5
+            y = torch.rand(1) * torch.sin(x + torch.rand(1))
+            learner = copy.deepcopy(model)
+            inner = torch.optim.SGD(learner.parameters(), lr=0.01)
+            for _ in range(2):
+                inner.zero_grad()
+                F.mse_loss(learner(x[:10]), y[:10]).backward()
+                inner.step()
+            inner.zero_grad()
+            F.mse_loss(learner(x[10:]), y[10:]).backward()
+            if copy_back:
+                for p, q in zip(model.parameters(), learner.parameters()):
+                    p.grad = q.grad.clone()
+            meta_opt.step()
+    return g
+
+
+def test_an_optimizer_over_parameters_that_never_get_a_gradient_beside_a_trained_copy_is_told():
+    """A global guard: the meta-optimizer stepped 24 times and its parameters never had a gradient, while backward
+    ran through copies of the same shapes. Told at the end of the run, naming both; copied back, silent."""
+    g = _fomaml(copy_back=False)
+    (f,) = [f for f in g.findings if f.kind == "params-not-updating"]
+    assert f.where == "model" and f.details["over_copy"] is True and f.details["steps"] == 24
+    assert f.details["variable"] == "meta_opt" and f.details["trained"] == "learner"
+    assert "`learner`" in f.message and "ever had a gradient" in f.message and "q.grad.clone()" in f.hint
+    assert _fomaml(copy_back=True).findings == []
+
+
+@pytest.mark.parametrize("over_copy", [True, False])
+def test_a_fine_tuning_phase_whose_optimizer_holds_a_deepcopy_is_told(over_copy):
+    """Phase 2's optimizer is built over `best = copy.deepcopy(model)` while the loss still calls `model`: 30 steps
+    that change nothing. Built over `model` (the fix), or the loss computed with the copy, silent."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    with guard(live=False) as g:
+        adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for _ in range(10):
+            adam.zero_grad(); F.mse_loss(model(x), y).backward(); adam.step()
+        best = copy.deepcopy(model)
+        adam2 = torch.optim.Adam(best.parameters() if over_copy else model.parameters(), lr=1e-4)
+        for _ in range(30):
+            adam2.zero_grad(); F.mse_loss(model(x), y).backward(); adam2.step()
+    found = [f for f in g.findings if f.kind == "params-not-updating"]
+    if not over_copy:
+        assert g.findings == []
+        return
+    (f,) = found
+    assert (f.where, f.step) == ("best", 10) and f.details["trained"] == "model" and f.details["steps"] == 30
+    assert "`adam2` (Adam) stepped 30 times" in f.message
+
+
+def test_an_optimizer_stepped_before_its_parameters_train_is_not_told():
+    """An auxiliary head whose optimizer steps from the start while its loss joins only after a warm-up of 25 steps
+    (its gradients None until then): it had gradients in the run, silent. A model guard's optimizer over a model never
+    called is the copy notice's, not this rule's."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(16, 4)
+    with guard(live=False) as g:
+        opt, opt_head = torch.optim.SGD(body.parameters(), lr=0.01), torch.optim.SGD(head.parameters(), lr=0.01)
+        for i in range(40):
+            opt.zero_grad(); opt_head.zero_grad()
+            h = body(x)
+            loss = h.pow(2).mean() + (head(h).pow(2).mean() if i >= 25 else 0)
+            loss.backward()
+            opt.step(); opt_head.step()
+    assert [f for f in g.findings if f.kind == "params-not-updating"] == []

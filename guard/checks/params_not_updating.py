@@ -16,10 +16,17 @@ drove it to 0), or an optimizer built over another copy of the model.
   built over another copy (``copy.deepcopy(model)``, a model rebuilt after the
   optimizer). Host-only, once. ``param-not-in-optimizer`` also names the
   parameters; this finding names the cause.
+* At the end of the run, an optimizer that stepped `STEPS` times or more while
+  none of its parameters ever had a gradient, over parameters of no module
+  guard saw called, shaped like those of a module that was called and got
+  gradients: it was built over a copy (``copy.deepcopy(model)`` for a
+  fine-tuning phase or a first-order MAML learner) while backward runs through
+  the other one. One look per step until its first gradient, then none.
 """
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -167,6 +174,9 @@ class ParamsNotUpdating(Check):
         self._idle: Optional[list] = None  # [(optimizer ref, [(parameter ref, version, gradient ref)])] (IDLE_LOOK)
         self._backwards = 0  # backward() calls while no optimizer has stepped
         self._sites: Dict[tuple, tuple] = {}  # (optimizer type, step line) -> (the last one's ref, its runs)
+        # optimizer -> False once any of its parameters had a gradient at its step, else [steps, line of the first,
+        # (its variable, the variable of the module holding its parameters)]: an optimizer over a copy
+        self._gradless = WeakIdMap()
 
     def _note_idle(self) -> None:
         """The optimizers the user's code holds that have not stepped (guard saw no step of theirs) although some
@@ -343,6 +353,8 @@ class ParamsNotUpdating(Check):
             self._half_before = (self.g.step, [(p, p.detach().reshape(-1)[:HALF_SAMPLE].clone()) for p in ps])
 
     def on_step_post(self, optimizer):
+        if self._gradless.data.get(id(optimizer)) is not False:
+            self._gradless_step(optimizer)
         if self._idle is None and self.g.step >= IDLE_LOOK and self.g.is_primary(optimizer):
             self._note_idle()  # once (a walk of the user's frames)
         before, self._half_before = self._half_before, None
@@ -419,9 +431,69 @@ class ParamsNotUpdating(Check):
             run.reported = True
             self._report_lr(opt, i, run)
 
+    def _gradless_step(self, optimizer) -> None:
+        """A step of an optimizer none of whose parameters has had a gradient at its steps so far (after the step:
+        a closure's backward has run)."""
+        if any(p.grad is not None for grp in optimizer.param_groups for p in grp["params"]
+               if isinstance(p, torch.Tensor)):
+            self._gradless[optimizer] = False
+            return
+        entry = self._gradless.data.get(id(optimizer))
+        if entry is None:
+            entry = self._gradless[optimizer] = [0, self.g.source(), None, self.g.step]
+        entry[0] += 1
+        if entry[0] == IDLE_LOOK:  # names read while the user's frames are there (a global guard ends at exit)
+            shapes = Counter(tuple(p.shape) for grp in optimizer.param_groups for p in grp["params"])
+            twins = {id(m): variable_naming(m) for m in self.g.roots if isinstance(m, nn.Module)
+                     and not shapes - Counter(tuple(p.shape) for p in m.parameters())}
+            entry[2] = (variable_naming(optimizer), _module_variable(optimizer), twins)
+
+    def _judge_gradless(self) -> None:
+        """Optimizers that stepped STEPS times or more and never saw a gradient, over a copy of a module that was
+        called and got gradients (see the module docstring)."""
+        roots = [m for m in self.g.roots if isinstance(m, nn.Module)]
+        called = {id(p) for m in roots for p in m.parameters()}
+        for opt, entry in list(self._gradless.items()):
+            if entry is False or entry[0] < STEPS:
+                continue
+            ps = [p for grp in opt.param_groups for p in grp["params"] if isinstance(p, torch.Tensor)]
+            if not ps or any(id(p) in called for p in ps) or any(p.grad is not None for p in ps):
+                continue
+            shapes = Counter(tuple(p.shape) for p in ps)
+            twin = None
+            for m in roots:
+                own = list(m.parameters())
+                if any(p.grad is not None for p in own) and \
+                        (len(ps) >= 2 or len(own) == 1) and not shapes - Counter(tuple(p.shape) for p in own):
+                    twin = m
+                    break
+            if twin is None:
+                continue
+            var, held_by, twins = entry[2] or (None, None, {})
+            var = var or type(opt).__name__
+            mine = held_by or "a copy"
+            # (a learner copied anew for each task is another object at the end: the name it had then)
+            other = (twins.get(id(twin)) or variable_naming(twin) or next((n for n in twins.values() if n), None)
+                     or type(twin).__name__)
+            self.emit("params-not-updating", held_by or type(opt).__name__,
+                      f"`{var}` ({type(opt).__name__}) stepped {entry[0]} times, and none of the {len(ps)} parameter(s) "
+                      f"it holds ({mine}) ever had a gradient: backward() ran through `{other}`, whose parameters have "
+                      f"the same shapes, so the optimizer was built over a copy of the model that is not the one "
+                      f"trained, and its steps change nothing",
+                      f"Build {var} over the parameters of the model the loss is computed with "
+                      f"({other}.parameters(), after any copy.deepcopy), or compute the loss with the model it holds. "
+                      f"For a first-order meta-gradient kept on a copy, copy it back before the step: "
+                      f"p.grad = q.grad.clone() for p, q in zip(model.parameters(), {other}.parameters()).",
+                      step=entry[3], seen=self.g.step, source=entry[1],
+                      details={"optimizer": type(opt).__name__, "variable": var, "parameters": len(ps),
+                               "steps": entry[0], "module": held_by, "trained": other, "over_copy": True,
+                               "whole_run": True})
+
     def on_exit(self):
         if self._idle:
             self._judge_idle()
+        if self._gradless:
+            self._judge_gradless()
         for opt, runs in list(self._runs.items()):
             for i, run in runs.items():
                 if (run.deferred and not run.reported and run.count >= STEPS and i < len(opt.param_groups)
