@@ -451,6 +451,8 @@ class ParamsNotUpdating(Check):
     def _judge_gradless(self) -> None:
         """Optimizers that stepped STEPS times or more and never saw a gradient, over a copy of a module that was
         called and got gradients (see the module docstring)."""
+        if any(f.kind == "params-not-updating" and f.details.get("over_copy") for f in self.g.findings):
+            return  # told at the 20th step (a watched model none of whose parameters the optimizer holds)
         roots = [m for m in self.g.roots if isinstance(m, nn.Module)]
         called = {id(p) for m in roots for p in m.parameters()}
         for opt, entry in list(self._gradless.items()):
@@ -639,4 +641,4 @@ class ParamsNotUpdating(Check):
                       f"model before it was replaced).",
                       step=0, source=self.g.source(),
                       details={"model": mname, "parameters": len(named), "with_grad": len(with_grad),
-                               "optimizer_parameters": n_held})
+                               "optimizer_parameters": n_held, "over_copy": True})
