@@ -3392,3 +3392,77 @@ def test_an_optimizer_stepped_before_its_parameters_train_is_not_told():
             loss.backward()
             opt.step(); opt_head.step()
     assert [f for f in g.findings if f.kind == "params-not-updating"] == []
+
+
+def _adaround(exact_start, steps=90, gate=30):
+    """AdaRound's loop on one layer: rounding variables V learned by Adam to reconstruct the layer's output, with a
+    rounding regulariser that joins after `gate` steps. From V's exact start the loss sits at ~0 (gradients ~1e-6 of V)
+    until the regulariser joins."""
+    torch.manual_seed(0)
+    W, x = torch.randn(32, 64), torch.randn(256, 64)
+    s = W.abs().amax(1, keepdim=True) / 7
+    Wf = torch.floor(W / s)
+    rest = (W / s - Wf).clamp(1e-4, 1 - 1e-4)
+    h = lambda v: torch.clamp(torch.sigmoid(v) * 1.2 - 0.1, 0, 1)  # noqa: E731
+    V = nn.Parameter(-torch.log(1.2 / (rest + 0.1) - 1) if exact_start else torch.randn(32, 64))
+    target = x @ W.t()
+    opt = torch.optim.Adam([V], lr=1e-2)
+    with guard(live=False) as g:
+        for it in range(steps):
+            out = x @ ((Wf + h(V)) * s).t()
+            reg = (1 - (2 * h(V) - 1).abs().pow(10)).sum()
+            loss = F.mse_loss(out, target) + (0.01 * reg if it >= gate else 0.0)
+            opt.zero_grad(); loss.backward(); opt.step()
+    return g
+
+
+def test_a_loss_term_joining_a_model_at_its_optimum_is_no_gradient_explosion():
+    """From the exact start the gradients are ~1e-6 of V and the loss ~1e-7; the regulariser joining multiplies the
+    norm by thousands. Not an explosion (the clip it would suggest would cancel the term); the window starts again at
+    the new level. A spike after the same start with a term 1e4 times larger once the new level is set is told."""
+    assert [f for f in _adaround(exact_start=True).findings if f.kind == "grad-explosion"] == []
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with guard(live=False) as g:
+        for it in range(40):
+            loss = F.mse_loss(model(x), y) * (1e4 if it == 30 else 1.0)
+            opt.zero_grad(); loss.backward(); opt.step()
+    (f,) = [f for f in g.findings if f.kind == "grad-explosion"]
+    assert f.step == 30
+
+
+def _round_cut(wd):
+    """Activations quantised by a plain torch.round (no straight-through estimator) after each of four blocks: nothing
+    reaches the layers before the last one."""
+    torch.manual_seed(0)
+
+    class Q(nn.Module):
+        def forward(self, x):
+            return torch.round(torch.clamp(x, 0, 1) * 15) / 15
+
+    def block(i, o):
+        return nn.Sequential(nn.Linear(i, o, bias=False), nn.BatchNorm1d(o), Q())
+
+    model = nn.Sequential(block(8, 16), block(16, 16), block(16, 16), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=wd)
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    with guard(model, opt, live=False) as g:
+        for _ in range(70):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+    return g
+
+
+def test_weight_decay_on_the_layers_before_a_cut_is_one_finding_naming_the_cut():
+    """vanishing-gradients names the cut (round without STE); the six parameters before it, computed as exactly 0 and
+    decayed, are one weight-decay-without-grad finding that points at it, not one finding per layer."""
+    g = _round_cut(wd=5e-4)
+    cut = [f for f in g.findings if f.kind == "vanishing-gradients"]
+    assert cut and cut[0].details["cut"] is True
+    (f,) = [f for f in g.findings if f.kind == "weight-decay-without-grad"]
+    assert f.details["after_cut"] == cut[0].where and f.details["parameters"] == 6
+    assert "before the cut that vanishing-gradients reported" in f.message and "straight-through" in f.hint
+    assert [f.kind for f in _round_cut(wd=0.0).findings] == ["vanishing-gradients"]

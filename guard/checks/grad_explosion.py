@@ -69,6 +69,17 @@ HEAVIER_LOSS_MAX = 1000.0  # the most a heavier batch raises the loss by (more f
 #: gradient does not move the weights proportionally further
 ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "SparseAdam")
 
+#: a window whose median gradient, per element (RMS), is below this was no training signal: the model sat at its
+#: optimum or its only loss term was gated off (AdaRound starts at the exact weights; its rounding term joins after a
+#: warm-up). A rise from there is that term switching on (below Adam's eps, 1e-8, its steps were near nothing), and
+#: the clip it would suggest (3x that median) would cancel the term
+QUIET_RMS = 1e-8
+#: ... or below this fraction of the parameters' own RMS while the window's median loss was below QUIET_LOSS x this
+#: step's: the loss sat at ~0 and a new term joined it (a later layer's rounding variables, reconstructed to float
+#: precision, have gradients ~1e-6 of their size and a loss of 1e-7 before their rounding term adds 2.4)
+QUIET_REL = 1e-5
+QUIET_LOSS = 1e-4
+
 RAMP_STEPS = 6  # steps in a row whose learning rate grew by one same factor: an LR range test
 RAMP_MIN = 1.02  # the least growth factor per step of such a test (fastai and torch-lr-finder: ~1.05-1.3)
 
@@ -135,6 +146,23 @@ def _bar(logs) -> tuple:
 
 def _adaptive(opt) -> bool:
     return any(c.__name__ in ADAPTIVE for c in type(opt).__mro__)
+
+
+def _quiet(gn, med: float, loss: Optional[float], losses) -> bool:
+    """Whether the window's median total norm `med` is below QUIET_RMS per element of the step's gradients, or below
+    QUIET_REL x the parameters' RMS while the loss rose from ~0 (`losses`: the window's, `loss`: this step's)."""
+    ps = [p for p in gn.params if p.numel()]
+    n = sum(p.numel() for p in ps)
+    if not n:
+        return False
+    rms = med / math.sqrt(n)
+    if rms < QUIET_RMS:
+        return True
+    if loss is None or not math.isfinite(loss) or not losses or not median(losses) <= QUIET_LOSS * loss:
+        return False
+    with torch.no_grad():  # (read only when a spike would be reported)
+        size = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach().float()).cpu() for p in ps]))
+    return rms < QUIET_REL * float(size) / math.sqrt(n)
 
 
 def _nice(x: float) -> str:
@@ -223,7 +251,11 @@ class GradExplosion(Check):
             # learned yet (the next task of a continual-learning run, a new data source), not an explosion.
             if lv > LOG_HIGH + st.top and lv > self._early_bar(st) + st.early:
                 med, ratio = _bar(st.window)
-                if v > ratio * med:
+                if v > ratio * med and _quiet(gn, med, self.g.step_loss, st.losses):
+                    # a loss term joining a model that sat at its optimum: the level changes by design, its window
+                    # starts again
+                    st = self._state[opt] = _State(st.most)
+                elif v > ratio * med:
                     heavier = self._heavier(st, v / med)
                     if heavier and _adaptive(opt):
                         return  # Adam's step barely grows with it: nothing about to jump

@@ -408,7 +408,18 @@ class WeightDecayWithoutGrad(Check):
             names[id(t)] = self.g.param_name(p)
             by_group.setdefault(t.group, []).append(t)
         model_names = [n for n, _ in self.g.named_parameters()]
+        # gradients cut by an op without a derivative (round without a straight-through estimator), reported by
+        # vanishing-gradients: the layers before it all compute exactly 0, one finding for them all, naming the cut
+        cut = next((f for f in self.g.findings if f.kind == "vanishing-gradients" and f.details.get("cut")), None)
         for gi, ts in by_group.items():
+            if cut is not None:
+                before = [t for t in ts if t.in_graph and id(t.ref()) not in self._zeroed]
+                if len(before) > 1:
+                    order = {n: i for i, n in enumerate(model_names)}
+                    before.sort(key=lambda t: order.get(names[id(t)], len(order)))
+                    prefixes = module_prefixes({names[id(t)]: t for t in before}, model_names)
+                    self._emit(opt, gi, prefixes[0] if prefixes else names[id(before[0])], before, source, cut=cut)
+                    ts = [t for t in ts if t not in before]
             lone = [t for t in ts if id(t.ref()) in self._lone]
             if lone:  # weight matrices of several layers, each beside its learning bias: one finding, at the first
                 self._emit(opt, gi, names[id(lone[0])], lone, source)
@@ -424,7 +435,7 @@ class WeightDecayWithoutGrad(Check):
                 mine = [t for n, t in chosen.items() if n == prefix or n.startswith(prefix + ".")]
                 self._emit(opt, gi, prefix, mine, source)
 
-    def _emit(self, opt, gi: int, where: str, ts: List[_Track], source: Optional[str]) -> None:
+    def _emit(self, opt, gi: int, where: str, ts: List[_Track], source: Optional[str], cut: Any = None) -> None:
         self._reported[(id(opt), where)] = ts
         first, now, change = _norms(ts)
         wd = ts[0].wd
@@ -448,7 +459,15 @@ class WeightDecayWithoutGrad(Check):
                     f"output will be near 0. Remove these parameters from the optimizer for this phase, put "
                     f"them in their own group with weight_decay=0, or let their grads be None "
                     f"(zero_grad(set_to_none=True), which optimizers skip).")
-            if all(t.in_graph for t in ts) and len(lone) == len(ts):
+            if cut is not None:
+                what += (" (" + ", ".join(self.g.param_name(t.ref()) for t in ts[:8]) + (", ..." if len(ts) > 8 else "")
+                         + f"; backward reaches them, but their gradients are computed as exactly 0: they lie before "
+                         f"the cut that vanishing-gradients reported at {cut.where}, an op without a derivative "
+                         f"(torch.round, sign, argmax) between them and the loss)")
+                hint = ("Give the cut a gradient, and these parameters learn again: a straight-through estimator "
+                        "`z + (torch.round(z) - z).detach()` (the same for sign), or a relaxed choice instead of argmax. "
+                        "Until then weight decay only shrinks them.")
+            elif all(t.in_graph for t in ts) and len(lone) == len(ts):
                 if len(ts) > 1:
                     what += " (" + ", ".join(self.g.param_name(t.ref()) for t in ts[:8]) + (", ..." if len(ts) > 8 else "") + ")"
                 what += (" (backward reaches them, but their gradients are computed as exactly 0 while their layers' "
@@ -512,6 +531,7 @@ class WeightDecayWithoutGrad(Check):
                            "zero_grad_steps": count, "norm_first": first, "norm_now": now,
                            **({"frozen": True} if frozen and len(frozen) == len(ts) else {}),
                            **({"expert": True} if expert else {}),
+                           **({"after_cut": cut.where} if cut is not None else {}),
                            **({"zero_beside_learning_bias": True} if lone and len(lone) == len(ts) else {}),
                            **({"zeroed_after_backward": True} if all(id(t.ref()) in self._zeroed for t in ts) else {}),
                            "norm_change_pct": change,
