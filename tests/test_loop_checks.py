@@ -3889,3 +3889,59 @@ def test_a_list_of_fast_weight_dicts_is_named_as_the_list_with_a_dict_detach_fix
     (f,) = g.findings
     assert (f.kind, f.where, f.step) == ("loss-graph-retained", "adapted", 0)
     assert "`adapted.append({k: v.detach() for k, v in p.items()})`" in f.hint and "also held by" not in f.message
+
+
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_a_model_updated_by_hand_then_another_trained_is_judged_by_its_own_backwards(zeroed):
+    """A logistic regression updated by hand (`a.zero_grad()` before each backward: correct) leaves its last
+    gradients in place; a second model then trained with SGD runs backwards that never reach them. Nothing adds onto
+    them: silent (a false alarm at the second model's backward until stop 47). Without the zero_grad(), the hand loop
+    itself sums every gradient so far, told at its second backward."""
+    torch.manual_seed(0)
+    X, y = torch.randn(200, 5), torch.randn(200)
+    a = nn.Linear(5, 1)
+    with guard(live=False) as g:
+        for _ in range(20):
+            if zeroed:
+                a.zero_grad()
+            F.mse_loss(a(X).squeeze(1), y).backward()
+            with torch.no_grad():
+                for p in a.parameters():
+                    p -= 0.1 * p.grad
+        b = nn.Linear(5, 1)
+        opt = torch.optim.SGD(b.parameters(), lr=0.1)
+        for _ in range(5):
+            opt.zero_grad(); F.mse_loss(b(X).squeeze(1), y).backward(); opt.step()
+    found = [f for f in g.findings if f.kind == "missing-zero-grad"]
+    if zeroed:
+        assert found == []
+    else:
+        (f,) = found
+        assert f.step == 0 and "updated by hand" in f.message
+
+
+def test_data_free_distillation_samples_a_new_generator_under_no_grad_after_a_teacher_was_trained():
+    """A teacher with BatchNorm trained first (its own optimizer), then a generator built: its samples for each of 5
+    student steps come from `G(z)` under no_grad in train mode, and G trains at every 6th step. The passes recur at
+    the student's steps (counted by the student's optimizer only after it takes the count over), and G's BatchNorm
+    was reset only by being built: silent. Told until stop 47 as statistics reset and re-estimated over 1 batch, then
+    as an evaluation in train mode."""
+    torch.manual_seed(0)
+    T = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    with guard(live=False) as g:
+        oT = torch.optim.Adam(T.parameters(), 1e-3)
+        for _ in range(20):
+            loss = F.cross_entropy(T(torch.randn(32, 4)), torch.randint(0, 3, (32,)))
+            oT.zero_grad(); loss.backward(); oT.step()
+        T.eval().requires_grad_(False)
+        G = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        S = nn.Linear(4, 3)
+        oS, oG = torch.optim.SGD(S.parameters(), lr=0.1), torch.optim.Adam(G.parameters(), 1e-3)
+        for _ in range(30):
+            for _ in range(5):
+                with torch.no_grad():
+                    fake = G(torch.randn(32, 8))
+                loss = F.l1_loss(S(fake), T(fake)); oS.zero_grad(); loss.backward(); oS.step()
+            fake = G(torch.randn(32, 8))
+            lg = -F.l1_loss(S(fake), T(fake)); oG.zero_grad(); lg.backward(); oG.step()
+    assert [f for f in g.findings if f.kind == "eval-in-train-mode"] == []

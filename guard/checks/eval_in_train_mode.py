@@ -158,6 +158,16 @@ def _from_torch_optim() -> bool:
     return False
 
 
+def _being_built(module: nn.Module, depth: int = 12) -> bool:
+    """Whether `module`'s own ``__init__`` is on the call stack (a BatchNorm made now resets its statistics)."""
+    f = sys._getframe(1)
+    while f is not None and depth:
+        if f.f_code.co_name == "__init__" and f.f_locals.get("self") is module:
+            return True
+        f, depth = f.f_back, depth - 1
+    return False
+
+
 def _dropout_module(frame: Any) -> Optional[nn.Module]:
     """The ``nn.Dropout`` whose forward called the patched ``F.dropout`` (torch's own frame above guard's), or None."""
     f = frame
@@ -514,7 +524,7 @@ class EvalInTrainMode(Check):
 
     def on_bn_reset(self, args, kwargs):
         bn = args[0] if args else None
-        if isinstance(bn, _BatchNorm) and self._trained.data and not _from_torch_optim():
+        if isinstance(bn, _BatchNorm) and self._trained.data and not _from_torch_optim() and not _being_built(bn):
             # (not the reset of a BatchNorm being built, nor swa_utils.update_bn's, which recomputes them in full)
             self._reset[bn] = [self.g.step, 0]
 
@@ -630,18 +640,21 @@ class EvalInTrainMode(Check):
         key = (id(module), info[1])
         if key in self._recurring:
             return
+        # Steps counted with those of optimizers that step while the counting one does not (a student trained after
+        # a teacher's pre-training, before it takes the count over): a pass at each of them recurs too
+        at = info[0] + self.g.watched.idle
         ent = self._sites.get(key)
         if ent is None:
-            self._sites[key] = (weakref.ref(module), path, info, {info[0]}, _sample(module))
+            self._sites[key] = (weakref.ref(module), path, info, {at}, _sample(module), at)
             if module not in self._trained and module not in self._versions:
                 self._versions[module] = sum(_versions(module))
         else:
-            ent[3].add(info[0])
+            ent[3].add(at)
 
     def _decide(self, final: bool = False) -> None:
         """Judge the call sites whose RECUR steps are over (at the end: all of them)."""
         step = self.g.step
-        for key, (ref, path, info, steps, sample) in list(self._sites.items()):
+        for key, (ref, path, info, steps, sample, at) in list(self._sites.items()):
             first = info[0]
             if step <= first + RECUR and not final:
                 continue
@@ -649,7 +662,7 @@ class EvalInTrainMode(Check):
             # A pass at every training step is part of training, BatchNorm included: FixMatch's weak view of the
             # unlabeled batch (USB's use_cat=False), MixMatch's label guessing feed training data to the statistics
             # as the concatenated forward with grad would. An evaluation runs between epochs.
-            recurs = any(first + k in steps for k in range(1, RECUR + 1))
+            recurs = any(at + k in steps for k in range(1, RECUR + 1))
             if recurs:
                 self._recurring.add(key)
                 module = ref()

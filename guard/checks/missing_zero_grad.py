@@ -448,7 +448,7 @@ class MissingZeroGrad(Check):
         parameters change since the last one left their gradients, while those gradients stayed as they were? Then
         the update (or SAM's perturbation) used them and nothing cleared them."""
         kept, self._manual = self._manual, []
-        stale, moved, snaps = [], set(), []
+        stale, moved, snaps, refs = [], set(), [], []
         judged = 0
         for pref, gref, gv, pv, first in kept:
             p = pref()
@@ -461,6 +461,7 @@ class MissingZeroGrad(Check):
             # changed in place since (zero_(), or clip_grad_norm_/clip_grad_value_/clamp_ before the update): its
             # norm, read below, tells a cleared gradient (0) from one scaled and kept
             stale.append(p)
+            refs.append(gref)
             if p._version != pv and not self._multi:
                 moved.add(id(p))
             else:  # (with an optimizer, values: a pruning mask multiplied in again moves the version, not the weights)
@@ -474,6 +475,7 @@ class MissingZeroGrad(Check):
             noted = self._manual_step  # the earlier backward's step
             with torch.no_grad():
                 grads = [p.grad.detach() for p in stale]
+                versions = [g._version for g in grads]  # (a detached view shares its version counter)
                 dense = iter(fused_norms([g for g in grads if g.layout is torch.strided])[0])
                 values = [(next(dense) if g.layout is torch.strided else
                            torch.linalg.vector_norm(as_float(g._values()))).reshape(()).float() for g in grads]
@@ -486,6 +488,9 @@ class MissingZeroGrad(Check):
                 # place with its gradient zeroed, beside weights that kept theirs but did not change (PGD through
                 # backward(), zero_grad() before the training backward), is no hand-written update
                 now = moved | {id(p) for (p, _), v in zip(snaps, vals[n:]) if v}
+                # and only a gradient this backward added onto (in place, or replaced by the sum): a backward through
+                # another model, trained after the one updated by hand, leaves the latter's gradients as they were
+                now &= {id(p) for p, r, g, v in zip(stale, refs, grads, versions) if p.grad is not r() or g._version != v}
                 left = [p for p, v in zip(stale, vals[:n]) if v != 0.0 and id(p) in now]
                 if within and len(left) < sum(v != 0.0 for v in vals[:n]):
                     # Part of the weights perturbed (AWP's weight matrices, not the biases; FGM's embeddings), with
