@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
@@ -333,3 +334,28 @@ def test_a_loader_feeding_part_of_the_model_in_eval_under_no_grad_is_no_training
                 feats = [model.backbone(b) for (b,) in feature_loader]
             model.train()
     assert len(feats) == 3 and g.findings == [] and g.internal_errors == []
+
+
+@pytest.mark.parametrize("samples", [256, 257])
+def test_a_batch_of_one_the_loader_never_yields_is_told_as_the_codes_own(samples):
+    """A per-sample FGSM loop over each loader batch (`x[i:i + 1]`) in train mode: the loader's batches hold 32 of 256
+    samples, none of one, so the hint is the per-sample pass (the whole batch, or eval mode), not drop_last, in the
+    finding and in the note on PyTorch's error. With 257 samples the loader's last batch is of one: drop_last's fix."""
+    torch.manual_seed(0)
+    X, Y = torch.randn(samples, 16), torch.randint(0, 3, (samples,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=32)
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(ValueError) as err:
+        with guard(model, opt, live=False) as g:
+            for x, y in loader:
+                for i in range(len(x)):
+                    xi = x[i:i + 1].clone().requires_grad_(True)
+                    torch.autograd.grad(F.cross_entropy(model(xi), y[i:i + 1]), xi)
+    (f,) = [f for f in g.findings if f.kind == "batchnorm-single-sample"]
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    if samples == 256:
+        assert f.details["loader_batch"] == 32 and "per-sample loop" in f.hint and "drop_last" not in f.hint
+        assert "your code made it" in notes
+    else:
+        assert "loader_batch" not in f.details and "drop_last=True" in f.hint and "drop_last=True" in notes

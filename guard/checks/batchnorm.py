@@ -77,6 +77,9 @@ class BatchNormBatch(Check):
         # the last single-sample error (path, step, the model's batch when the forward pooled it), for the note
         self._note: Optional[Tuple[str, int, Optional[int]]] = None
         self._root_batch: Optional[int] = None  # the batch size of the model call under way
+        # (batch size, samples) of the last loader iterated whose batches are never of one sample: a batch of one
+        # after it was made by the code (a per-sample loop over the loader's batch), not by the loader
+        self._no_single: Optional[Tuple[int, int]] = None
 
     # ------------------------------------------------------------------ per module call
     def on_forward_pre(self, module, path, args, kwargs, is_root):
@@ -108,6 +111,12 @@ class BatchNormBatch(Check):
                         f"batch dimension before it (x.mean(0, keepdim=True) or x.sum(0) pools over the samples; a "
                         f"view/reshape can move them into other dimensions). Reduce over the dimension you mean "
                         f"(x.mean(1) for features), or normalise with LayerNorm/GroupNorm after pooling over samples.")
+            elif self._no_single is not None:
+                bs, total = self._no_single
+                hint = (f"The loader's batches hold {bs} samples ({total} samples: no last batch of one), so this "
+                        f"batch of one was made by your code, a per-sample loop over the batch (x[i:i + 1]) such as an "
+                        f"attack or saliency pass: run that pass on the whole batch at once, or with model.eval() "
+                        f"around it (model.train() after), so that BatchNorm uses its running statistics.")
             else:
                 hint = (f"A batch of one sample reached BatchNorm during training: {FIX}; for single-sample "
                         f"inference call `model.eval()` first.")
@@ -116,7 +125,8 @@ class BatchNormBatch(Check):
                       f"one value per channel, so no batch statistics exist; PyTorch would fail with "
                       f"'Expected more than 1 value per channel when training'",
                       hint, source=self.g.root_source,
-                      details={"module": type(module).__name__, "input_shape": list(shape), "model_batch": rb})
+                      details={"module": type(module).__name__, "input_shape": list(shape), "model_batch": rb,
+                               **({"loader_batch": self._no_single[0]} if self._no_single and not pooled else {})})
             return
         if spatial == 1:
             self._crashy[path] = shape
@@ -146,6 +156,12 @@ class BatchNormBatch(Check):
                                     f"features, not x.mean(0, keepdim=True)), or normalise with LayerNorm/GroupNorm "
                                     f"after pooling over samples")
                 return
+            if self._no_single is not None:
+                add_guard_note(exc, f"{NOTE_PREFIX}batchnorm-single-sample at {path} (step {step}): a batch of one "
+                                    f"sample reached BatchNorm in training mode, though the loader's batches hold "
+                                    f"{self._no_single[0]}: your code made it (a per-sample loop, x[i:i + 1])\n  fix: "
+                                    f"run that pass on the whole batch, or under model.eval() (model.train() after)")
+                return
             add_guard_note(exc, f"{NOTE_PREFIX}batchnorm-single-sample at {path} (step {step}): a batch of one "
                                 f"sample reached BatchNorm in training mode\n  fix: {FIX}")
 
@@ -172,13 +188,15 @@ class BatchNormBatch(Check):
         if type(bs_sampler) is not BatchSampler:  # a custom batch sampler decides its own batch sizes
             return
         bs, drop = bs_sampler.batch_size, bs_sampler.drop_last
-        if drop or not isinstance(bs, int) or bs < 2:
+        self._no_single = None
+        if not isinstance(bs, int) or bs < 2:
             return
         try:
             n = len(bs_sampler.sampler)
         except TypeError:  # iterable-style dataset: length unknown
             return
-        if n % bs != 1:
+        if drop or n % bs != 1:
+            self._no_single = (bs, n) if n > 1 else None
             return
         models = self.g.models
         if models and not any(self._model_has_bn(m) for m in models):
