@@ -2561,3 +2561,28 @@ def test_nan_gradients_of_a_grid_used_twice_in_the_graph_do_not_blame_code_that_
     f = only(g, "nonfinite-grad")
     assert not f.hint.startswith("Their gradients were changed in place"), f.hint
     assert "sqrt or a norm at exactly 0" in f.hint
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_gradients_overflowing_from_raw_input_columns_name_the_input_scale(raw):
+    """Incomes around 6e4 fed unstandardised to an MLP under SGD: the gradients overflow float32's norm at step 1.
+    The hint opens with standardising the inputs (their mean |value| from the screened sum, `details.input_scale`) and
+    speaks of SGD only. Standardised (the fix), the same run trains without a finding."""
+    torch.manual_seed(133)
+    income, age = torch.exp(torch.randn(1000) * 0.5 + 11), torch.rand(1000) * 50 + 20
+    X = torch.stack([income, age], 1)
+    y = 1e-5 * income + 0.02 * age + torch.randn(1000) * 0.1
+    if not raw:
+        X = (X - X.mean(0)) / X.std(0)
+    model = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guard(model, opt, live=False) as g:
+        for b in torch.randperm(1000).split(50)[:10]:
+            loss = F.mse_loss(model(X[b]).squeeze(1), y[b])
+            opt.zero_grad(); loss.backward(); opt.step()
+    if not raw:
+        assert g.findings == []
+        return
+    f = next(f for f in g.findings if f.kind == "nonfinite-grad")
+    assert f.step == 1 and f.details["finite_elements"] is True and "Adam" not in f.hint
+    assert f.details["input_scale"] > 1e4 and f.hint.startswith("The model's input averages")

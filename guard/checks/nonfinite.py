@@ -37,6 +37,10 @@ _MAX_WINDOW = 4096  # screened tensors per resolution window
 _FEW = 16  # CPU sums read one by one up to this many (more: one stack)
 
 
+#: a model input whose values reach this is in raw units (incomes, prices): told with exploding gradients
+INPUT_SCALE = 1e3
+
+
 class _Call:
     """One module call's screened inputs and outputs, by flag index."""
 
@@ -164,6 +168,7 @@ class NonFinite(Check):
         self._post_version: Tuple[int, int] = (0, 0)  # (id, version counter) of the first weight after the last update
         self._last_loss: Optional[weakref.ref] = None  # the tensor of the last backward()
         self._bw_steps: Deque[int] = deque(maxlen=4)  # the last steps at which a backward() ran
+        self._root_in: Optional[tuple] = None  # (sum, number of elements) of the last model call's one input tensor
 
     def _new_window(self) -> None:
         self._sums: List[torch.Tensor] = []  # one per screened tensor in this window; index = flag
@@ -301,6 +306,8 @@ class NonFinite(Check):
                 src: Optional[int] = hit[1]
             else:
                 src = self._screen(x, False)
+            if is_root and src is not None:
+                self._root_in = (self._sums[src], x.numel())  # the model's input's sum: its scale, if reported
             inputs = [("args[0]", src)] if src is not None else []
             if passthrough and not is_root and (passthrough is True or output.dtype in _WIDE):
                 self._inherit(output, src)
@@ -1355,17 +1362,38 @@ class NonFinite(Check):
     def _report_huge_grads(self, gn, huge: List[Tuple[int, float]], step: int, source: Optional[str]) -> None:
         names = [gn.names[i] for i, _ in huge]
         top = max(v for _, v in huge)
+        kinds = {type(o).__name__ for o in self.g.optimizers}
+        adaptive = not kinds or any(k.startswith(("Adam", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Adafactor"))
+                                    for k in kinds)
+        how = ("Adam then divides by sqrt(inf) and freezes those weights, SGD moves them by lr * |g|" if adaptive else
+               f"{'/'.join(sorted(kinds))} moves them by lr * |g|, far out of range")
+        hint = (f"The gradients explode: {how}. Find what grows without bound (a recurrence whose eigenvalues exceed 1 "
+                f"in modulus, parametrise them as exp(-exp(nu)); a loss multiplied by a huge factor; a learning rate "
+                f"too high), and clip gradients (torch.nn.utils.clip_grad_norm_) once it is bounded.")
+        scale = self._input_scale()
+        if scale is not None:
+            hint = (f"The model's input averages {scale:.3g}: raw features in their own units "
+                    f"(incomes, prices, counts) make gradients of that size times the error, and each step overshoots "
+                    f"further. Standardise each input column with the training data's statistics, x = (x - mean) / "
+                    f"std (and a regression target likewise), before any other change. " + hint)
         self.emit("nonfinite-grad", names[0],
                   f"{len(names)} parameter gradient(s) have norms that overflow float32 to inf: {', '.join(names[:5])}"
                   + (" ..." if len(names) > 5 else "") + f"; their elements are finite but as large as {top:.3g}, "
                   f"so anything that squares them (the norm, Adam's exp_avg_sq) is inf",
-                  "The gradients explode: Adam then divides by sqrt(inf) and freezes those weights, SGD moves them by "
-                  "lr * |g|. Find what grows without bound (a recurrence whose eigenvalues exceed 1 in modulus, "
-                  "parametrise them as exp(-exp(nu)); a loss multiplied by a huge factor; a learning rate too high), "
-                  "and clip gradients (torch.nn.utils.clip_grad_norm_) once it is bounded.",
-                  step=step, source=source,
+                  hint, step=step, source=source,
                   details={"parameters": names[:20], "count": len(names), "finite_elements": True,
-                           "largest_abs": top})
+                           "largest_abs": top, **({"input_scale": scale} if scale is not None else {})})
+
+    def _input_scale(self) -> Optional[float]:
+        """The mean |value| of the last model call's one input (from its screened sum) when it is beyond INPUT_SCALE
+        (raw, unstandardised features), else None. Read when reporting only."""
+        if self._root_in is None:
+            return None
+        total, n = self._root_in
+        if not n or not total.is_floating_point() or total.is_meta:
+            return None
+        v = abs(float(total)) / n
+        return v if math.isfinite(v) and v >= INPUT_SCALE else None
 
     def _edited_since_update(self) -> bool:
         """Whether the first weight of the last stepped optimizer was changed in place since that update."""
