@@ -3945,3 +3945,56 @@ def test_data_free_distillation_samples_a_new_generator_under_no_grad_after_a_te
             fake = G(torch.randn(32, 8))
             lg = -F.l1_loss(S(fake), T(fake)); oG.zero_grad(); lg.backward(); oG.step()
     assert [f for f in g.findings if f.kind == "eval-in-train-mode"] == []
+
+
+class _Coupling(nn.Module):
+    def __init__(self, flip):
+        super().__init__()
+        self.flip = flip
+        self.net = nn.Sequential(nn.Linear(1, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+
+    def forward(self, x, reverse=False):
+        a, b = (x[:, 1:], x[:, :1]) if self.flip else (x[:, :1], x[:, 1:])
+        s, t = self.net(a).chunk(2, 1)
+        s = torch.tanh(s)
+        b = (b - t) * torch.exp(-s) if reverse else b * s.exp() + t
+        return (torch.cat([b, a], 1) if self.flip else torch.cat([a, b], 1)), s.squeeze(1)
+
+
+class _Flow(nn.Module):
+    """A RealNVP-style flow whose `sample()` runs its couplings in reverse (the model's own method)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Coupling(i % 2 == 1) for i in range(4))
+
+    def forward(self, x):
+        ld = 0
+        for layer in self.layers:
+            x, d = layer(x)
+            ld = ld + d
+        return (-0.5 * x ** 2).sum(1) + ld
+
+    def sample(self, n):
+        z = torch.randn(n, 2)
+        for layer in reversed(self.layers):
+            z, _ = layer(z, reverse=True)
+        return z
+
+
+def test_a_flow_sampled_in_train_mode_twice_is_one_finding_at_the_model():
+    """`flow.sample()` under no_grad with the flow left in train mode, every 20 steps: one finding at the flow, at the
+    user's line; the later samplings add no finding per coupling at a line inside `sample()` (six more until stop 47)."""
+    torch.manual_seed(0)
+    flow = _Flow()
+    opt = torch.optim.Adam(flow.parameters(), lr=1e-3)
+    data = torch.randn(512, 2)
+    with guard(live=False) as g:  # (a global guard sees the couplings' calls from `sample()`)
+        for step in range(60):
+            loss = -flow(data[torch.randint(0, 512, (64,))]).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            if step % 20 == 19:
+                with torch.no_grad():
+                    flow.sample(128)
+    (f,) = [f for f in g.findings if f.kind == "eval-in-train-mode"]
+    assert f.where == "_Flow" and f.step == 20 and "test_loop_checks.py" in f.source

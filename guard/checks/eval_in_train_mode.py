@@ -412,10 +412,12 @@ class EvalInTrainMode(Check):
         if not module.training:
             return  # model.eval() was called: layers in train mode under it were switched back on purpose (MC dropout)
         holder = self._holding_model(module) if self._trained.data else None
-        if holder is not None and holder.training and holder not in self._reported and holder not in self._pending \
-                and _user_method_of(sys._getframe(), holder):
+        if holder is not None and holder.training and _user_method_of(sys._getframe(), holder):
             # a part of a trained model called by that model's own method (a greedy decoder's `s.enc(x)` inside
-            # `m.greedy(x)`): an evaluation of the model, told once, at the user's line outside its methods
+            # `m.greedy(x)`, a flow's `sample()` running its couplings' inverses): an evaluation of the model, told
+            # once, at the user's line outside its methods (told already: its parts are no findings of their own)
+            if holder in self._reported or holder in self._pending:
+                return
             source = _caller_outside(sys._getframe())
             self._evaluation(holder, self.g.path_of(holder), fdrop, source, deliberate=self._set_by_hand(source))
             return
