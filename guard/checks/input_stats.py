@@ -45,8 +45,10 @@ def _per_channel(name: str, t: Any) -> bool:
     return "mean" in low or "std" in low or (t.dim() >= 3 and tuple(t.shape[-2:]) == (1, 1))
 
 
-# `x / 255`, `(x - 0.45) / 0.225`, `2 * (x / 255.0) - 1.0`: a forward that scales its own input with literals
-_SCALES_ITSELF = re.compile(r"/\s*255\b|-\s*0?\.\d+\s*\)\s*/\s*0?\.\d+|\*\s*2(?:\.0*)?\s*-\s*1\b")
+# `x / 255`, `(x - 0.45) / 0.225`, `2 * (x / 255.0) - 1.0`, `x = x - 0.5` (centred, as robustness code keeps its
+# attacks on [0, 1] pixels): a forward that scales its own input with literals
+_SCALES_ITSELF = re.compile(r"/\s*255\b|-\s*0?\.\d+\s*\)\s*/\s*0?\.\d+|\*\s*2(?:\.0*)?\s*-\s*1\b"
+                            r"|=\s*[A-Za-z_]\w*\s*-\s*0?\.5\b(?!\d)")
 
 
 def _scales_itself(model: nn.Module) -> bool:
