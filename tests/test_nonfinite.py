@@ -2586,3 +2586,43 @@ def test_gradients_overflowing_from_raw_input_columns_name_the_input_scale(raw):
     f = next(f for f in g.findings if f.kind == "nonfinite-grad")
     assert f.step == 1 and f.details["finite_elements"] is True and "Adam" not in f.hint
     assert f.details["input_scale"] > 1e4 and f.hint.startswith("The model's input averages")
+
+
+class _AffineCoupling(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        a, b = x[:, :2], x[:, 2:]
+        s, t = self.net(a).chunk(2, 1)
+        return torch.cat([a, b * torch.exp(torch.tanh(s)) + t], 1)
+
+
+class _LogitFlow(nn.Module):
+    """A flow on pixels in [0, 1] whose logit pre-processing has no alpha squeeze: a pixel at exactly 0 gives -inf."""
+    def __init__(self):
+        super().__init__()
+        self.c = nn.ModuleList([_AffineCoupling()])
+
+    def forward(self, x):
+        z = torch.log(x) - torch.log1p(-x)
+        for layer in self.c:
+            z = layer(z)
+        return (-0.5 * z ** 2).sum(1)
+
+
+def test_minus_inf_made_by_a_logarithm_before_a_layer_is_no_mask():
+    """The coupling gets -inf in the data it transforms (logit of a pixel at 0) and makes NaN from it: told as a
+    logarithm of 0 made before it, with the clamp / alpha-squeeze fix, not as an attention mask's fully masked row."""
+    torch.manual_seed(0)
+    model = _LogitFlow()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x = torch.rand(64, 4)
+    x[3, 0] = 0.0  # (in the half the coupling's net reads: -inf through a Linear is NaN)
+    with guard(model, opt, live=False) as g:
+        loss = -model(x).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+    f = next(f for f in g.findings if f.kind == "nonfinite-output")
+    assert f.where == "c.0" and "logarithm of an exact 0" in f.message and "alpha" in f.hint
+    assert "masked_fill" not in f.hint

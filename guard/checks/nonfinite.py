@@ -93,6 +93,12 @@ def _standard(cls: type, group: Tuple[type, ...]) -> bool:
     return any(issubclass(cls, b) and getattr(cls, "forward", None) is getattr(b, "forward", None) for b in group)
 
 
+def _scores_module(mtype: str) -> bool:
+    """Whether a module of type `mtype` takes scores that a mask of -inf may fill (softmax, attention)."""
+    low = mtype.lower()
+    return "softmax" in low or "attention" in low or "attn" in low or "logsumexp" in low
+
+
 def _tensors(obj: Any, prefix: str) -> List[Tuple[str, torch.Tensor]]:
     """Tensors in `obj` with their names; a fast path for the one-tensor case (not yet filtered)."""
     if isinstance(obj, torch.Tensor):
@@ -1114,6 +1120,16 @@ class NonFinite(Check):
             hint = ("Leave at least one entry per row unmasked, or give fully masked rows a finite score before the "
                     "softmax (scores.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)); zeroing or dropping the NaN rows after "
                     "it is not enough: their backward still makes NaN gradients (0 * NaN). " + MASK_HINT)
+            if mask_in == ["args[0]"] and not call.is_root and not _scores_module(call.type):
+                # the data a layer transforms is no mask: a logarithm of 0 made it, in the model's forward before it
+                why = (f"its inputs held no NaN, only -inf (args[0], the data it transforms), from which it made NaN: "
+                       f"the -inf was made before it from finite values, most often a logarithm of an exact 0 "
+                       f"(torch.log(x), a logit log(x) - log1p(-x) of a pixel at 0 or 1, log of a probability that "
+                       f"underflowed)")
+                hint = ("Keep the logarithm's argument off 0 where the -inf is made: x.clamp_min(eps) before torch.log, "
+                        "a logit of alpha + (1 - 2 * alpha) * x (RealNVP's alpha = 0.05) instead of x, "
+                        "F.log_softmax instead of softmax().log(), torch.special.xlogy(p, p) for p * log(p). A mask of "
+                        "-inf belongs in attention scores, not in the data a layer transforms.")
         where, what = call.path, f"{call.path} ({call.type})"
         if bad_params and born_bad and module is not None and not all(
                 n.rsplit(".", 1)[-1].startswith("original") for n in bad_params):  # (a parametrization: its hint above)
