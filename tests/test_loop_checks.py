@@ -3998,3 +3998,22 @@ def test_a_flow_sampled_in_train_mode_twice_is_one_finding_at_the_model():
                     flow.sample(128)
     (f,) = [f for f in g.findings if f.kind == "eval-in-train-mode"]
     assert f.where == "_Flow" and f.step == 20 and "test_loop_checks.py" in f.source
+
+
+def test_a_flow_sampled_outside_no_grad_is_told_at_the_model():
+    """`flow.sample(n)` with grad on (its couplings run in reverse outside the flow's forward): one finding at the
+    flow, naming the coupling as its part and the no_grad fix for the call (told at the coupling until stop 47)."""
+    torch.manual_seed(0)
+    flow = _Flow()
+    opt = torch.optim.Adam(flow.parameters(), lr=1e-3)
+    data = torch.randn(512, 2)
+    kept = []
+    with guard(live=False) as g:
+        for step in range(30):
+            loss = -flow(data[torch.randint(0, 512, (64,))]).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            if step % 10 == 0:
+                kept.append(flow.sample(64).std())
+    (f,) = [f for f in g.findings if f.kind == "eval-without-no-grad"]
+    assert f.where == "_Flow" and f.details["part_of"] == "_Flow" and "a part of _Flow" in f.message
+    assert "torch.no_grad()" in f.hint

@@ -181,6 +181,14 @@ class EvalWithoutNoGrad(Check):
         if rec.tags:
             self._pending.append(rec)
 
+    def _owner_model(self, part) -> Any:
+        """The outermost model seen (trained: its forwards were back-propagated) that holds `part` as a proper part, if
+        any (looked up when reporting)."""
+        for m in self.g.roots:
+            if m is not part and id(m) in self._on_path.data and any(x is part for x in m.modules()):
+                return m
+        return None
+
     def _recalibrating(self, module) -> bool:
         """A BatchNorm of `module` with ``momentum`` None (a cumulative average) or 1.0 in training mode: its
         running statistics are being recomputed (SWA's update_bn, Lightning's StochasticWeightAveraging, precise
@@ -556,6 +564,7 @@ class EvalWithoutNoGrad(Check):
             return
         self._done = True
         self._pending = []
+        where = first.path
         by_source: Dict[Optional[str], int] = {}
         for r in unused:
             if r.path == first.path:  # the message is about this model: count only its calls
@@ -640,10 +649,23 @@ class EvalWithoutNoGrad(Check):
                        f"torch.no_grad() {waste}{mem}")
             hint = ("Run evaluation under `with torch.no_grad():` (or `torch.inference_mode()`), and call "
                     "model.eval() first; this saves the activation memory and time.")
+            owner = self._owner_model(m) if m is not None else None
+            if owner is not None:
+                # a part of a model the loop trains, called outside that model's forward (a flow's `sample()` running
+                # its couplings in reverse, a decoder's `generate()`): the model is what the user calls
+                where = self.g.path_of(owner) or type(owner).__name__
+                details["part_of"] = where
+                message = (f"{n} forward pass{'es' if n != 1 else ''} of {first.path}, a part of {where} called "
+                           f"outside {where}'s forward (by a method of the model such as sample() or generate(), or "
+                           f"directly) at {first.source}, built autograd graphs (outputs require grad) that no "
+                           f"backward() used: sampling or evaluating outside torch.no_grad() {waste}{mem}")
+                hint = (f"Make that call under `with torch.no_grad():` (`with torch.no_grad(): samples = "
+                        f"model.sample(n)`, or `feats = model.backbone(x)`), or decorate the method with "
+                        f"@torch.no_grad(); call model.eval() first when it evaluates.")
         more = [(src, k) for src, k in by_source.items() if src != first.source]
         if more:  # the model's other lines with unused forwards: said, not only listed in details.sources
             message += "; also " + ", ".join(f"{k} at {src}" for src, k in more[:3]) + (" ..." if len(more) > 3 else "")
         # dropped graphs are told once they recur: from the step of the first of them
         step = min(first.step, self._drop_first.get((first.path, first.source), first.step)) if dropped else first.step
-        self.emit("eval-without-no-grad", first.path, message, hint, step=step, source=first.source,
+        self.emit("eval-without-no-grad", where, message, hint, step=step, source=first.source,
                   details=details)
