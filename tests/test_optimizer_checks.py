@@ -3466,3 +3466,44 @@ def test_weight_decay_on_the_layers_before_a_cut_is_one_finding_naming_the_cut()
     assert f.details["after_cut"] == cut[0].where and f.details["parameters"] == 6
     assert "before the cut that vanishing-gradients reported" in f.message and "straight-through" in f.hint
     assert [f.kind for f in _round_cut(wd=0.0).findings] == ["vanishing-gradients"]
+
+
+@pytest.mark.parametrize("inverted", [True, False])
+def test_an_inverted_key_padding_mask_is_named_when_the_attention_layer_gets_no_gradient(inverted):
+    """`src_key_padding_mask = tok != PAD` masks the real tokens: the encoder attends to padding only, and its first
+    attention layer's gradients are ~1e-20 of the head's. The message says an attention layer does not shrink like
+    that, and the hint starts with the mask (`tok == PAD`); with the right mask, no finding."""
+    torch.manual_seed(0)
+    V, PAD = 30, 0
+
+    class Enc(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, 32, padding_idx=PAD)
+            layer = nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.out = nn.Linear(32, 2)
+
+        def forward(self, tok):
+            mask = (tok != PAD) if inverted else (tok == PAD)
+            h = self.enc(self.emb(tok), src_key_padding_mask=mask)
+            keep = (tok != PAD).unsqueeze(-1).float()
+            return self.out((h.nan_to_num() * keep).sum(1) / keep.sum(1))
+
+    model = Enc()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    lens = torch.randint(3, 9, (64,))
+    tok = torch.randint(1, V, (64, 10)) * (torch.arange(10) < lens.unsqueeze(1))
+    tok[:, 9] = PAD  # every row has padding: rows are never all masked, so no NaN
+    y = (tok[:, 0] % 2)
+    with guard(model, opt, live=False) as g:
+        for _ in range(25):
+            loss = F.cross_entropy(model(tok), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+    found = [f for f in g.findings if f.kind == "vanishing-gradients"]
+    if not inverted:
+        assert found == []
+        return
+    (f,) = found
+    assert "self_attn" in f.where and "key padding mask is inverted" in f.message
+    assert f.hint.startswith("Check the attention mask first") and "tok == PAD" in f.hint

@@ -43,6 +43,10 @@ MIN_LAYERS = 4
 SHALLOW_EVERY = 25  # the sampling period for nets under MIN_LAYERS (a cut is told after RUN such samples)
 
 
+#: a ratio this small at an attention layer is no shrinking through depth (residual paths): what it attends to is empty
+ATTENTION_CUT = 1e-12
+
+
 class VanishingGradients(Check):
     name = "vanishing-gradients"
     kinds = {"vanishing-gradients": ("warning", "the first layers' gradient norms are tiny next to the last ones' "
@@ -261,6 +265,16 @@ class VanishingGradients(Check):
                 hint = ("Gradients shrink through each saturating layer: use ReLU/GELU instead of sigmoid/tanh in "
                         "deep stacks, add normalization (nn.LayerNorm/nn.BatchNorm1d) or residual connections "
                         "(x = x + f(x)), and a suitable init (nn.init.kaiming_normal_ / xavier_uniform_).")
+                if worst < ATTENTION_CUT and ("attn" in fp.lower() or "attention" in fp.lower()):
+                    # an attention layer sits on a residual path: no depth shrinks its gradients 1e-12x. What it
+                    # attends to carries nothing: every real token masked, only the padding left (PyTorch's
+                    # key_padding_mask is True where a position is ignored)
+                    message += ("; the first layer is an attention layer, whose residual path keeps gradients from "
+                                "shrinking like this: what it attends to carries no signal, as when the key padding "
+                                "mask is inverted (True at the real tokens) and only padding is attended")
+                    hint = ("Check the attention mask first: PyTorch's key_padding_mask / src_key_padding_mask is True "
+                            "where a position is ignored, so build it as `tok == PAD` (or `~attention_mask` when 1 "
+                            "marks a real token), not `tok != PAD`. " + hint)
                 if hooks >= 2:
                     # tensor hooks piling up on the weight (registered again every epoch, the handles dropped): each
                     # scales the gradient once more
