@@ -3507,3 +3507,32 @@ def test_an_inverted_key_padding_mask_is_named_when_the_attention_layer_gets_no_
     (f,) = found
     assert "self_attn" in f.where and "key padding mask is inverted" in f.message
     assert f.hint.startswith("Check the attention mask first") and "tok == PAD" in f.hint
+
+
+def test_parameters_attached_mid_run_are_told_with_the_steps_between_two_looks():
+    """LSQ step sizes attached to the layers at step 20, after the optimizer was built: found at the look of step 32,
+    told as getting gradients since a step between 17 and 32 (the look at 16 found none), not "since step 32"."""
+    torch.manual_seed(0)
+
+    class Scaled(nn.Linear):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.scale = None
+
+        def forward(self, x):
+            w = self.weight if self.scale is None else self.weight * self.scale
+            return F.linear(x, w, self.bias)
+
+    model = nn.Sequential(Scaled(8, 16), nn.ReLU(), Scaled(16, 2))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    with guard(model, opt, live=False) as g:
+        for step in range(40):
+            if step == 20:
+                for m in model:
+                    if isinstance(m, Scaled):
+                        m.scale = nn.Parameter(torch.ones(()))
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+    (f,) = [f for f in g.findings if f.kind == "param-not-in-optimizer"]
+    assert f.step == 32 and "since a step between 17 and 32 (the look at step 16 found none)" in f.message

@@ -795,8 +795,11 @@ class OptimizerParams(Check):
             extra = {"second_model": models[:3]}
         elif later:
             # They had no gradient at the earlier looks: unfrozen mid-run (requires_grad_(True)) and never added.
-            message = (f"{len(missing)} parameter(s) that had no gradient before get gradients since step {step} or a "
-                       f"little earlier (a layer unfrozen or replaced mid-run?) but are in no optimizer ({opts}): {_listing(shown, more)}; "
+            since = (f"since a step between {self._held_step + 1} and {step} (the look at step {self._held_step} found "
+                     f"none)" if self._looked_before and self._held_step + 1 < step else
+                     f"since step {step} or a little earlier")
+            message = (f"{len(missing)} parameter(s) that had no gradient before get gradients {since} (a layer "
+                       f"attached, unfrozen or replaced mid-run?) but are in no optimizer ({opts}): {_listing(shown, more)}; "
                        f"optimizer.step() never updates them, and zero_grad() never clears their gradients, which "
                        f"pile up")
             hint = ("When unfreezing or replacing a layer mid-run, add its parameters to the optimizer too: "
