@@ -4017,3 +4017,26 @@ def test_a_flow_sampled_outside_no_grad_is_told_at_the_model():
     (f,) = [f for f in g.findings if f.kind == "eval-without-no-grad"]
     assert f.where == "_Flow" and f.details["part_of"] == "_Flow" and "a part of _Flow" in f.message
     assert "torch.no_grad()" in f.hint
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.1])
+def test_a_no_grad_pass_with_batchnorm_momentum_set_to_zero_keeps_its_statistics_on_purpose(momentum):
+    """TRADES' natural pass in train mode with `bn.momentum = 0` around it: the running statistics are left as
+    training made them, on purpose, so it is no evaluation in train mode (told until stop 47 as overwriting them).
+    Left at 0.1, the same pass is told."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bn = model[1]
+    with guard(model, opt, live=False) as g:
+        for step in range(12):
+            x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+            if step == 5:
+                bn.momentum = momentum
+                with torch.no_grad():
+                    model(x)
+                bn.momentum = 0.1
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+    kinds = [f.kind for f in g.findings]
+    assert kinds == ([] if momentum == 0.0 else ["eval-in-train-mode"])

@@ -501,8 +501,11 @@ class EvalInTrainMode(Check):
                     if (m := r()) is not None and _recalibrating(m):
                         self._reset.pop(m, None)
             return  # a statistics pass (momentum=None: AdaBN, precise BN by hand): its outputs are thrown away
+        # (a BatchNorm whose momentum was set to 0 for this pass keeps its running statistics on purpose: an attack
+        # crafted in train mode, TRADES' natural pass, leaves them as training made them)
         live = [(n, m) for n, r in mods if (m := r()) is not None and m.training
-                and not getattr(m, OPT_OUT, False) and not _recalibrating(m) and _parent_training(module, n)]
+                and not getattr(m, OPT_OUT, False) and not _recalibrating(m) and _parent_training(module, n)
+                and not (isinstance(m, _BatchNorm) and m.momentum == 0.0)]
         if self._reset.data:
             live = self._reestimation(module, path, live)
         if deliberate and (id(module), source) not in self._mc_bn:
