@@ -359,3 +359,25 @@ def test_a_batch_of_one_the_loader_never_yields_is_told_as_the_codes_own(samples
         assert "your code made it" in notes
     else:
         assert "loader_batch" not in f.details and "drop_last=True" in f.hint and "drop_last=True" in notes
+
+
+def test_a_per_sample_loop_over_2d_batchnorm_gets_the_whole_batch_hint():
+    """BatchNorm2d fed one image at a time by a per-sample attack loop (64 values per channel: no crash, the info
+    finding): the loader's batches hold 32, so the hint is the whole-batch or eval() pass, not a larger batch size."""
+    torch.manual_seed(0)
+    X, Y = torch.randn(64, 2, 8, 8), torch.randint(0, 3, (64,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=32)
+    model = nn.Sequential(nn.Conv2d(2, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guard(model, opt, live=False) as g:
+        for x, y in loader:
+            adv = []
+            for i in range(4):
+                xi = x[i:i + 1].clone().requires_grad_(True)
+                (gx,) = torch.autograd.grad(F.cross_entropy(model(xi), y[i:i + 1]), xi)
+                adv.append((xi + 0.1 * gx.sign()).detach())
+            loss = F.cross_entropy(model(torch.cat(adv)), y[:4])
+            opt.zero_grad(); loss.backward(); opt.step()
+    (f,) = [f for f in g.findings if f.kind == "batchnorm-single-sample"]
+    assert f.severity == "info" and "loader's batches hold 32" in f.hint and "larger batch" not in f.hint

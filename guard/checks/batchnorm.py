@@ -80,6 +80,7 @@ class BatchNormBatch(Check):
         # (batch size, samples) of the last loader iterated whose batches are never of one sample: a batch of one
         # after it was made by the code (a per-sample loop over the loader's batch), not by the loader
         self._no_single: Optional[Tuple[int, int]] = None
+        self._loader_bs: Optional[int] = None  # the batch size of the last loader iterated
 
     # ------------------------------------------------------------------ per module call
     def on_forward_pre(self, module, path, args, kwargs, is_root):
@@ -138,8 +139,13 @@ class BatchNormBatch(Check):
                           f"{path} ({type(module).__name__}) trains on batches of {n} sample(s) (input {shape}{per}): "
                           f"its batch statistics follow each batch's few samples, and the running estimates that "
                           f"eval mode uses are noisy",
-                          "Use a larger batch (16 or more per device is typical for BatchNorm), SyncBatchNorm across "
-                          "devices, or GroupNorm/LayerNorm, which do not depend on the batch size.",
+                          (f"The loader's batches hold {self._loader_bs} samples, so batches of {n} come from your code, a "
+                           f"per-sample (or per-few) loop over the batch such as an attack or saliency pass: run it on "
+                           f"the whole batch at once, or under model.eval() (model.train() after)."
+                           if self._loader_bs is not None and self._loader_bs >= SMALL_BATCH and n < self._loader_bs
+                           and self._root_batch == n else
+                           "Use a larger batch (16 or more per device is typical for BatchNorm), SyncBatchNorm across "
+                           "devices, or GroupNorm/LayerNorm, which do not depend on the batch size."),
                           severity="info", source=self.g.root_source,
                           details={"module": path, "batch_size": n, "input_shape": list(shape),
                                    "threshold": SMALL_BATCH})
@@ -189,6 +195,7 @@ class BatchNormBatch(Check):
             return
         bs, drop = bs_sampler.batch_size, bs_sampler.drop_last
         self._no_single = None
+        self._loader_bs = bs if isinstance(bs, int) else None
         if not isinstance(bs, int) or bs < 2:
             return
         try:
