@@ -191,10 +191,10 @@ class BatchNormBatch(Check):
     def on_dataloader_iter(self, args, kwargs):
         loader = args[0] if args else None
         bs_sampler = getattr(loader, "batch_sampler", None)
+        self._no_single = self._loader_bs = None
         if type(bs_sampler) is not BatchSampler:  # a custom batch sampler decides its own batch sizes
             return
         bs, drop = bs_sampler.batch_size, bs_sampler.drop_last
-        self._no_single = None
         self._loader_bs = bs if isinstance(bs, int) else None
         if not isinstance(bs, int) or bs < 2:
             return

@@ -160,9 +160,15 @@ def _quiet(gn, med: float, loss: Optional[float], losses) -> bool:
         return True
     if loss is None or not math.isfinite(loss) or not losses or not median(losses) <= QUIET_LOSS * loss:
         return False
-    with torch.no_grad():  # (read only when a spike would be reported)
-        size = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach().float()).cpu() for p in ps]))
-    return rms < QUIET_REL * float(size) / math.sqrt(n)
+    try:
+        with torch.no_grad():  # (read only when a spike would be reported: one read)
+            norms = torch._foreach_norm([p.detach() if p.dtype in (torch.float32, torch.float64) else
+                                         p.detach().abs().float() for p in ps])
+            dev = norms[0].device
+            size = float(torch.linalg.vector_norm(torch.stack([t.float().to(dev) for t in norms])))
+    except Exception:  # (weights that cannot be reduced this way, meta or sparse ones: told as before)
+        return False
+    return rms < QUIET_REL * size / math.sqrt(n)
 
 
 def _nice(x: float) -> str:
